@@ -1,0 +1,256 @@
+"""Model cards: what a worker announces about the model it serves, and how it travels.
+
+Cards are msgspec Structs encoded as MessagePack. Decoding ignores unknown keys (old and new
+workers share a plane during rolling upgrades) and reports legacy keys instead of failing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+
+from dynamo_prep.models import resolve_model_dir
+
+__all__ = [
+    "CardDecodeError",
+    "CardDecodeResult",
+    "FileRef",
+    "ModelCardError",
+    "ModelDeploymentCard",
+    "ModelRuntimeConfig",
+    "decode_card",
+    "encode_card",
+]
+
+LEGACY_RUNTIME_KEYS = ("expands_image_pad_token",)
+TOKENIZER_FILE = "tiktoken.model"
+REQUIRED_JSON_FILES = ("config.json", "tokenizer_config.json")
+OPTIONAL_FILES = ("chat_template.jinja", "generation_config.json")
+_CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
+
+
+class ModelCardError(ValueError):
+    """A model directory cannot be turned into a card; the message names the file."""
+
+
+class CardDecodeError(ValueError):
+    """A card payload does not decode; the message names the field path."""
+
+
+class FileRef(msgspec.Struct, frozen=True):
+    """A model file by content: workers and frontends agree on bytes, never on paths."""
+
+    sha256: str
+    size: int
+
+
+class ModelRuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What one running worker reports about its engine.
+
+    ``image_placeholder_token`` is the per-image token the worker's loaded processor expects in
+    the prompt (SGLang: ``<|media_pad|>``); None renders the checkpoint default. Defaults are
+    omitted on the wire, so a worker that declares nothing is byte-identical to one from before
+    the field existed.
+
+    Known limitation: ``mdcsum`` does not cover runtime_config, so per model the first card's
+    declaration wins; a later instance that declares another token is logged as a conflict.
+    """
+
+    context_length: int | None = None
+    total_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    data_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
+    exclude_tools_when_tool_choice_none: bool = True
+    runtime_data: dict[str, Any] = {}
+    image_placeholder_token: str | None = None
+
+
+class ModelDeploymentCard(msgspec.Struct, kw_only=True):
+    """Everything a frontend needs to serve a model: identity, limits, and its files by content."""
+
+    display_name: str
+    slug: str
+    model_type: str | None
+    model_input: str = "tokens"
+    context_length: int
+    kv_cache_block_size: int = 16
+    migration_limit: int = 0
+    files: dict[str, FileRef]
+    runtime_config: ModelRuntimeConfig = msgspec.field(default_factory=ModelRuntimeConfig)
+    user_data: dict[str, Any] | None = None
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        path: str | Path,
+        *,
+        served_name: str | None = None,
+        kv_cache_block_size: int = 16,
+        migration_limit: int = 0,
+        runtime_config: ModelRuntimeConfig | None = None,
+    ) -> ModelDeploymentCard:
+        """Read a model directory (or a demo model name) into a card with content checksums."""
+        model_dir = resolve_model_dir(path)
+        files = model_files(model_dir)
+        config = read_json(model_dir / "config.json")
+        tokenizer_config = read_json(model_dir / "tokenizer_config.json")
+        display_name = served_name or model_dir.resolve().name
+        return cls(
+            display_name=display_name,
+            slug=slugify(display_name),
+            model_type=_str_or_none(config.get("model_type")),
+            context_length=_context_length(config, tokenizer_config, model_dir),
+            kv_cache_block_size=kv_cache_block_size,
+            migration_limit=migration_limit,
+            files={name: file_ref(file) for name, file in files.items()},
+            runtime_config=runtime_config or ModelRuntimeConfig(),
+        )
+
+    def mdcsum(self) -> str:
+        """Hex sha256 over what every worker of this model must share.
+
+        Covered: display_name, model_type, model_input, context_length, kv_cache_block_size,
+        and each file's logical name with its content sha256 and size (never a path).
+        Not covered: slug (derived from the name), migration_limit, runtime_config, user_data.
+        """
+        shared = {
+            "display_name": self.display_name,
+            "model_type": self.model_type,
+            "model_input": self.model_input,
+            "context_length": self.context_length,
+            "kv_cache_block_size": self.kv_cache_block_size,
+            "files": {name: [ref.sha256, ref.size] for name, ref in sorted(self.files.items())},
+        }
+        canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def mdcsum_fields(self) -> dict[str, Any]:
+        """The values ``mdcsum`` covers, by name, so a mismatch can say what differs."""
+        return {
+            "display_name": self.display_name,
+            "model_type": self.model_type,
+            "model_input": self.model_input,
+            "context_length": self.context_length,
+            "kv_cache_block_size": self.kv_cache_block_size,
+            **{f"files.{name}": ref.sha256 for name, ref in sorted(self.files.items())},
+        }
+
+
+class CardDecodeResult(msgspec.Struct, frozen=True):
+    """A decoded card, plus the legacy keys its sender still carried (e.g. ``expands_image_pad_token``)."""
+
+    card: ModelDeploymentCard
+    legacy: dict[str, Any]
+
+
+class _LegacyRuntimeKeys(msgspec.Struct):
+    expands_image_pad_token: bool | None = None
+
+
+class _LegacyProbe(msgspec.Struct):
+    runtime_config: _LegacyRuntimeKeys = msgspec.field(default_factory=_LegacyRuntimeKeys)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_card_decoder = msgspec.msgpack.Decoder(ModelDeploymentCard)
+_legacy_decoder = msgspec.msgpack.Decoder(_LegacyProbe)
+
+
+def encode_card(card: ModelDeploymentCard) -> bytes:
+    """MessagePack bytes of a card (runtime_config defaults omitted)."""
+    return _encoder.encode(card)
+
+
+def decode_card(data: bytes | memoryview) -> CardDecodeResult:
+    """Decode a card; unknown keys are ignored, legacy keys are reported in ``.legacy``."""
+    try:
+        card = _card_decoder.decode(data)
+        probe = _legacy_decoder.decode(data)
+    except msgspec.ValidationError as exc:
+        raise CardDecodeError(f"invalid model card: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise CardDecodeError(f"undecodable model card: {exc}") from exc
+    legacy = {
+        key: value for key in LEGACY_RUNTIME_KEYS if (value := getattr(probe.runtime_config, key)) is not None
+    }
+    return CardDecodeResult(card=card, legacy=legacy)
+
+
+def model_files(model_dir: Path) -> dict[str, Path]:
+    """Logical file name -> path of every file a card covers; clear errors for bad layouts."""
+    if not model_dir.is_dir():
+        raise ModelCardError(f"model directory not found: {model_dir}")
+    files: dict[str, Path] = {}
+    for name in REQUIRED_JSON_FILES:
+        path = model_dir / name
+        if not path.is_file():
+            raise ModelCardError(f"{path}: required file is missing")
+        files[name] = path
+    files[TOKENIZER_FILE] = _tokenizer_file(model_dir)
+    for name in OPTIONAL_FILES:
+        if (model_dir / name).is_file():
+            files[name] = model_dir / name
+    return files
+
+
+def _tokenizer_file(model_dir: Path) -> Path:
+    candidates = sorted(model_dir.glob("*.tiktoken"))
+    if (model_dir / TOKENIZER_FILE).is_file():
+        candidates.insert(0, model_dir / TOKENIZER_FILE)
+    if not candidates:
+        raise ModelCardError(f"{model_dir}: no tokenizer file (expected tiktoken.model or one *.tiktoken)")
+    if len(candidates) > 1:
+        names = ", ".join(c.name for c in candidates)
+        raise ModelCardError(f"{model_dir}: two or more tokenizer files ({names}); keep exactly one")
+    return candidates[0]
+
+
+def file_ref(path: Path) -> FileRef:
+    """Content checksum and size of a file."""
+    data = path.read_bytes()
+    return FileRef(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a model file; malformed JSON names the file."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelCardError(f"{path}: required file is missing") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelCardError(f"{path}: malformed JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ModelCardError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def slugify(name: str) -> str:
+    """URL- and subject-safe form of a model name."""
+    return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
+
+
+def _str_or_none(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _context_length(config: dict[str, Any], tokenizer_config: dict[str, Any], model_dir: Path) -> int:
+    for source in (config, config.get("text_config") or {}):
+        for key in _CONTEXT_LENGTH_KEYS:
+            value = source.get(key) if isinstance(source, dict) else None
+            if isinstance(value, int) and value > 0:
+                return value
+    value = tokenizer_config.get("model_max_length")
+    if isinstance(value, int) and 0 < value < 1 << 40:
+        return value
+    raise ModelCardError(
+        f"{model_dir / 'config.json'}: no context length "
+        f"(expected one of {', '.join(_CONTEXT_LENGTH_KEYS)}, also under text_config)"
+    )

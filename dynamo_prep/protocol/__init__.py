@@ -1,0 +1,1 @@
+"""Typed messages: the OpenAI HTTP surface and the planes' wire messages."""

@@ -1,0 +1,76 @@
+"""OpenAI chat-completion request types, decoded and validated once at the edge.
+
+Messages stay plain dicts: chat templates read them as the client sent them, and each
+formatter validates the shapes it understands with errors that name the message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class RequestError(ValueError):
+    """A request that does not decode: the message names the field (HTTP 400)."""
+
+
+class NvExt(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Dynamo's request extension; ``annotations`` asks for ``formatted_prompt``/``token_ids``."""
+
+    annotations: list[str] = []
+    ignore_eos: bool | None = None
+
+
+class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``POST /v1/chat/completions`` body (unknown fields are ignored, like OpenAI servers do)."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    min_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    user: str | None = None
+    reasoning_effort: str | None = None
+    chat_template_args: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    nvext: NvExt | None = None
+
+    def template_args(self) -> dict[str, Any]:
+        """``chat_template_kwargs`` (vLLM/SGLang spelling) overlaid by ``chat_template_args``."""
+        merged: dict[str, Any] = dict(self.chat_template_kwargs or {})
+        merged.update(self.chat_template_args or {})
+        return merged
+
+
+def parse_chat_request(request: ChatCompletionRequest | dict[str, Any] | bytes) -> ChatCompletionRequest:
+    """Decode a request from JSON bytes or a dict; a bad field raises ``RequestError``."""
+    if isinstance(request, ChatCompletionRequest):
+        return request
+    try:
+        if isinstance(request, bytes | bytearray | memoryview):
+            return msgspec.json.decode(request, type=ChatCompletionRequest)
+        return msgspec.convert(request, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise RequestError(f"Invalid request: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"Request body is not valid JSON: {exc}") from exc
