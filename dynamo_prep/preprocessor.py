@@ -1,0 +1,289 @@
+"""OpenAI chat request -> token ids: render with the formatter, tokenize, check the limits.
+
+The frontend builds the formatter and the tokenizer separately and joins them with
+``OpenAIPreprocessor.new_with_parts``; ``new`` is the convenience path from a model directory.
+Every error a client can cause is a ``PreprocessError`` (HTTP 400) with a message that says
+what to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.formatter import PromptFormatter, PromptRenderError, RenderedPrompt, prompt_formatter_for
+from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.protocol.openai import ChatCompletionRequest, RequestError, parse_chat_request
+from dynamo_prep.protocol.preprocessed import (
+    ImageRef,
+    OutputOptions,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+)
+from dynamo_prep.tokenizer import Tokenizer
+
+__all__ = ["OpenAIPreprocessor", "PreprocessError", "PreprocessedRequest", "TokenizedPrompt"]
+
+log = structlog.get_logger("dynamo_prep.preprocessor")
+
+TEXT_PART_TYPES = frozenset({"text"})
+IMAGE_PART_TYPES = frozenset({"image_url", "image"})
+TOOL_CHOICE_STRINGS = frozenset({"none", "auto", "required"})
+ANNOTATIONS = frozenset({"formatted_prompt", "token_ids"})
+
+
+class PreprocessError(ValueError):
+    """A request the model cannot take as sent (HTTP 400, OpenAI ``invalid_request_error``)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class TokenizedPrompt(msgspec.Struct, frozen=True):
+    """A rendered prompt with its token ids and the request's images, in prompt order."""
+
+    rendered: RenderedPrompt
+    token_ids: list[int]
+    images: list[ImageRef]
+
+
+class OpenAIPreprocessor:
+    """Renders and tokenizes chat requests for one model (one formatter, one tokenizer)."""
+
+    def __init__(self, card: ModelDeploymentCard, formatter: PromptFormatter, tokenizer: Tokenizer) -> None:
+        self.card = card
+        self.formatter = formatter
+        self.tokenizer = tokenizer
+        self.mdcsum = card.mdcsum()
+        self.context_length = card.runtime_config.context_length or card.context_length
+
+    @classmethod
+    def new(cls, card: ModelDeploymentCard, model_dir: str | Path) -> OpenAIPreprocessor:
+        """Formatter and tokenizer from the model directory, joined by ``new_with_parts``."""
+        directory = resolve_model_dir(model_dir)
+        formatter = prompt_formatter_for(
+            card, directory, image_placeholder_token=card.runtime_config.image_placeholder_token
+        )
+        return cls.new_with_parts(card, formatter, Tokenizer.from_model_dir(directory))
+
+    @classmethod
+    def new_with_parts(
+        cls, card: ModelDeploymentCard, formatter: PromptFormatter, tokenizer: Tokenizer
+    ) -> OpenAIPreprocessor:
+        """Join separately built parts; warn once if the declared image token is not a special."""
+        declared_image_token = card.runtime_config.image_placeholder_token
+        if declared_image_token is not None and not tokenizer.is_special_token(declared_image_token):
+            log.warning(
+                "declared_image_token_unregistered",
+                model=card.display_name,
+                token=declared_image_token,
+                ids=tokenizer.encode(declared_image_token, allow_special=True),
+            )
+        return cls(card, formatter, tokenizer)
+
+    def tokenize(self, request: ChatCompletionRequest | dict[str, Any] | bytes) -> TokenizedPrompt:
+        """Render and tokenize a request (segment by segment when the formatter segments)."""
+        chat = _parse(request)
+        images = collect_images(chat.messages)
+        validate_tool_choice(chat)
+        try:
+            rendered = self.formatter.render(chat)
+        except PromptRenderError as exc:
+            raise PreprocessError(str(exc), param="messages") from exc
+        if rendered.image_count != len(images):
+            raise PreprocessError(
+                f"The request has {len(images)} image part(s) but the prompt rendered "
+                f"{rendered.image_count} image placeholder(s); this model's template cannot place them.",
+                param="messages",
+            )
+        if rendered.segments is not None:
+            token_ids = self.tokenizer.encode_segments(rendered.segments)
+        else:
+            token_ids = self.tokenizer.encode(rendered.text, allow_special=True)
+        return TokenizedPrompt(rendered=rendered, token_ids=token_ids, images=images)
+
+    def preprocess(self, request: ChatCompletionRequest | dict[str, Any] | bytes) -> PreprocessedRequest:
+        """An OpenAI chat completion request as a ``PreprocessedRequest`` for a worker."""
+        chat = _parse(request)
+        validate_sampling(chat)
+        prompt = self.tokenize(chat)
+        max_tokens = self._max_tokens(chat, len(prompt.token_ids))
+        return PreprocessedRequest(
+            model=chat.model,
+            token_ids=prompt.token_ids,
+            stop_conditions=StopConditions(
+                max_tokens=max_tokens,
+                min_tokens=chat.min_tokens,
+                stop=_stop_strings(chat.stop),
+                stop_token_ids=list(chat.stop_token_ids or []),
+                stop_token_ids_hidden=[] if chat.ignore_eos else list(self.tokenizer.eos_token_ids),
+                ignore_eos=chat.ignore_eos,
+            ),
+            sampling_options=SamplingOptions(
+                n=chat.n,
+                temperature=chat.temperature,
+                top_p=chat.top_p,
+                top_k=chat.top_k,
+                seed=chat.seed,
+                presence_penalty=chat.presence_penalty,
+                frequency_penalty=chat.frequency_penalty,
+                repetition_penalty=chat.repetition_penalty,
+            ),
+            output_options=OutputOptions(logprobs=chat.logprobs, top_logprobs=chat.top_logprobs),
+            eos_token_ids=list(self.tokenizer.eos_token_ids),
+            images=prompt.images,
+            mdcsum=self.mdcsum,
+            annotations=_annotations(chat, prompt),
+        )
+
+    def _max_tokens(self, chat: ChatCompletionRequest, prompt_tokens: int) -> int:
+        limit = self.context_length
+        requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+        if prompt_tokens >= limit:
+            raise PreprocessError(
+                f"This model's maximum context length is {limit} tokens. However, your messages "
+                f"resulted in {prompt_tokens} tokens. Please reduce the length of the messages.",
+                param="messages",
+            )
+        if requested is None:
+            return limit - prompt_tokens
+        if prompt_tokens + requested > limit:
+            raise PreprocessError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + requested} tokens ({prompt_tokens} in the messages, {requested} in "
+                f"the completion). Please reduce the length of the messages or completion.",
+                param="max_tokens",
+            )
+        return requested
+
+
+def _parse(request: ChatCompletionRequest | dict[str, Any] | bytes) -> ChatCompletionRequest:
+    try:
+        chat = parse_chat_request(request)
+    except RequestError as exc:
+        raise PreprocessError(str(exc)) from exc
+    if not chat.messages:
+        raise PreprocessError("messages must contain at least one message", param="messages")
+    return chat
+
+
+def collect_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
+    """Image parts of every message, in order; unknown part types and bad URLs are 400s."""
+    images: list[ImageRef] = []
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            continue
+        for part_index, part in enumerate(content):
+            where = f"messages[{index}].content[{part_index}]"
+            if not isinstance(part, dict):
+                raise PreprocessError(f"{where}: a content part must be an object", param="messages")
+            part_type = part.get("type")
+            if part_type in IMAGE_PART_TYPES:
+                images.append(_image_ref(part, where))
+            elif part_type not in TEXT_PART_TYPES:
+                raise PreprocessError(
+                    f"{where}: unknown content part type {part_type!r}; expected one of "
+                    f"{', '.join(sorted(TEXT_PART_TYPES | IMAGE_PART_TYPES))}",
+                    param="messages",
+                )
+    return images
+
+
+def _image_ref(part: dict[str, Any], where: str) -> ImageRef:
+    image = part.get("image_url", part.get("image"))
+    if isinstance(image, str):
+        url, detail = image, None
+    elif isinstance(image, dict) and isinstance(image.get("url"), str):
+        url, detail = image["url"], image.get("detail")
+    else:
+        raise PreprocessError(f"{where}: an image part needs image_url.url (a string)", param="messages")
+    if not url.startswith(("http://", "https://", "data:")):
+        raise PreprocessError(
+            f"{where}: image_url.url must be an http(s) URL or a data: URL, got {url[:40]!r}",
+            param="messages",
+        )
+    return ImageRef(url=url, detail=detail if isinstance(detail, str) else None)
+
+
+def validate_tool_choice(chat: ChatCompletionRequest) -> None:
+    """OpenAI rules: a known string, or a named function that is among the request's tools."""
+    choice = chat.tool_choice
+    if choice is None:
+        return
+    if isinstance(choice, str):
+        if choice not in TOOL_CHOICE_STRINGS:
+            raise PreprocessError(
+                f"tool_choice {choice!r} is not valid; use 'none', 'auto', 'required' or a named function",
+                param="tool_choice",
+            )
+        if choice == "required" and not chat.tools:
+            raise PreprocessError("tool_choice 'required' needs at least one tool", param="tool_choice")
+        return
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise PreprocessError(
+            'tool_choice must be {"type": "function", "function": {"name": ...}} when it is an object',
+            param="tool_choice",
+        )
+    if name not in _tool_names(chat.tools):
+        raise PreprocessError(
+            f"tool_choice names function {name!r}, which is not in tools", param="tool_choice"
+        )
+
+
+def _tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
+    names: set[str] = set()
+    for tool in tools or []:
+        function = tool.get("function")
+        if isinstance(function, dict) and isinstance(function.get("name"), str):
+            names.add(function["name"])
+    return names
+
+
+def validate_sampling(chat: ChatCompletionRequest) -> None:
+    """Reject values no engine can honour, before any work is done."""
+    if chat.n != 1:
+        raise PreprocessError("only n=1 is supported", param="n")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = getattr(chat, name)
+        if value is not None and value < 1:
+            raise PreprocessError(f"{name} must be at least 1, got {value}", param=name)
+    if chat.temperature is not None and not 0 <= chat.temperature <= 2:
+        raise PreprocessError(
+            f"temperature must be between 0 and 2, got {chat.temperature}", param="temperature"
+        )
+    if chat.top_p is not None and not 0 < chat.top_p <= 1:
+        raise PreprocessError(f"top_p must be in (0, 1], got {chat.top_p}", param="top_p")
+    for stop in _stop_strings(chat.stop):
+        if not stop:
+            raise PreprocessError("stop strings must not be empty", param="stop")
+    unknown = set(chat.nvext.annotations) - ANNOTATIONS if chat.nvext else set()
+    if unknown:
+        raise PreprocessError(
+            f"unknown annotation(s) {sorted(unknown)}; known: {sorted(ANNOTATIONS)}", param="nvext"
+        )
+
+
+def _stop_strings(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _annotations(chat: ChatCompletionRequest, prompt: TokenizedPrompt) -> dict[str, Any]:
+    wanted = set(chat.nvext.annotations) if chat.nvext else set()
+    annotations: dict[str, Any] = {}
+    if "formatted_prompt" in wanted:
+        annotations["formatted_prompt"] = prompt.rendered.text
+    if "token_ids" in wanted:
+        annotations["token_ids"] = prompt.token_ids
+    return annotations

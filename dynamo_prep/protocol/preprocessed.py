@@ -1,0 +1,57 @@
+"""The preprocessed request: what the frontend sends a worker instead of text."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """When generation ends. ``stop_token_ids_hidden`` are the model's EOS ids (not echoed)."""
+
+    max_tokens: int
+    min_tokens: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    stop_token_ids_hidden: list[int] = []
+    ignore_eos: bool = False
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Sampling knobs as the client sent them; None means the engine default."""
+
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+
+class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class ImageRef(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One image of the request, in prompt order: an http(s) URL or a ``data:`` URL."""
+
+    url: str
+    detail: str | None = None
+
+
+class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Token ids plus everything an engine needs to generate; MessagePack on the request plane."""
+
+    model: str
+    token_ids: list[int]
+    stop_conditions: StopConditions
+    sampling_options: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    output_options: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    eos_token_ids: list[int] = []
+    images: list[ImageRef] = []
+    mdcsum: str = ""
+    annotations: dict[str, Any] = {}
