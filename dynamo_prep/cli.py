@@ -1,37 +1,59 @@
-"""The ``dynamo-prep`` command line."""
+"""The ``dynamo-prep`` command line: one subcommand per process kind.
+
+Heavy modules are imported inside each handler, so ``render`` does not pay for ZeroMQ and a
+worker does not pay for the HTTP stack.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.formatter import prompt_formatter_for
 from dynamo_prep.logging import configure_logging
-from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
-from dynamo_prep.tokenizer import Tokenizer
+from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
 
 EXIT_ERROR = 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dynamo-prep`` console script."""
-    parser = _parser()
-    args = parser.parse_args(argv)
-    configure_logging(level=args.log_level)
+    args = _parser().parse_args(argv)
+    # render's stdout is its result, so its logs go to stderr; every other process logs to stdout.
+    stream = sys.stderr if args.command in ("render", "keys") else sys.stdout
+    configure_logging(level=args.log_level, log_format=args.log_format, stream=stream, component=args.command)
     result: int = args.handler(args)
     return result
 
 
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _addresses(value: str) -> list[str]:
+    return [address.strip() for address in value.split(",") if address.strip()]
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dynamo-prep", description=__doc__)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser = argparse.ArgumentParser(prog="dynamo-prep", description="Frontend preprocessor for LLM serving.")
+    parser.add_argument(
+        "--log-level", default=_env("DYN_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"]
+    )
+    parser.add_argument("--log-format", default=_env("DYN_LOG_FORMAT", "json"), choices=["json", "console"])
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_render(commands)
+    _add_worker(commands)
+    _add_frontend(commands)
+    _add_broker(commands)
+    _add_keys(commands)
+    return parser
+
+
+def _add_render(commands: Any) -> None:
     render = commands.add_parser("render", help="render and tokenize one chat request, print JSON")
     render.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
     render.add_argument("--served-name", default=None, help="model name (default: the directory name)")
@@ -39,41 +61,157 @@ def _parser() -> argparse.ArgumentParser:
     render.add_argument("--hosted", action="store_true", help="Kimi-K3: stop before the channel opener")
     render.add_argument("request", type=Path, help="OpenAI chat completion request JSON ('-' for stdin)")
     render.set_defaults(handler=_render)
-    return parser
+
+
+def _add_discovery_client(command: Any) -> None:
+    command.add_argument("--namespace", default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE))
+    command.add_argument(
+        "--curve-secret-key", type=Path, default=None, help="this process's CURVE secret key file"
+    )
+    command.add_argument(
+        "--curve-server-key", type=Path, default=None, help="the receiving side's public key file"
+    )
+
+
+def _add_worker(commands: Any) -> None:
+    worker = commands.add_parser("worker", help="announce a model card and serve the request plane")
+    worker.add_argument("--model-path", required=True)
+    worker.add_argument("--served-name", default=None)
+    declaration = worker.add_mutually_exclusive_group()
+    declaration.add_argument("--declare-image-token", default=None, help="per-image token the engine expects")
+    declaration.add_argument(
+        "--legacy-expands-image-pad-token",
+        action="store_true",
+        help="publish the pre-declaration card key (to exercise rolling upgrades)",
+    )
+    worker.add_argument(
+        "--discovery", type=_addresses, required=True, help="ADDR[,ADDR] of frontends or brokers"
+    )
+    worker.add_argument("--endpoint-host", default=_env("DYN_ENDPOINT_HOST", "127.0.0.1"))
+    worker.add_argument(
+        "--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S, help="seconds between announces"
+    )
+    worker.add_argument("--ttl-ms", type=int, default=DEFAULT_TTL_MS)
+    _add_discovery_client(worker)
+    worker.set_defaults(handler=_worker)
+
+
+def _add_frontend(commands: Any) -> None:
+    frontend = commands.add_parser("frontend", help="watch the discovery plane and serve the live models")
+    plane = frontend.add_mutually_exclusive_group()
+    plane.add_argument(
+        "--discovery-bind", default=None, help="bind the embedded plane (default tcp://0.0.0.0:7555)"
+    )
+    plane.add_argument("--discovery", type=_addresses, default=None, help="connect to brokers ADDR[,ADDR]")
+    frontend.add_argument("--namespace", default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE))
+    frontend.add_argument(
+        "--model-path", default=None, help="local model directory used when its checksums match"
+    )
+    frontend.add_argument("--cache-dir", type=Path, default=None, help="content-addressed model file cache")
+    frontend.add_argument("--curve-secret-key", type=Path, default=None)
+    frontend.add_argument(
+        "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
+    )
+    frontend.set_defaults(handler=_frontend)
+
+
+def _add_broker(commands: Any) -> None:
+    broker = commands.add_parser("broker", help="XSUB/XPUB forwarder for several frontends")
+    broker.add_argument("--xsub", default="tcp://0.0.0.0:7555", help="workers connect here")
+    broker.add_argument("--xpub", default="tcp://0.0.0.0:7556", help="frontends connect here")
+    broker.add_argument("--curve-secret-key", type=Path, default=None)
+    broker.add_argument("--curve-allow-dir", type=Path, default=None)
+    broker.set_defaults(handler=_broker)
+
+
+def _add_keys(commands: Any) -> None:
+    keys = commands.add_parser("keys", help="CURVE key management")
+    actions = keys.add_subparsers(dest="action", required=True)
+    generate = actions.add_parser("generate", help="write NAME.key (public) and NAME.key_secret into DIR")
+    generate.add_argument("directory", type=Path)
+    generate.add_argument("--name", default="dynamo-prep")
+    generate.set_defaults(handler=_keys_generate)
 
 
 def _render(args: argparse.Namespace) -> int:
+    from dynamo_prep._render import render_request  # noqa: PLC0415 - keep start-up light
+
     try:
-        request = _read_request(args.request)
-        model_dir = resolve_model_dir(args.model_path)
-        card = ModelDeploymentCard.from_model_dir(
-            model_dir,
+        output = render_request(
+            _read_request(args.request),
+            model_path=args.model_path,
             served_name=args.served_name,
-            runtime_config=ModelRuntimeConfig(image_placeholder_token=args.image_token),
+            image_token=args.image_token,
+            hosted=args.hosted,
         )
-        formatter = prompt_formatter_for(
-            card,
-            model_dir,
-            image_placeholder_token=args.image_token,
-            generation_prompt="hosted" if args.hosted else "reference",
-        )
-        preprocessor = OpenAIPreprocessor.new_with_parts(card, formatter, Tokenizer.from_model_dir(model_dir))
-        prompt = preprocessor.tokenize(request)
-    except (ValueError, OSError) as exc:  # PreprocessError, ModelCardError, TokenizerError
+    except (ValueError, OSError) as exc:  # PreprocessError, ModelCardError, TokenizerError, ...
         _print_error(exc)
         return EXIT_ERROR
-    segments = prompt.rendered.segments
-    output = {
-        "model": card.display_name,
-        "formatter": formatter.kind,
-        "image_token": formatter.image_token,
-        "segments": None if segments is None else [[s.text, s.allow_special] for s in segments],
-        "text": prompt.rendered.text,
-        "token_ids": prompt.token_ids,
-        "num_tokens": len(prompt.token_ids),
-        "images": [image.url for image in prompt.images],
-    }
-    print(json.dumps(output, ensure_ascii=False, indent=2))
+    print(_render_json(output))
+    return 0
+
+
+def _render_json(output: dict[str, Any]) -> str:
+    """Valid JSON, one key per line and one segment per line, so people can read it too."""
+    lines = []
+    for key, value in output.items():
+        if key == "segments" and value:
+            items = ",\n".join(f"    {json.dumps(item, ensure_ascii=False)}" for item in value)
+            rendered = f"[\n{items}\n  ]"
+        else:
+            rendered = json.dumps(value, ensure_ascii=False)
+        lines.append(f"  {json.dumps(key)}: {rendered}")
+    return "{\n" + ",\n".join(lines) + "\n}"
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from dynamo_prep.worker import run_worker  # noqa: PLC0415
+
+    return run_worker(
+        model_path=args.model_path,
+        served_name=args.served_name,
+        declared_image_token=args.declare_image_token,
+        legacy_expands_image_pad_token=args.legacy_expands_image_pad_token,
+        discovery=args.discovery,
+        namespace=args.namespace,
+        endpoint_host=args.endpoint_host,
+        heartbeat_s=args.heartbeat,
+        ttl_ms=args.ttl_ms,
+        curve_secret_key=args.curve_secret_key,
+        curve_server_key=args.curve_server_key,
+    )
+
+
+def _frontend(args: argparse.Namespace) -> int:
+    from dynamo_prep.frontend import run_frontend  # noqa: PLC0415
+
+    return run_frontend(
+        discovery_bind=args.discovery_bind,
+        discovery=args.discovery,
+        namespace=args.namespace,
+        model_path=args.model_path,
+        cache_dir=args.cache_dir,
+        curve_secret_key=args.curve_secret_key,
+        curve_allow_dir=args.curve_allow_dir,
+    )
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from dynamo_prep.discovery.broker import run_broker  # noqa: PLC0415
+
+    return run_broker(
+        xsub=args.xsub,
+        xpub=args.xpub,
+        curve_secret_key=args.curve_secret_key,
+        curve_allow_dir=args.curve_allow_dir,
+    )
+
+
+def _keys_generate(args: argparse.Namespace) -> int:
+    from dynamo_prep.discovery.trust import generate_keys  # noqa: PLC0415
+
+    public, secret = generate_keys(args.directory, args.name)
+    print(json.dumps({"public_key_file": str(public), "secret_key_file": str(secret)}))
     return 0
 
 
@@ -82,7 +220,7 @@ def _read_request(path: Path) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise PreprocessError(f"{path}: request is not valid JSON: {exc}") from exc
+        raise ValueError(f"{path}: request is not valid JSON: {exc}") from exc
 
 
 def _print_error(exc: Exception) -> None:

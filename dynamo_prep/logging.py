@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
+from typing import Any, Literal, TextIO
 
 import structlog
 
+LogFormat = Literal["json", "console"]
 _configured = False
 
 
-def configure_logging(*, level: str = "info", json_logs: bool = True) -> None:
-    """Route structlog to stderr as JSON lines (or console text); idempotent per process."""
+def configure_logging(
+    *, level: str = "info", log_format: LogFormat = "json", stream: TextIO | None = None, **context: Any
+) -> None:
+    """One event per line (JSON by default) with ISO time, level, event and bound context.
+
+    Idempotent per process: the first call wins. ``context`` (e.g. ``component="frontend"``) is
+    bound to every log line of the process.
+    """
     global _configured  # noqa: PLW0603 - process-wide, set exactly once
     if _configured:
         return
     renderer: Any = (
-        structlog.processors.JSONRenderer() if json_logs else structlog.dev.ConsoleRenderer(colors=False)
+        structlog.processors.JSONRenderer()
+        if log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
     )
     structlog.configure(
         processors=[
@@ -28,7 +37,8 @@ def configure_logging(*, level: str = "info", json_logs: bool = True) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stdout),
         cache_logger_on_first_use=True,
     )
+    structlog.contextvars.bind_contextvars(**context)
     _configured = True

@@ -1,0 +1,42 @@
+"""``dynamo-prep render``: one request through the same parts the frontend uses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.formatter import prompt_formatter_for
+from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.tokenizer import Tokenizer
+
+
+def render_request(
+    request: Any, *, model_path: str, served_name: str | None, image_token: str | None, hosted: bool
+) -> dict[str, Any]:
+    """Segments, text and token ids of one chat request, as a JSON-ready dict."""
+    model_dir = resolve_model_dir(model_path)
+    card = ModelDeploymentCard.from_model_dir(
+        model_dir,
+        served_name=served_name,
+        runtime_config=ModelRuntimeConfig(image_placeholder_token=image_token),
+    )
+    formatter = prompt_formatter_for(
+        card,
+        model_dir,
+        image_placeholder_token=image_token,
+        generation_prompt="hosted" if hosted else "reference",
+    )
+    preprocessor = OpenAIPreprocessor.new_with_parts(card, formatter, Tokenizer.from_model_dir(model_dir))
+    prompt = preprocessor.tokenize(request)
+    segments = prompt.rendered.segments
+    return {
+        "model": card.display_name,
+        "formatter": formatter.kind,
+        "image_token": formatter.image_token,
+        "segments": None if segments is None else [[s.text, s.allow_special] for s in segments],
+        "text": prompt.rendered.text,
+        "token_ids": prompt.token_ids,
+        "num_tokens": len(prompt.token_ids),
+        "images": [image.url for image in prompt.images],
+    }

@@ -1,0 +1,632 @@
+"""Kimi-K3 XTML prompt formatter: the checkpoint encoder's segments, with errors a user can act on.
+
+``render_segments`` reproduces the reference encoder ``encoding_k3.build_chat_segments`` (HF-main
+revision, "A" in the contract ``shared/spec/kimi-k3-xtml.md``) segment for segment: 4-segment
+attributes, no coalescing, empty segments dropped, Python ``json`` semantics. Where the reference
+raises KeyError/TypeError/ValueError/AssertionError, this raises ``PromptRenderError`` naming the
+message and field, so a bad request is a 400 and never a 500.
+
+Deliberate deviations from the reference:
+
+* Text is never split on a typed ``<|kimi_image_placeholder|>``. The reference, when given image
+  prompts, turns that literal in user text into an image slot; here typed text always stays one
+  text segment and only real image parts render the image token (SGLang neutralizes typed
+  placeholders for the same reason). Each image part renders ``image_token`` once, so the
+  reference's image-prompt count errors cannot occur.
+* Kimi partial mode (a final assistant message with ``"partial": true``) renders an open turn in
+  place of the generation prompt, as Dynamo's renderer does; the reference has no such mode.
+* ``render`` (the serving layer) rejects non-dict messages, missing roles and unknown roles
+  instead of silently skipping them; ``render_segments`` keeps the reference's skip.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any, Final, Literal, NamedTuple
+
+from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Segment
+from dynamo_prep.protocol.openai import ChatCompletionRequest
+
+OPEN: Final = "<|open|>"
+CLOSE: Final = "<|close|>"
+SEP: Final = "<|sep|>"
+END_OF_MSG: Final = "<|end_of_msg|>"
+MARKERS: Final = frozenset({OPEN, CLOSE, SEP, END_OF_MSG})
+DEFAULT_IMAGE_PLACEHOLDER: Final = "<|kimi_image_placeholder|>"
+VALID_EFFORTS: Final = ("low", "high", "max")
+IMAGE_PART_TYPES: Final = ("image", "image_url")
+SERVED_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
+
+EFFORT_BODY: Final = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the "
+    "response channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+    "Now the system is invoked with `thinking_effort={effort}`."
+)
+STATIC_TOOLS_BODY: Final = (
+    "# Tools\nHere are the available tools, described in JSONSchema.\n\n```json\n{tools}\n```"
+)
+DYNAMIC_TOOLS_BODY: Final = (
+    "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\nHere are the specs for the extended tools."
+    "\n\n```json\n{tools}\n```"
+)
+TOOL_CHOICE_BODIES: Final = {
+    "required": (
+        "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message."
+    ),
+    "none": (
+        "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message."
+    ),
+}
+RESPONSE_FORMAT_BODY: Final = (
+    "The system is invoked with `response_format={kind}`.\nYour response must be raw JSON data "
+    "without markdown code blocks (```json) or any additional formatting."
+)
+JSON_SCHEMA_SUFFIX: Final = "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
+
+
+class _Unset:
+    """Marks ``response_schema`` as not given, so it is taken from ``response_format``."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Final = _Unset()
+
+
+class _Args(NamedTuple):
+    """Normalized tool-call arguments: a dict, or the raw string that did not parse."""
+
+    values: dict[Any, Any]
+    raw: str | None
+
+
+class _Item(NamedTuple):
+    """A message with its position in the request, so errors name what the client sent."""
+
+    at: int
+    message: Any
+
+
+def _type_name(value: object) -> str:
+    if value is None:
+        return "null"
+    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _escape(value: str) -> str:
+    return value.replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _deep_sort(value: Any, where: str) -> Any:
+    """Key order is part of the prompt, so tools and schemas render the same whatever the client sent."""
+    if isinstance(value, dict):
+        try:
+            keys = sorted(value)
+        except TypeError as exc:
+            raise PromptRenderError(f"{where}: object keys must be strings") from exc
+        return {key: _deep_sort(value[key], where) for key in keys}
+    if isinstance(value, list):
+        return [_deep_sort(item, where) for item in value]
+    return value
+
+
+def _dumps(value: Any, where: str, *, compact: bool) -> str:
+    separators = (",", ":") if compact else None
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=separators)
+    except (TypeError, ValueError) as exc:
+        raise PromptRenderError(f"{where}: cannot be written as JSON ({exc})") from exc
+
+
+def _xtml_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return "object"
+    return "array"
+
+
+def _role(message: Any) -> Any:
+    return message.get("role") if isinstance(message, dict) else None
+
+
+def _function(call: dict[str, Any]) -> Any:
+    return call.get("function", call)
+
+
+# ----------------------------------------------------------------------------- preprocessing
+
+
+def _call_index(tool_calls: Any) -> dict[str, tuple[int, Any]]:
+    """``str(id)`` -> (1-based position, name) for an assistant's calls; the first duplicate wins."""
+    index: dict[str, tuple[int, Any]] = {}
+    if not isinstance(tool_calls, list):
+        return index
+    for position, call in enumerate(tool_calls, 1):
+        if not isinstance(call, dict) or call.get("id") is None:
+            continue
+        function = call.get("function")
+        name = function.get("name") if isinstance(function, dict) else call.get("name")
+        index.setdefault(str(call["id"]), (position, name))
+    return index
+
+
+def _sorted_run(run: list[_Item], calls: dict[str, tuple[int, Any]]) -> list[_Item]:
+    """Results in call order when every one matches a call; otherwise exactly as they came."""
+    matches: list[tuple[int, int, _Item, Any]] = []
+    for offset, item in enumerate(run):
+        call_id = item.message.get("tool_call_id")
+        if call_id is None:
+            call_id = item.message.get("id")
+        match = calls.get(str(call_id)) if call_id is not None else None
+        if match is None:
+            return run
+        matches.append((match[0], offset, item, match[1]))
+    matches.sort(key=lambda entry: (entry[0], entry[1]))
+    out = []
+    for _, _, item, name in matches:
+        message = {**item.message, "tool": name}
+        if "name" in message:
+            message["name"] = name
+        out.append(_Item(item.at, message))
+    return out
+
+
+def _resort_tool_results(items: list[_Item]) -> list[_Item]:
+    """The reference re-sorts each run of tool results into its assistant's call order."""
+    out: list[_Item] = []
+    run: list[_Item] = []
+    calls: dict[str, tuple[int, Any]] = {}
+    for item in items:
+        if _role(item.message) == "tool":
+            run.append(item)
+            continue
+        out.extend(_sorted_run(run, calls))
+        run = []
+        if _role(item.message) == "assistant":
+            calls = _call_index(item.message.get("tool_calls"))
+        out.append(item)
+    out.extend(_sorted_run(run, calls))
+    return out
+
+
+def _normalize_arguments(arguments: Any, where: str) -> _Args:
+    if arguments is None:
+        return _Args({}, None)
+    if isinstance(arguments, dict):
+        return _Args(arguments, None)
+    if not isinstance(arguments, str):
+        raise PromptRenderError(
+            f"{where}: arguments must be a JSON object, a string holding one, or null; "
+            f"got {_type_name(arguments)}"
+        )
+    if not arguments.strip():
+        return _Args({}, None)
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return _Args({}, arguments)
+    if not isinstance(parsed, dict):
+        raise PromptRenderError(
+            f"{where}: arguments must be a JSON object; the string holds a JSON {_type_name(parsed)}"
+        )
+    return _Args(parsed, None)
+
+
+def _normalize_call(call: Any, where: str) -> dict[str, Any]:
+    if not isinstance(call, dict):
+        raise PromptRenderError(f"{where} must be an object, got {_type_name(call)}")
+    function = _function(call)
+    if not isinstance(function, dict):
+        raise PromptRenderError(f"{where}: 'function' must be an object, got {_type_name(function)}")
+    normalized = {**function, "arguments": _normalize_arguments(function.get("arguments"), where)}
+    return {**call, "function": normalized} if "function" in call else normalized
+
+
+def _normalize_message(item: _Item) -> _Item:
+    """Deep-sorts message tools and parses tool-call arguments, on a copy."""
+    message = item.message
+    if not isinstance(message, dict):
+        return item
+    message = dict(message)
+    if message.get("tools") is not None:
+        message["tools"] = _deep_sort(message["tools"], f"messages[{item.at}].tools")
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        if not isinstance(tool_calls, list):
+            raise PromptRenderError(
+                f"messages[{item.at}].tool_calls: expected a list, got {_type_name(tool_calls)}"
+            )
+        message["tool_calls"] = [
+            _normalize_call(call, f"messages[{item.at}]: tool call {k}")
+            for k, call in enumerate(tool_calls, 1)
+        ]
+    return _Item(item.at, message)
+
+
+def _schema_from(response_format: Any) -> Any:
+    """Rule 1.8.4: ``json_schema.schema``, else ``json_schema.json_schema``, else ``json_schema``."""
+    js = response_format.get("json_schema") if isinstance(response_format, dict) else None
+    if js is None:
+        return None
+    if isinstance(js, dict):
+        return js.get("schema", js.get("json_schema", js))
+    return getattr(js, "schema", None) or getattr(js, "json_schema", None) or js
+
+
+def _split_partial(items: list[_Item]) -> tuple[list[_Item], _Item | None]:
+    """Kimi partial mode: a final assistant message with ``"partial": true`` stays open."""
+    partial = [
+        item for item in items if isinstance(item.message, dict) and item.message.get("partial") is True
+    ]
+    if not partial:
+        return items, None
+    item = partial[0]
+    where = f"messages[{item.at}]"
+    if item is not items[-1]:
+        raise PromptRenderError(f"{where}: only the final message can be partial")
+    if _role(item.message) != "assistant":
+        raise PromptRenderError(f"{where}: only an assistant message can be partial")
+    if item.message.get("tool_calls"):
+        raise PromptRenderError(f"{where}: a partial assistant message cannot carry tool_calls")
+    return items[:-1], item
+
+
+def check_effort(thinking: Any, effort: Any, field: str = "thinking_effort") -> None:
+    """The reference asserts the effort only while thinking; ``medium`` is advertised but rejected."""
+    if thinking and effort is not None and effort not in VALID_EFFORTS:
+        raise PromptRenderError(f"{field} {effort!r} is not supported; use one of {', '.join(VALID_EFFORTS)}")
+
+
+# ----------------------------------------------------------------------------- emission
+
+
+class _Writer:
+    """Collects segments; only structural markers and the image token are ever control segments."""
+
+    def __init__(self, image_token: str, thinking: bool) -> None:
+        self.image_token = image_token
+        self.thinking = thinking
+        self.segments: list[Segment] = []
+        self.image_count = 0
+
+    def control(self, text: str) -> None:
+        self.segments.append(Segment(text, True))
+
+    def text(self, value: Any) -> None:
+        text = str(value)
+        if text:
+            self.segments.append(Segment(text, False))
+
+    def image(self) -> None:
+        self.control(self.image_token)
+        self.image_count += 1
+
+    def open_tag(self, tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> None:
+        self.control(OPEN)
+        self.text(tag)
+        for key, value in attrs:
+            self.text(" " + key)
+            self.text('="')
+            self.text(_escape(str(value)))
+            self.text('"')
+        self.control(SEP)
+
+    def close_tag(self, tag: str) -> None:
+        self.control(CLOSE)
+        self.text(tag)
+        self.control(SEP)
+
+    def close_message(self) -> None:
+        self.close_tag("message")
+        self.control(END_OF_MSG)
+
+    def internal(self, kind: str, body: str, *, strip: bool = True) -> None:
+        self.open_tag("message", [("role", "system"), ("type", kind)])
+        self.text(body.strip() if strip else body)
+        self.close_message()
+
+    def content(self, content: Any, where: str) -> None:
+        if content is None:
+            return
+        if isinstance(content, str):
+            self.text(content)
+            return
+        if not isinstance(content, list):
+            raise PromptRenderError(
+                f"{where}: expected a string, a list of content parts or null, got {_type_name(content)}"
+            )
+        for j, part in enumerate(content):
+            self.part(part, f"{where}[{j}]")
+
+    def part(self, part: Any, where: str) -> None:
+        if not isinstance(part, dict):
+            raise PromptRenderError(f"{where}: expected a content part object, got {_type_name(part)}")
+        if "type" not in part:
+            raise PromptRenderError(f"{where}: content part has no 'type'")
+        if part["type"] in IMAGE_PART_TYPES:
+            self.image()
+        elif "text" in part:
+            self.text(part["text"])
+        else:
+            raise PromptRenderError(f"{where}: content part of type {part['type']!r} has no 'text'")
+
+    def frame_attrs(self, role: str, message: dict[str, Any]) -> list[tuple[str, Any]]:
+        name = message.get("name")
+        return [("role", role), ("name", name)] if name else [("role", role)]
+
+    def plain(self, item: _Item, role: str) -> None:
+        self.open_tag("message", self.frame_attrs(role, item.message))
+        self.content(item.message.get("content"), f"messages[{item.at}].content")
+        self.close_message()
+
+    def think(self, message: dict[str, Any]) -> None:
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        self.open_tag("think")
+        if reasoning is not None and str(reasoning).strip():
+            self.text(reasoning)
+        self.close_tag("think")
+
+    def assistant(self, item: _Item) -> None:
+        message = item.message
+        self.open_tag("message", self.frame_attrs("assistant", message))
+        if self.thinking:
+            self.think(message)
+        self.open_tag("response")
+        self.content(message.get("content"), f"messages[{item.at}].content")
+        self.close_tag("response")
+        if message.get("tool_calls"):
+            self.tool_calls(item.at, message["tool_calls"])
+        self.close_message()
+
+    def tool_calls(self, index: int, calls: list[dict[str, Any]]) -> None:
+        self.open_tag("tools")
+        for k, call in enumerate(calls, 1):
+            function = _function(call)
+            if "name" not in function:
+                raise PromptRenderError(f"messages[{index}]: tool call {k} has no function name")
+            self.open_tag("call", [("tool", function["name"]), ("index", k)])
+            self.arguments(function["arguments"], f"messages[{index}]: tool call {k}")
+            self.close_tag("call")
+        self.close_tag("tools")
+
+    def arguments(self, args: _Args, where: str) -> None:
+        if args.raw is not None:
+            self.open_tag("json", [("type", "object")])
+            self.text(args.raw)
+            self.close_tag("json")
+            return
+        for key, value in args.values.items():
+            self.open_tag("argument", [("key", key), ("type", _xtml_type(value))])
+            text = (
+                value if isinstance(value, str) else _dumps(value, f"{where} argument {key!r}", compact=False)
+            )
+            self.text(text)
+            self.close_tag("argument")
+
+    def tool_result(self, item: _Item, position: int, last_calls: Any) -> None:
+        message = item.message
+        name = message.get("tool", message.get("name"))
+        if name is None:
+            name = _name_by_order(item.at, position, last_calls)
+        self.open_tag("message", [("role", "tool"), ("tool", name), ("index", position)])
+        self.content(message.get("content"), f"messages[{item.at}].content")
+        self.close_message()
+
+    def partial(self, item: _Item) -> None:
+        self.open_tag("message", self.frame_attrs("assistant", item.message))
+        if self.thinking:
+            self.think(item.message)
+        self.open_tag("response")
+        self.content(item.message.get("content"), f"messages[{item.at}].content")
+
+
+def _name_by_order(index: int, position: int, last_calls: Any) -> Any:
+    if isinstance(last_calls, list) and position <= len(last_calls):
+        call = last_calls[position - 1]
+        function = _function(call) if isinstance(call, dict) else None
+        if isinstance(function, dict) and "name" in function:
+            return function["name"]
+    raise PromptRenderError(
+        f"messages[{index}]: tool result {position} has no resolvable tool name; set 'tool' or 'name', "
+        "or send it after an assistant message whose tool call at the same position it answers"
+    )
+
+
+def _emit_messages(writer: _Writer, items: list[_Item]) -> None:
+    position = 0
+    last_calls: Any = None
+    for item in items:
+        message = item.message
+        if not isinstance(message, dict):
+            continue
+        if "role" not in message:
+            raise PromptRenderError(f"messages[{item.at}]: missing 'role'")
+        role = message["role"]
+        if role == "system" and message.get("tools"):
+            tools = _dumps(message["tools"], f"messages[{item.at}].tools", compact=True)
+            writer.internal("tool-declare", DYNAMIC_TOOLS_BODY.format(tools=tools), strip=False)
+        elif role in ("user", "system"):
+            writer.plain(item, role)
+        elif role == "assistant":
+            position, last_calls = 0, message.get("tool_calls")
+            writer.assistant(item)
+        elif role == "tool":
+            position += 1
+            writer.tool_result(item, position, last_calls)
+
+
+def _emit_response_format(writer: _Writer, response_format: Any, schema: Any) -> None:
+    kind = (
+        response_format.get("type", response_format) if isinstance(response_format, dict) else response_format
+    )
+    if kind == "json_object":
+        writer.internal("response-format", RESPONSE_FORMAT_BODY.format(kind=kind))
+    elif kind == "json_schema":
+        suffix = JSON_SCHEMA_SUFFIX.format(schema=_dumps(schema, "response_format", compact=True))
+        writer.internal("response-format", RESPONSE_FORMAT_BODY.format(kind=kind) + suffix)
+
+
+class KimiK3Formatter:
+    """Renders chat requests as Kimi-K3 XTML segments (reference encoder semantics)."""
+
+    kind = "kimi_k3"
+
+    def __init__(
+        self,
+        image_placeholder_token: str | None = None,
+        *,
+        default_image_placeholder: str = DEFAULT_IMAGE_PLACEHOLDER,
+        generation_prompt: Literal["reference", "hosted"] = "reference",
+    ) -> None:
+        if generation_prompt not in ("reference", "hosted"):
+            raise ValueError(f"generation_prompt must be 'reference' or 'hosted', got {generation_prompt!r}")
+        if not (image_placeholder_token or default_image_placeholder):
+            raise ValueError("an image placeholder token is needed: declare one or keep the default")
+        self.image_token: str = image_placeholder_token or default_image_placeholder
+        self.generation_prompt = generation_prompt
+
+    def render_segments(
+        self,
+        messages: Sequence[Any],
+        tools: Any = None,
+        *,
+        add_generation_prompt: bool = True,
+        thinking: bool = True,
+        thinking_effort: Any = "max",
+        tool_choice: Any = None,
+        response_format: Any = None,
+        response_schema: Any = UNSET,
+    ) -> list[Segment]:
+        """The reference ``build_chat_segments`` output, image parts rendered as ``image_token``."""
+        return self._render(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+            thinking_effort=thinking_effort,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            response_schema=response_schema,
+        ).segments
+
+    def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
+        """Shapes the request as a serving layer does (section 1.13), then renders it."""
+        args = request.template_args()
+        thinking = _thinking_from(args, request.reasoning_effort)
+        effort, effort_field = _effort_from(args, request.reasoning_effort)
+        check_effort(thinking, effort, effort_field)
+        writer = self._render(
+            _served_messages(request.messages),
+            request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            thinking=thinking,
+            thinking_effort=effort,
+            tool_choice=request.tool_choice,
+            response_format=request.response_format,
+            response_schema=UNSET,
+        )
+        text = "".join(segment.text for segment in writer.segments)
+        return RenderedPrompt(text=text, segments=writer.segments, image_count=writer.image_count)
+
+    def _render(
+        self,
+        messages: Sequence[Any],
+        tools: Any,
+        *,
+        add_generation_prompt: bool,
+        thinking: bool,
+        thinking_effort: Any,
+        tool_choice: Any,
+        response_format: Any,
+        response_schema: Any,
+    ) -> _Writer:
+        if not isinstance(messages, list | tuple):
+            raise PromptRenderError(f"messages: expected a list of messages, got {_type_name(messages)}")
+        try:
+            items = _resort_tool_results([_Item(i, message) for i, message in enumerate(messages)])
+            items = [_normalize_message(item) for item in items]
+            tools = _deep_sort(tools, "tools")
+            if response_schema is UNSET:
+                response_schema = _schema_from(response_format)
+            response_schema = _deep_sort(response_schema, "response_format")
+            items, partial = _split_partial(items)
+            writer = _Writer(self.image_token, bool(thinking))
+            if tools:
+                declared = _dumps(tools, "tools", compact=True)
+                writer.internal("tool-declare", STATIC_TOOLS_BODY.format(tools=declared), strip=False)
+            check_effort(thinking, thinking_effort)
+            if thinking and thinking_effort is not None:
+                writer.internal("thinking-effort", EFFORT_BODY.format(effort=thinking_effort))
+            _emit_messages(writer, items)
+            if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_BODIES:
+                writer.internal("tool-choice", TOOL_CHOICE_BODIES[tool_choice])
+            _emit_response_format(writer, response_format, response_schema)
+            self._emit_tail(writer, partial, add_generation_prompt)
+        except RecursionError as exc:
+            raise PromptRenderError("the request is nested too deeply to render") from exc
+        except PromptRenderError:
+            raise
+        except ValueError as exc:
+            raise PromptRenderError(f"the request cannot be rendered: {exc}") from exc
+        return writer
+
+    def _emit_tail(self, writer: _Writer, partial: _Item | None, add_generation_prompt: bool) -> None:
+        if partial is not None:
+            writer.partial(partial)
+            return
+        if not add_generation_prompt:
+            return
+        writer.open_tag("message", [("role", "assistant")])
+        if self.generation_prompt == "reference":
+            writer.open_tag("think" if writer.thinking else "response")
+
+
+# ----------------------------------------------------------------------------- serving layer
+
+
+def _served_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
+    """``developer`` becomes ``system`` (tools kept); anything the encoder would skip is an error."""
+    if not isinstance(messages, list | tuple):
+        raise PromptRenderError(f"messages: expected a list of messages, got {_type_name(messages)}")
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise PromptRenderError(f"messages[{i}]: expected a message object, got {_type_name(message)}")
+        if "role" not in message:
+            raise PromptRenderError(f"messages[{i}]: missing 'role'")
+        role = message["role"]
+        if role not in SERVED_ROLES:
+            raise PromptRenderError(
+                f"messages[{i}].role: {role!r} is not supported; use one of {', '.join(SERVED_ROLES)}"
+            )
+        out.append({**message, "role": "system"} if role == "developer" else message)
+    return out
+
+
+def _thinking_from(args: dict[str, Any], reasoning_effort: str | None) -> Any:
+    """``thinking`` (or ``enable_thinking``) wins; otherwise only ``reasoning_effort="none"`` turns it off."""
+    for key in ("thinking", "enable_thinking"):
+        if args.get(key) is not None:
+            return args[key]
+    return reasoning_effort != "none"
+
+
+def _effort_from(args: dict[str, Any], reasoning_effort: str | None) -> tuple[Any, str]:
+    """An explicit ``thinking_effort`` (None included) wins over ``reasoning_effort``; default ``max``."""
+    if "thinking_effort" in args:
+        return args["thinking_effort"], "thinking_effort"
+    if reasoning_effort is not None and reasoning_effort != "none":
+        return reasoning_effort, "reasoning_effort"
+    return "max", "thinking_effort"

@@ -1,0 +1,101 @@
+"""Discovery wire contract v1: two frames, ``[topic, payload]``, MessagePack payloads.
+
+Validation happens here, once: the watcher gets typed messages or a ``DiscoveryDecodeError`` whose
+``reason`` is a stable label for metrics and logs. The card stays raw until someone needs it, so
+a heartbeat costs one small decode.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+TOPIC_PREFIX = "dynamo_prep.v1.card."
+DEFAULT_NAMESPACE = "dynamo"
+DEFAULT_TTL_MS = 3000
+DEFAULT_HEARTBEAT_S = 1.0
+MAX_PAYLOAD_BYTES = 1 << 20
+
+_NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class DiscoveryDecodeError(ValueError):
+    """A discovery message that cannot be used; ``reason`` is a stable snake_case label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class Announce(msgspec.Struct, kw_only=True, tag="announce", tag_field="kind"):
+    """A worker instance is alive and serves ``card`` at ``endpoint`` (re-sent every heartbeat)."""
+
+    v: int = PROTOCOL_VERSION
+    instance_id: _NonEmpty
+    seq: _NonNegative
+    sent_ms: int
+    ttl_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = DEFAULT_TTL_MS
+    endpoint: _NonEmpty
+    card: msgspec.Raw
+
+
+class Withdraw(msgspec.Struct, kw_only=True, tag="withdraw", tag_field="kind"):
+    """A worker instance is going away (graceful stop)."""
+
+    v: int = PROTOCOL_VERSION
+    instance_id: _NonEmpty
+    seq: _NonNegative
+    sent_ms: int
+
+
+DiscoveryMessage = Announce | Withdraw
+
+
+class _Header(msgspec.Struct):
+    kind: str
+    v: int = PROTOCOL_VERSION
+
+
+_encoder = msgspec.msgpack.Encoder()
+_header_decoder = msgspec.msgpack.Decoder(_Header)
+_message_decoder = msgspec.msgpack.Decoder(DiscoveryMessage)
+
+
+def topic(namespace: str = DEFAULT_NAMESPACE) -> bytes:
+    """The topic frame (also the subscription prefix) for a namespace."""
+    return f"{TOPIC_PREFIX}{namespace}".encode()
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def encode_message(message: DiscoveryMessage) -> bytes:
+    """Payload frame of an announce or withdraw."""
+    return _encoder.encode(message)
+
+
+def decode_message(payload: bytes | memoryview) -> DiscoveryMessage:
+    """Typed message, or ``DiscoveryDecodeError`` with reason ``too_large``, ``undecodable``,
+    ``unsupported_version``, ``unknown_kind`` or ``invalid``."""
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise DiscoveryDecodeError("too_large", f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}")
+    try:
+        header = _header_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise DiscoveryDecodeError("invalid", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise DiscoveryDecodeError("undecodable", str(exc)) from exc
+    if header.v != PROTOCOL_VERSION:
+        raise DiscoveryDecodeError("unsupported_version", f"v={header.v}")
+    if header.kind not in ("announce", "withdraw"):
+        raise DiscoveryDecodeError("unknown_kind", f"kind={header.kind[:64]!r}")
+    try:
+        return _message_decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise DiscoveryDecodeError("invalid", str(exc)) from exc

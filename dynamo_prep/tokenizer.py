@@ -1,0 +1,448 @@
+"""tiktoken tokenizers loaded from a model directory, the way Kimi's ``TikTokenTokenizer`` does.
+
+The base vocabulary is ``tiktoken.model`` (``base64(token) rank`` lines); the 256 ids above it are
+reserved specials, named by ``tokenizer_config.json`` ``added_tokens_decoder`` or
+``<|reserved_token_{id}|>``, and all registered with tiktoken. Segments are encoded one by one:
+control segments with specials allowed, text segments with special-looking text as plain BPE, so
+user text can never forge a control token.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import structlog
+import tiktoken
+
+from dynamo_prep.card import TOKENIZER_FILE, ModelCardError, model_files, read_json
+from dynamo_prep.models import resolve_model_dir
+
+__all__ = ["KNOWN_MODEL_TYPES", "NUM_RESERVED_SPECIAL_TOKENS", "Tokenizer", "TokenizerError"]
+
+log = structlog.get_logger()
+
+NUM_RESERVED_SPECIAL_TOKENS = 256
+MAX_ENCODE_CHARS = 400_000
+MAX_RUN_CHARS = 25_000
+SEGMENT_CACHE_MAX_CHARS = 64
+SEGMENT_CACHE_MAX_ENTRIES = 4096
+
+KIMI_PAT_STR = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+# Qwen2's pre-tokenizer (single digits) and Llama-3's (digit triples); both cl100k-style.
+QWEN_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+LLAMA3_PAT_STR = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
+    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_KIMI_TYPES = ("kimi", "kimi_k2", "kimi_k25", "kimi_k3")
+_QWEN_TYPES = (
+    "qwen2",
+    "qwen2_moe",
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "qwen2_5_omni",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_vl",
+    "qwen3_vl_moe",
+)
+PAT_STR_BY_MODEL_TYPE: Mapping[str, str] = MappingProxyType(
+    {
+        **dict.fromkeys(_KIMI_TYPES, KIMI_PAT_STR),
+        **dict.fromkeys(_QWEN_TYPES, QWEN_PAT_STR),
+        "llama": LLAMA3_PAT_STR,
+    }
+)
+KNOWN_MODEL_TYPES = tuple(sorted(PAT_STR_BY_MODEL_TYPE))
+_HF_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+_LONG_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1},}}|\S{{{MAX_RUN_CHARS + 1},}}")
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be loaded or used; the message names the file or the model_type."""
+
+
+class _Vocab(NamedTuple):
+    encoding: tiktoken.Encoding
+    num_base_tokens: int
+    special_tokens: dict[str, int]
+
+
+_ENCODINGS: dict[tuple[str, str, tuple[tuple[str, int], ...]], tiktoken.Encoding] = {}
+_BASE_COUNTS: dict[str, int] = {}  # tokenizer file sha256 -> number of base tokens
+_BUILD_LOCK = threading.Lock()
+
+
+class Tokenizer:
+    """One model's tiktoken encoding, its special tokens and its stop ids."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model_type: str | None,
+        encoding: tiktoken.Encoding,
+        num_base_tokens: int,
+        special_tokens: Mapping[str, int],
+        all_special_ids: frozenset[int],
+    ) -> None:
+        self.name = name
+        self.model_type = model_type
+        self.n_vocab = num_base_tokens + len(special_tokens)
+        self._specials = dict(special_tokens)
+        self.special_tokens: Mapping[str, int] = MappingProxyType(self._specials)
+        self.all_special_ids = all_special_ids
+        self.bos_token_id: int | None = None
+        self.eos_token_ids: tuple[int, ...] = ()
+        self._encoding = encoding
+        self._num_base_tokens = num_base_tokens
+        self._special_names = {token_id: text for text, token_id in special_tokens.items()}
+        self._allowed = frozenset(special_tokens)
+        self._control_cache: dict[str, tuple[int, ...]] = {}
+        self._text_cache: dict[str, tuple[int, ...]] = {}
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> Tokenizer:
+        """Load a model directory (or a demo model name) exactly as Kimi's TikTokenTokenizer does."""
+        started = time.perf_counter()
+        model_dir = resolve_model_dir(path)
+        try:
+            files = model_files(model_dir)
+            config = read_json(files["config.json"])
+            tokenizer_config = read_json(files["tokenizer_config.json"])
+            generation_config = (
+                read_json(files["generation_config.json"]) if "generation_config.json" in files else {}
+            )
+        except ModelCardError as exc:
+            raise TokenizerError(str(exc)) from exc
+        tokenizer_file = files[TOKENIZER_FILE]
+        model_type = _model_type(config)
+        pat_str = _pat_str(model_type, tokenizer_config, files["tokenizer_config.json"], files["config.json"])
+        added = _added_tokens(tokenizer_config, files["tokenizer_config.json"])
+        vocab, cached = _vocab(tokenizer_file, pat_str, added, files["tokenizer_config.json"])
+        tokenizer = cls(
+            name=model_dir.resolve().name,
+            model_type=model_type,
+            encoding=vocab.encoding,
+            num_base_tokens=vocab.num_base_tokens,
+            special_tokens=vocab.special_tokens,
+            all_special_ids=_all_special_ids(vocab.special_tokens, added, tokenizer_config),
+        )
+        tokenizer.bos_token_id = tokenizer._bos_token_id(
+            config, tokenizer_config, files["tokenizer_config.json"]
+        )
+        tokenizer.eos_token_ids = tokenizer._eos_token_ids(config, tokenizer_config, generation_config, files)
+        log.debug(
+            "tokenizer_loaded",
+            model_dir=str(model_dir),
+            model_type=model_type,
+            n_vocab=tokenizer.n_vocab,
+            encoding_cached=cached,
+            load_ms=round((time.perf_counter() - started) * 1000, 1),
+        )
+        return tokenizer
+
+    @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The shared tiktoken Encoding (one per tokenizer file, pattern and specials per process)."""
+        return self._encoding
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``; special-looking text is plain BPE unless ``allow_special``. No BOS/EOS."""
+        if len(text) <= MAX_RUN_CHARS:
+            return self._encode_run(text, allow_special)
+        ids: list[int] = []
+        for piece in split_for_encoding(text):
+            ids.extend(self._encode_run(piece, allow_special))
+        return ids
+
+    def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """Concatenated ``encode(text, allow_special=...)`` of each segment, served from caches when short."""
+        ids: list[int] = []
+        specials = self._specials
+        for text, allow_special in segments:
+            if allow_special:
+                special_id = specials.get(text)
+                if special_id is not None:
+                    ids.append(special_id)
+                else:
+                    ids.extend(self._cached(text, self._control_cache, allow_special=True))
+            else:
+                ids.extend(self._cached(text, self._text_cache, allow_special=False))
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` (bytes joined, invalid UTF-8 replaced); skipping drops ``all_special_ids`` only."""
+        if ids and (min(ids) < 0 or max(ids) >= self.n_vocab):
+            bad = next(token_id for token_id in ids if not 0 <= token_id < self.n_vocab)
+            raise TokenizerError(f"{self.name}: token id {bad} is out of range [0, {self.n_vocab})")
+        if skip_special_tokens:
+            ids = [token_id for token_id in ids if token_id not in self.all_special_ids]
+        data: bytes = self._encoding.decode_bytes(list(ids))
+        return data.decode("utf-8", errors="replace")
+
+    def token_to_id(self, text: str) -> int | None:
+        """The id of a registered special, or of text that is exactly one base-vocabulary token."""
+        special_id = self._specials.get(text)
+        if special_id is not None:
+            return special_id
+        try:
+            token_id: int = self._encoding.encode_single_token(text.encode("utf-8"))
+        except (KeyError, UnicodeEncodeError):
+            return None
+        return token_id
+
+    def id_to_token(self, token_id: int) -> str | None:
+        """A special's name, or a base token's text (lossy for byte fragments); None when out of range."""
+        if token_id in self._special_names:
+            return self._special_names[token_id]
+        if not 0 <= token_id < self._num_base_tokens:
+            return None
+        data: bytes = self._encoding.decode_single_token_bytes(token_id)
+        return data.decode("utf-8", errors="replace")
+
+    def is_special_token(self, text: str) -> bool:
+        """Whether ``text`` is a registered special token string (one id under allow_special)."""
+        return text in self._specials
+
+    def _encode_run(self, text: str, allow_special: bool) -> list[int]:
+        if allow_special:
+            ids: list[int] = self._encoding.encode(text, allowed_special=self._allowed, disallowed_special=())
+        else:
+            ids = self._encoding.encode_ordinary(text)
+        return ids
+
+    def _cached(self, text: str, cache: dict[str, tuple[int, ...]], *, allow_special: bool) -> Sequence[int]:
+        """Short segments repeat on every request (tags, roles, quotes): encode each once."""
+        if len(text) > SEGMENT_CACHE_MAX_CHARS:
+            return self.encode(text, allow_special=allow_special)
+        hit = cache.get(text)
+        if hit is not None:
+            return hit
+        ids = tuple(self._encode_run(text, allow_special))
+        if len(cache) >= SEGMENT_CACHE_MAX_ENTRIES:
+            cache.clear()  # bounded under adversarial input; hot entries refill at once
+        cache[text] = ids
+        return ids
+
+    def _bos_token_id(
+        self, config: dict[str, Any], tokenizer_config: dict[str, Any], path: Path
+    ) -> int | None:
+        if "bos_token" in tokenizer_config:
+            name = _token_content(tokenizer_config["bos_token"])
+            return None if name is None else self._resolve(name, path, "bos_token")
+        return self._checked_id(config.get("bos_token_id"), path.parent / "config.json", "bos_token_id")
+
+    def _eos_token_ids(
+        self,
+        config: dict[str, Any],
+        tokenizer_config: dict[str, Any],
+        generation_config: dict[str, Any],
+        files: Mapping[str, Path],
+    ) -> tuple[int, ...]:
+        """Every stop id: generation_config, then config.json, then tokenizer_config's eos_token."""
+        ids: list[int] = []
+        for source, name in ((generation_config, "generation_config.json"), (config, "config.json")):
+            value = source.get("eos_token_id")
+            for item in value if isinstance(value, list) else [value]:
+                token_id = self._checked_id(item, files.get(name, Path(name)), "eos_token_id")
+                if token_id is not None:
+                    ids.append(token_id)
+        eos_name = _token_content(tokenizer_config.get("eos_token"))
+        if eos_name is not None:
+            ids.append(self._resolve(eos_name, files["tokenizer_config.json"], "eos_token"))
+        return tuple(dict.fromkeys(ids))
+
+    def _checked_id(self, value: object, path: Path, key: str) -> int | None:
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < self.n_vocab:
+            raise TokenizerError(f"{path}: {key} {value!r} is not a token id in [0, {self.n_vocab})")
+        return value
+
+    def _resolve(self, name: str, path: Path, key: str) -> int:
+        token_id = self.token_to_id(name)
+        if token_id is None:
+            raise TokenizerError(
+                f"{path}: {key} {name!r} is neither a registered special nor a vocabulary token"
+            )
+        return token_id
+
+
+def split_for_encoding(
+    text: str, *, window: int = MAX_ENCODE_CHARS, max_run: int = MAX_RUN_CHARS
+) -> Iterator[str]:
+    """Kimi's pieces: 400,000-char windows, each cut inside whitespace / non-whitespace runs over 25,000.
+
+    Only overlong runs are cut (every ``max_run`` chars from the run start), as the reference's
+    ``_split_whitespaces_or_nonwhitespaces`` does; ``\\s`` in ``re`` is exactly ``str.isspace()``.
+    """
+    long_run = (
+        _LONG_RUN if max_run == MAX_RUN_CHARS else re.compile(rf"\s{{{max_run + 1},}}|\S{{{max_run + 1},}}")
+    )
+    for start in range(0, len(text), window):
+        chunk = text[start : start + window]
+        cut = 0
+        for match in long_run.finditer(chunk):
+            for position in range(match.start() + max_run, match.end(), max_run):
+                yield chunk[cut:position]
+                cut = position
+        yield chunk[cut:]
+
+
+def _model_type(config: dict[str, Any]) -> str | None:
+    value = config.get("model_type")
+    return value if isinstance(value, str) else None
+
+
+def _pat_str(
+    model_type: str | None, tokenizer_config: dict[str, Any], tc_path: Path, config_path: Path
+) -> str:
+    """tokenizer_config ``pat_str`` wins; else the registry entry for config.json ``model_type``."""
+    override = tokenizer_config.get("pat_str")
+    if override is not None:
+        if not isinstance(override, str) or not override:
+            raise TokenizerError(f"{tc_path}: pat_str must be a non-empty string, got {override!r}")
+        return override
+    pat_str = PAT_STR_BY_MODEL_TYPE.get(model_type or "")
+    if pat_str is None:
+        raise TokenizerError(
+            f"{config_path}: no pre-tokenization pattern for model_type {model_type!r} "
+            f"(known: {', '.join(KNOWN_MODEL_TYPES)}); set pat_str in {tc_path.name}"
+        )
+    return pat_str
+
+
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise TokenizerError(f"{path}: cannot read tokenizer file: {exc}") from exc
+
+
+def _added_tokens(tokenizer_config: dict[str, Any], path: Path) -> dict[int, tuple[str, bool]]:
+    """``added_tokens_decoder`` as id -> (content, HF special flag)."""
+    decoder = tokenizer_config.get("added_tokens_decoder") or {}
+    if not isinstance(decoder, dict):
+        raise TokenizerError(f"{path}: added_tokens_decoder must be an object")
+    added: dict[int, tuple[str, bool]] = {}
+    for key, entry in decoder.items():
+        content = entry.get("content") if isinstance(entry, dict) else None
+        if not key.isdigit() or not isinstance(content, str) or not content:
+            raise TokenizerError(f"{path}: malformed added_tokens_decoder entry {key!r}: {entry!r}")
+        added[int(key)] = (content, bool(entry.get("special", False)))
+    return added
+
+
+def _vocab(
+    path: Path, pat_str: str, added: dict[int, tuple[str, bool]], tc_path: Path
+) -> tuple[_Vocab, bool]:
+    """The shared Encoding for this file's bytes, pattern and specials; built once per process."""
+    data = _read_bytes(path)
+    sha256 = hashlib.sha256(data).hexdigest()
+    with _BUILD_LOCK:
+        ranks = None
+        if sha256 not in _BASE_COUNTS:
+            ranks = _parse_ranks(data, path)
+            _BASE_COUNTS[sha256] = len(ranks)
+        num_base = _BASE_COUNTS[sha256]
+        _check_added_range(added, num_base, tc_path)
+        specials = _special_tokens(num_base, added)
+        key = (sha256, pat_str, tuple(specials.items()))
+        encoding = _ENCODINGS.get(key)
+        if encoding is not None:
+            return _Vocab(encoding, num_base, specials), True
+        if ranks is None:
+            ranks = _parse_ranks(data, path)
+        try:
+            encoding = tiktoken.Encoding(
+                path.name, pat_str=pat_str, mergeable_ranks=ranks, special_tokens=specials
+            )
+        except ValueError as exc:
+            raise TokenizerError(
+                f"{path}: cannot build the tiktoken encoding (pat_str {pat_str!r}): {exc}"
+            ) from exc
+        _ENCODINGS[key] = encoding
+        return _Vocab(encoding, num_base, specials), False
+
+
+def _parse_ranks(data: bytes, path: Path) -> dict[bytes, int]:
+    """``load_tiktoken_bpe``'s format, parsed here: that function caches local files by path in the
+    temp dir and serves a stale copy when the file changes."""
+    ranks: dict[bytes, int] = {}
+    for number, line in enumerate(data.splitlines(), start=1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error) as exc:
+            raise TokenizerError(f"{path}: line {number} is not 'base64token rank': {line[:80]!r}") from exc
+    if not ranks or sorted(ranks.values()) != list(range(len(ranks))):
+        raise TokenizerError(f"{path}: ranks must be exactly 0..N-1, one per distinct token")
+    return ranks
+
+
+def _check_added_range(added: dict[int, tuple[str, bool]], num_base: int, tc_path: Path) -> None:
+    last = num_base + NUM_RESERVED_SPECIAL_TOKENS - 1
+    for token_id, (content, _) in sorted(added.items()):
+        if not num_base <= token_id <= last:
+            raise TokenizerError(
+                f"{tc_path}: added token {token_id} {content!r} is outside the reserved special range "
+                f"[{num_base}, {last}] of this tiktoken vocabulary"
+            )
+
+
+def _special_tokens(num_base: int, added: dict[int, tuple[str, bool]]) -> dict[str, int]:
+    """All 256 reserved slots, named or ``<|reserved_token_{id}|>``, in id order."""
+    specials: dict[str, int] = {}
+    for token_id in range(num_base, num_base + NUM_RESERVED_SPECIAL_TOKENS):
+        name = added[token_id][0] if token_id in added else f"<|reserved_token_{token_id}|>"
+        if name in specials:
+            raise TokenizerError(f"special token {name!r} names both id {specials[name]} and id {token_id}")
+        specials[name] = token_id
+    return specials
+
+
+def _all_special_ids(
+    specials: Mapping[str, int], added: dict[int, tuple[str, bool]], tokenizer_config: dict[str, Any]
+) -> frozenset[int]:
+    """HF semantics: added tokens flagged special, plus bos/eos/unk/pad and additional_special_tokens."""
+    ids = {token_id for token_id, (_, special) in added.items() if special}
+    names = [_token_content(tokenizer_config.get(key)) for key in _HF_SPECIAL_KEYS]
+    additional = tokenizer_config.get("additional_special_tokens")
+    if isinstance(additional, list):
+        names.extend(_token_content(item) for item in additional)
+    ids.update(specials[name] for name in names if name is not None and name in specials)
+    return frozenset(ids)
+
+
+def _token_content(value: object) -> str | None:
+    """A token given as a string or as a serialized AddedToken (``{"content": ...}``)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
