@@ -1200,3 +1200,12 @@ def test_property_render_join_and_control_segments(
 def test_floats_match_python_json() -> None:
     for value in (1e-07, 1e16, 1.5, 100.0, -0.0, math.inf):
         assert calls_of({"v": value}) == call_block("f", 1, argument("v", "number", json.dumps(value)))
+
+
+@pytest.mark.parametrize("value", ["false", 0, 1, "yes", [True]])
+def test_non_boolean_thinking_is_a_render_error_not_a_silent_on(value: Any) -> None:
+    request = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], chat_template_args={"thinking": value}
+    )
+    with pytest.raises(PromptRenderError, match="thinking must be true or false"):
+        KimiK3Formatter().render(request)

@@ -618,8 +618,12 @@ def _served_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
 def _thinking_from(args: dict[str, Any], reasoning_effort: str | None) -> Any:
     """``thinking`` (or ``enable_thinking``) wins; otherwise only ``reasoning_effort="none"`` turns it off."""
     for key in ("thinking", "enable_thinking"):
-        if args.get(key) is not None:
-            return args[key]
+        value = args.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise PromptRenderError(f"chat_template_args.{key} must be true or false, got {value!r}")
+        return value
     return reasoning_effort != "none"
 
 
