@@ -85,6 +85,8 @@ class OpenAIPreprocessor:
                 model=card.display_name,
                 token=declared_image_token,
                 ids=tokenizer.encode(declared_image_token, allow_special=True),
+                rendered=formatter.image_token == declared_image_token,
+                formatter=formatter.kind,
             )
         return cls(card, formatter, tokenizer)
 

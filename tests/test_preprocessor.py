@@ -86,6 +86,8 @@ def test_unregistered_declared_token_warns_once_per_preprocessor_not_per_request
     assert warning["token"] == "<|not_a_token|>"
     assert warning["ids"] == tokenizer.encode("<|not_a_token|>")
     assert len(warning["ids"]) > 1
+    assert warning["rendered"] is True
+    assert warning["formatter"] == "kimi_k3"
 
 
 def test_registered_declared_token_does_not_warn() -> None:

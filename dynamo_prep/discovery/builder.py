@@ -1,0 +1,102 @@
+"""Build a model's preprocessor from its card: files, then formatter and tokenizer, then join.
+
+Blocking (file fetches, tokenizer load), so the watcher runs it in a thread. The formatter and the
+tokenizer are built separately and joined with ``OpenAIPreprocessor.new_with_parts``, exactly as
+the reference frontend does, so the declared-token check in ``new_with_parts`` runs on this path.
+Every failure is a ``ModelBuildError`` whose ``stage`` tells ops where to look.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import zmq
+
+from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.discovery.files import ModelFileStore
+from dynamo_prep.formatter import prompt_formatter_for
+from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.tokenizer import Tokenizer
+
+__all__ = ["BuiltModel", "ModelBuildError", "ModelBuilder", "PreprocessorBuilder"]
+
+BuildStage = Literal["files", "formatter", "tokenizer", "preprocessor"]
+_T = TypeVar("_T")
+
+
+class ModelBuildError(RuntimeError):
+    """A model could not be built; ``stage`` is where (files, formatter, tokenizer, preprocessor)."""
+
+    def __init__(self, stage: BuildStage, cause: BaseException) -> None:
+        super().__init__(f"{stage}: {type(cause).__name__}: {cause}")
+        self.stage = stage
+        self.cause = cause
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltModel:
+    """A ready preprocessor and where its files live (to say what a legacy card renders)."""
+
+    preprocessor: OpenAIPreprocessor
+    model_dir: Path
+
+    @property
+    def formatter_kind(self) -> str:
+        return self.preprocessor.formatter.kind
+
+    @property
+    def image_token(self) -> str | None:
+        """The per-image token this model's prompts carry (declared, else the checkpoint's)."""
+        return self.preprocessor.formatter.image_token
+
+
+ModelBuilder = Callable[[ModelDeploymentCard, str], BuiltModel]
+"""(canonical card, endpoint of an announcing instance) -> BuiltModel; raises ModelBuildError."""
+
+
+class PreprocessorBuilder:
+    """The production ``ModelBuilder``: local dir, cache or fetch, then formatter + tokenizer."""
+
+    def __init__(
+        self,
+        store: ModelFileStore,
+        *,
+        local_model_path: Path | None = None,
+        context: zmq.Context[Any] | None = None,
+        fetch_timeout_s: float = 10.0,
+    ) -> None:
+        self.store = store
+        self.local_model_path = local_model_path
+        self.context = context
+        self.fetch_timeout_s = fetch_timeout_s
+
+    def __call__(self, card: ModelDeploymentCard, endpoint: str) -> BuiltModel:
+        model_dir = _stage(
+            "files",
+            lambda: self.store.model_dir_for(
+                card,
+                local_model_path=self.local_model_path,
+                endpoint=endpoint,
+                timeout_s=self.fetch_timeout_s,
+                context=self.context,
+            ),
+        )
+        token = card.runtime_config.image_placeholder_token
+        formatter = _stage(
+            "formatter", lambda: prompt_formatter_for(card, model_dir, image_placeholder_token=token)
+        )
+        tokenizer = _stage("tokenizer", lambda: Tokenizer.from_model_dir(model_dir))
+        preprocessor = _stage(
+            "preprocessor", lambda: OpenAIPreprocessor.new_with_parts(card, formatter, tokenizer)
+        )
+        return BuiltModel(preprocessor=preprocessor, model_dir=model_dir)
+
+
+def _stage(stage: BuildStage, step: Callable[[], _T]) -> _T:
+    try:
+        return step()
+    except Exception as exc:  # any failure of a stage is reported, never raised raw into the loop
+        raise ModelBuildError(stage, exc) from exc

@@ -1,0 +1,203 @@
+"""The frontend's discovery log lines: every event name and its fields, in one place.
+
+The event names are part of the interface (ops alert on them; docs/discovery.md lists them), so
+they live here rather than scattered through the watcher. Lines a peer can trigger at message rate
+(``card_rejected``, ``curve_key_mismatch``) are rate-limited per reason and say how many were
+suppressed.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import structlog
+
+from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError
+from dynamo_prep.discovery.registry import (
+    ChecksumMismatch,
+    InstanceAdded,
+    InstanceRemoved,
+    KeyMismatch,
+    LegacyDowngrade,
+    ModelRemoved,
+    RuntimeConfigConflict,
+)
+
+__all__ = ["CHECKPOINT_DEFAULT", "DiscoveryLog", "RateLimiter"]
+
+DETAIL_CHARS = 300
+CHECKPOINT_DEFAULT = "checkpoint default"
+DRAIN_HINT = (
+    "drain all old workers of this model before deploying a new version, or serve it under a new name"
+)
+LEGACY_HINT = "upgrade this worker so it declares runtime_config.image_placeholder_token"
+OPEN_HINT = "any process that reaches these addresses can announce models; configure CURVE keys"
+FIRST_WINS = "first card wins: this model renders with the first value"
+
+
+class RateLimiter:
+    """At most one line per key per interval; reports how many were suppressed in between."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def allow(self, key: str, now: float) -> int | None:
+        """None: stay quiet. Else the number of lines suppressed since the last one for ``key``."""
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[key] += 1
+            return None
+        self._last[key] = now
+        return self._suppressed.pop(key, 0)
+
+
+class DiscoveryLog:
+    """Structured log lines of the frontend's discovery plane, bound to one namespace.
+
+    A fresh logger is bound per instance (not a module-level one), so the context is per watcher.
+    """
+
+    def __init__(self, namespace: str, *, limiter: RateLimiter | None = None) -> None:
+        self._log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
+        self._limiter = limiter or RateLimiter()
+
+    def plane_open(self, addresses: Sequence[str]) -> None:
+        self._log.warning("discovery_plane_open", addresses=list(addresses), hint=OPEN_HINT)
+
+    def card_rejected(self, reason: str, detail: str, *, total: int, now: float) -> None:
+        suppressed = self._limiter.allow(f"card_rejected:{reason}", now)
+        if suppressed is not None:
+            self._log.warning(
+                "card_rejected",
+                reason=reason,
+                detail=detail[:DETAIL_CHARS],
+                suppressed=suppressed,
+                total=total,
+            )
+
+    def key_mismatch(self, event: KeyMismatch, *, total: int, now: float) -> None:
+        suppressed = self._limiter.allow("curve_key_mismatch", now)
+        if suppressed is not None:
+            self._log.warning(
+                "curve_key_mismatch",
+                instance_id=event.instance_id,
+                action=event.action,
+                bound_key=event.bound_key,
+                offered_key=event.offered_key,
+                suppressed=suppressed,
+                total=total,
+            )
+
+    def instance_added(self, event: InstanceAdded, *, instances: int) -> None:
+        self._log.info(
+            "instance_added",
+            model=event.model,
+            instance_id=event.instance_id,
+            endpoint=event.endpoint,
+            mdcsum=event.mdcsum,
+            instances=instances,
+        )
+
+    def instance_removed(self, event: InstanceRemoved) -> None:
+        self._log.info(
+            "instance_removed",
+            model=event.model,
+            instance_id=event.instance_id,
+            endpoint=event.endpoint,
+            reason=event.reason,
+        )
+
+    def model_removed(self, event: ModelRemoved) -> None:
+        self._log.info("model_removed", model=event.model, mdcsum=event.mdcsum)
+
+    def checksum_mismatch(self, event: ChecksumMismatch) -> None:
+        self._log.error(
+            "card_checksum_mismatch",
+            model=event.model,
+            instance_id=event.instance_id,
+            canonical_mdcsum=event.canonical_mdcsum,
+            mdcsum=event.mdcsum,
+            differing_fields=_pairs(event.fields, "canonical", "offered"),
+            hint=DRAIN_HINT,
+        )
+
+    def runtime_config_conflict(self, event: RuntimeConfigConflict) -> None:
+        """One line per differing field, so ops can grep for ``field=image_placeholder_token``."""
+        for name, (first, later) in event.fields.items():
+            self._log.warning(
+                "runtime_config_conflict",
+                model=event.model,
+                instance_id=event.instance_id,
+                first_instance_id=event.first_instance_id,
+                field=name,
+                first_value=first,
+                later_value=later,
+                effect=FIRST_WINS,
+            )
+
+    def legacy_downgrade(self, event: LegacyDowngrade, built: BuiltModel | None) -> None:
+        """One line per legacy key: what the old worker meant, and what is rendered instead."""
+        rendered = event.rendered_instead
+        if rendered is None and built is not None:
+            rendered = built.image_token
+        for key, value in event.legacy.items():
+            self._log.warning(
+                "legacy_card_silent_downgrade",
+                model=event.model,
+                instance_id=event.instance_id,
+                legacy_key=key,
+                legacy_value=value,
+                rendered_instead=rendered or CHECKPOINT_DEFAULT,
+                hint=LEGACY_HINT,
+            )
+
+    def model_added(
+        self, name: str, mdcsum: str, instance_id: str, built: BuiltModel, *, instances: int, build_ms: float
+    ) -> None:
+        self._log.info(
+            "model_added",
+            model=name,
+            mdcsum=mdcsum,
+            instance_id=instance_id,
+            image_placeholder_token=built.preprocessor.card.runtime_config.image_placeholder_token,
+            image_token=built.image_token,
+            formatter=built.formatter_kind,
+            model_dir=str(built.model_dir),
+            instances=instances,
+            build_ms=round(build_ms, 1),
+        )
+
+    def model_build_failed(
+        self,
+        name: str,
+        mdcsum: str,
+        instance_id: str,
+        endpoint: str,
+        exc: Exception,
+        *,
+        attempt: int,
+        retry_in_s: float,
+    ) -> None:
+        cause = exc.cause if isinstance(exc, ModelBuildError) else exc
+        self._log.error(
+            "model_build_failed",
+            model=name,
+            mdcsum=mdcsum,
+            instance_id=instance_id,
+            endpoint=endpoint,
+            reason=exc.stage if isinstance(exc, ModelBuildError) else "unexpected",
+            error=f"{type(cause).__name__}: {cause}"[:DETAIL_CHARS],
+            attempt=attempt,
+            retry_in_s=retry_in_s,
+        )
+
+    def model_build_discarded(self, name: str, mdcsum: str) -> None:
+        self._log.info("model_build_discarded", model=name, mdcsum=mdcsum, reason="no live instance left")
+
+
+def _pairs(fields: Mapping[str, tuple[Any, Any]], first: str, second: str) -> dict[str, dict[str, Any]]:
+    return {name: {first: a, second: b} for name, (a, b) in fields.items()}

@@ -1,0 +1,262 @@
+"""Model files by content: a worker serves its card's files, a frontend fetches and caches them.
+
+Nothing that arrives on the wire is ever used as a path. The worker serves only files its own
+card lists, looked up by sha256; the frontend accepts only the known logical file names a card
+may carry and names blobs after verified, validated hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+import zmq
+
+from dynamo_prep.card import (
+    OPTIONAL_FILES,
+    REQUIRED_JSON_FILES,
+    TOKENIZER_FILE,
+    ModelDeploymentCard,
+    file_ref,
+    model_files,
+)
+from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.protocol import wire
+from dynamo_prep.protocol.wire import ErrorReply, FetchFile, FileData
+
+__all__ = [
+    "FileFetchError",
+    "FileServer",
+    "ModelFileError",
+    "ModelFileStore",
+    "default_cache_dir",
+    "fetch_file",
+]
+
+log = structlog.get_logger("dynamo_prep.discovery")
+
+CACHE_DIR_ENV = "DYN_PREP_CACHE_DIR"
+KNOWN_FILE_NAMES = frozenset((*REQUIRED_JSON_FILES, TOKENIZER_FILE, *OPTIONAL_FILES))
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class FileFetchError(RuntimeError):
+    """A file could not be fetched from a worker: timeout, error reply or checksum mismatch."""
+
+
+class ModelFileError(ValueError):
+    """A card's files cannot be materialized (unknown file name, invalid hash, no endpoint)."""
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class FileServer:
+    """Worker side: answers ``FetchFile`` with the bytes of a file the card lists, by sha256."""
+
+    def __init__(self, card: ModelDeploymentCard, model_dir: Path) -> None:
+        paths = model_files(model_dir)
+        self._paths = {ref.sha256: paths[name] for name, ref in card.files.items() if name in paths}
+
+    @property
+    def hashes(self) -> frozenset[str]:
+        return frozenset(self._paths)
+
+    def handle(self, request: FetchFile) -> FileData | ErrorReply:
+        """The file's bytes; 404 for a hash the card does not list, 500 if the file changed on disk."""
+        path = self._paths.get(request.sha256)
+        if path is None:
+            return ErrorReply(request_id=request.request_id, code=404, message="no such file in this card")
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            log.error("model_file_unreadable", sha256=request.sha256, error=str(exc))
+            return ErrorReply(request_id=request.request_id, code=500, message="file unreadable")
+        if _sha256(data) != request.sha256:
+            log.error("model_file_changed", sha256=request.sha256, path=str(path))
+            return ErrorReply(request_id=request.request_id, code=500, message="file changed on disk")
+        return FileData(request_id=request.request_id, sha256=request.sha256, data=data)
+
+
+def fetch_file(
+    context: zmq.Context[Any] | None, endpoint: str, sha256: str, *, timeout_s: float = 10.0
+) -> bytes:
+    """Fetch one file from a worker's request plane, verified by sha256 (blocking).
+
+    ``context`` may be an asyncio context: a synchronous shadow of it is used, so this can run in
+    a thread (``asyncio.to_thread``) of a process whose sockets are asyncio.
+    """
+    if not _SHA256.match(sha256):
+        raise FileFetchError(f"not a sha256: {sha256[:80]!r}")
+    ctx: zmq.Context[Any] = zmq.Context.shadow(context.underlying) if context else zmq.Context.instance()
+    request_id = uuid.uuid4().hex
+    socket = ctx.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        socket.send(wire.encode(FetchFile(request_id=request_id, sha256=sha256)))
+        reply = _await_reply(socket, request_id, time.monotonic() + timeout_s, endpoint)
+    finally:
+        socket.close(linger=0)
+    if isinstance(reply, ErrorReply):
+        raise FileFetchError(f"{endpoint}: file {sha256} refused: {reply.code} {reply.message}")
+    if reply.sha256 != sha256 or _sha256(reply.data) != sha256:
+        raise FileFetchError(f"{endpoint}: file {sha256} failed checksum verification")
+    return reply.data
+
+
+def _await_reply(
+    socket: zmq.Socket[Any], request_id: str, deadline: float, endpoint: str
+) -> FileData | ErrorReply:
+    """The reply matching ``request_id``; other or undecodable frames are skipped until the deadline."""
+    while (remaining := deadline - time.monotonic()) > 0:
+        if not socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+            break
+        try:
+            reply = wire.from_worker_decoder.decode(socket.recv())
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        if reply.request_id == request_id:
+            return reply
+    raise FileFetchError(f"{endpoint}: no reply within the timeout")
+
+
+def default_cache_dir() -> Path:
+    """``$DYN_PREP_CACHE_DIR``, else ``~/.cache/dynamo_prep``."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    return Path(configured) if configured else Path.home() / ".cache" / "dynamo_prep"
+
+
+class ModelFileStore:
+    """Frontend side: a content-addressed cache (``root/blobs/<sha256>``) of model files.
+
+    ``model_dir_for`` gives a directory ``ModelDeploymentCard.from_model_dir`` can read and whose
+    files match the card byte for byte: a local model directory if its checksums match, else
+    ``root/models/<mdcsum>/`` materialized from blobs, fetching missing blobs from the worker.
+    """
+
+    def __init__(self, root: Path | None = None) -> None:
+        self.root = root or default_cache_dir()
+        self.blobs = self.root / "blobs"
+        self.models = self.root / "models"
+
+    def model_dir_for(
+        self,
+        card: ModelDeploymentCard,
+        *,
+        local_model_path: Path | None = None,
+        endpoint: str | None = None,
+        timeout_s: float = 10.0,
+        context: zmq.Context[Any] | None = None,
+    ) -> Path:
+        _check_card_files(card)
+        mdcsum = card.mdcsum()
+        if local_model_path is not None and _local_matches(card, local_model_path):
+            log.info("model_files_local", model=card.display_name, mdcsum=mdcsum, path=str(local_model_path))
+            return resolve_model_dir(local_model_path)
+        target = self.models / mdcsum
+        if _dir_matches(card, target):
+            log.info(
+                "model_files_cached", model=card.display_name, mdcsum=mdcsum, path=str(target), fetched=0
+            )
+            return target
+        fetched = self._ensure_blobs(card, endpoint, timeout_s, context)
+        self._materialize(card, target)
+        log.info(
+            "model_files_cached", model=card.display_name, mdcsum=mdcsum, path=str(target), fetched=fetched
+        )
+        return target
+
+    def blob_path(self, sha256: str) -> Path:
+        if not _SHA256.match(sha256):
+            raise ModelFileError(f"not a sha256: {sha256[:80]!r}")
+        return self.blobs / sha256
+
+    def _ensure_blobs(
+        self,
+        card: ModelDeploymentCard,
+        endpoint: str | None,
+        timeout_s: float,
+        context: zmq.Context[Any] | None,
+    ) -> int:
+        """Fetch every blob the cache lacks (or holds corrupted); returns how many were fetched."""
+        fetched = 0
+        for ref in card.files.values():
+            path = self.blob_path(ref.sha256)
+            if path.is_file() and file_ref(path) == ref:
+                continue
+            if endpoint is None:
+                raise ModelFileError(
+                    f"model file {ref.sha256} is not cached and no endpoint to fetch it from"
+                )
+            data = fetch_file(context, endpoint, ref.sha256, timeout_s=timeout_s)
+            if len(data) != ref.size:
+                raise FileFetchError(
+                    f"{endpoint}: file {ref.sha256} has {len(data)} bytes, card says {ref.size}"
+                )
+            _atomic_write(path, data)
+            fetched += 1
+            log.info("model_file_fetched", sha256=ref.sha256, size=len(data), endpoint=endpoint)
+        return fetched
+
+    def _materialize(self, card: ModelDeploymentCard, target: Path) -> None:
+        """Build the directory beside ``target`` and rename it into place (readers never see half)."""
+        self.models.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.models))
+        try:
+            for name, ref in card.files.items():
+                shutil.copyfile(self.blob_path(ref.sha256), staging / name)
+            if target.exists():
+                shutil.rmtree(target)  # stale or corrupted: _dir_matches said so
+            os.replace(staging, target)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)
+            if not _dir_matches(card, target):  # a concurrent writer may have won the rename
+                raise
+
+
+def _check_card_files(card: ModelDeploymentCard) -> None:
+    """Refuse names and hashes from the wire that could escape the cache or confuse the loader."""
+    for name, ref in card.files.items():
+        if name not in KNOWN_FILE_NAMES:
+            raise ModelFileError(f"card lists an unknown model file name {name[:80]!r}")
+        if not _SHA256.match(ref.sha256):
+            raise ModelFileError(f"card lists {name} with an invalid sha256")
+
+
+def _local_matches(card: ModelDeploymentCard, path: Path) -> bool:
+    try:
+        files = model_files(resolve_model_dir(path))
+        return {name: file_ref(file) for name, file in files.items()} == card.files
+    except (OSError, ValueError):
+        return False
+
+
+def _dir_matches(card: ModelDeploymentCard, path: Path) -> bool:
+    try:
+        return path.is_dir() and all(file_ref(path / name) == ref for name, ref in card.files.items())
+    except OSError:
+        return False
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same directory and rename, so a crash never leaves half a blob."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, temp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise

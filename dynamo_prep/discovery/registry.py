@@ -1,0 +1,425 @@
+"""The frontend's view of the discovery plane, as a pure state machine.
+
+No sockets and no clock: callers pass ``now`` (monotonic seconds), so every rule (dedup, TTL,
+first-card-wins, key binding) is tested without timing. Each call returns typed events that the
+watcher turns into log lines, builds and catalog updates.
+
+Rules:
+
+* messages are ordered per instance by ``seq``; an equal or lower ``seq`` is a duplicate (two
+  brokers deliver everything twice) or stale, and is dropped;
+* an instance lives until its ``ttl_ms`` passes without news; a withdraw removes it at once and
+  leaves a tombstone for one TTL so a late duplicate cannot resurrect it;
+* the first accepted card of a model fixes its ``mdcsum``; a card with another one is refused;
+* ``runtime_config`` is first-card-wins per model; a later instance that differs is reported;
+* with CURVE, an instance is bound to the key that first announced it;
+* a card is decoded only when its bytes change, so a heartbeat costs a bytes comparison.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+from dynamo_prep.card import (
+    CardDecodeError,
+    CardDecodeResult,
+    ModelDeploymentCard,
+    ModelRuntimeConfig,
+    decode_card,
+)
+from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage, Withdraw
+
+__all__ = [
+    "CardRejected",
+    "ChecksumMismatch",
+    "DiscoveryRegistry",
+    "InstanceAdded",
+    "InstanceRemoved",
+    "KeyMismatch",
+    "LegacyDowngrade",
+    "ModelFirstSeen",
+    "ModelRemoved",
+    "ModelSnapshot",
+    "RegistryEvent",
+    "RuntimeConfigConflict",
+]
+
+DEFAULT_MAX_INSTANCES = 10_000
+
+RemovalReason = Literal["withdraw", "expired", "card_changed"]
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceAdded:
+    """An instance serves ``model`` at ``endpoint`` (its card passed every check)."""
+
+    model: str
+    instance_id: str
+    endpoint: str
+    mdcsum: str
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceRemoved:
+    """An instance is gone: it withdrew, it expired, or its card now names another model."""
+
+    model: str
+    instance_id: str
+    endpoint: str
+    reason: RemovalReason
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFirstSeen:
+    """The first instance of a model: the frontend must build its preprocessor from ``card``."""
+
+    model: str
+    mdcsum: str
+    instance_id: str
+    endpoint: str
+    card: ModelDeploymentCard
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRemoved:
+    """The last instance of a model is gone; the model leaves the catalog."""
+
+    model: str
+    mdcsum: str
+
+
+@dataclass(frozen=True, slots=True)
+class CardRejected:
+    """A well-formed envelope whose card cannot be used (``reason`` is a stable label)."""
+
+    instance_id: str
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChecksumMismatch:
+    """A card whose mdcsum differs from the model's canonical one (refused).
+
+    ``fields``: covered field name -> (canonical value, offered value), only those that differ.
+    """
+
+    model: str
+    instance_id: str
+    canonical_mdcsum: str
+    mdcsum: str
+    fields: Mapping[str, tuple[Any, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfigConflict:
+    """A later instance whose runtime_config differs from the model's first (first wins).
+
+    ``fields``: runtime_config key -> (first instance's value, this instance's value).
+    """
+
+    model: str
+    instance_id: str
+    first_instance_id: str
+    fields: Mapping[str, tuple[Any, Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class LegacyDowngrade:
+    """An instance still sends legacy keys (accepted, their meaning is lost).
+
+    ``rendered_instead`` is the model's declared token; None means the checkpoint default.
+    """
+
+    model: str
+    instance_id: str
+    legacy: Mapping[str, Any]
+    rendered_instead: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyMismatch:
+    """A message about an instance bound to another CURVE key; it was refused."""
+
+    instance_id: str
+    action: Literal["announce", "withdraw"]
+    bound_key: str | None
+    offered_key: str | None
+
+
+RegistryEvent = (
+    InstanceAdded
+    | InstanceRemoved
+    | ModelFirstSeen
+    | ModelRemoved
+    | CardRejected
+    | ChecksumMismatch
+    | RuntimeConfigConflict
+    | LegacyDowngrade
+    | KeyMismatch
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSnapshot:
+    """A read-only copy of a model's state (for builds and the catalog)."""
+
+    name: str
+    mdcsum: str
+    card: ModelDeploymentCard
+    runtime_config: ModelRuntimeConfig
+    first_instance_id: str
+    instances: Mapping[str, str]
+
+
+@dataclass(slots=True)
+class _Instance:
+    """Everything heard from one instance_id, admitted to a model or not."""
+
+    instance_id: str
+    user_id: str | None
+    last_seq: int = -1
+    deadline: float = 0.0
+    ttl_s: float = 0.0
+    endpoint: str = ""
+    raw: bytes | None = None
+    decoded: CardDecodeResult | None = None
+    mdcsum: str = ""
+    model: str | None = None
+    legacy_reported: bool = False
+    mismatch_reported: str | None = None
+
+
+@dataclass(slots=True)
+class _Model:
+    name: str
+    mdcsum: str
+    fields: dict[str, Any]
+    card: ModelDeploymentCard
+    first_instance_id: str
+    instances: dict[str, str] = field(default_factory=dict)
+
+
+class DiscoveryRegistry:
+    """Live instances by instance_id and models by display_name; see the module docstring."""
+
+    def __init__(self, *, max_instances: int = DEFAULT_MAX_INSTANCES) -> None:
+        self._instances: dict[str, _Instance] = {}
+        self._models: dict[str, _Model] = {}
+        self._deadlines: list[tuple[float, str]] = []
+        self._max_instances = max_instances
+        self.counters: dict[str, int] = {"duplicate": 0, "stale": 0, "cards_decoded": 0}
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def model(self, name: str) -> ModelSnapshot | None:
+        """A copy of a model's state, or None when no instance of it is live."""
+        model = self._models.get(name)
+        if model is None:
+            return None
+        return ModelSnapshot(
+            name=model.name,
+            mdcsum=model.mdcsum,
+            card=model.card,
+            runtime_config=model.card.runtime_config,
+            first_instance_id=model.first_instance_id,
+            instances=dict(model.instances),
+        )
+
+    def model_names(self) -> list[str]:
+        return sorted(self._models)
+
+    def model_of(self, instance_id: str) -> str | None:
+        """The model an instance is admitted to (None: unknown, rejected or withdrawn)."""
+        instance = self._instances.get(instance_id)
+        return None if instance is None else instance.model
+
+    def next_deadline(self) -> float | None:
+        """The earliest instance deadline, so the caller knows how long it may sleep."""
+        while self._deadlines:
+            deadline, instance_id = self._deadlines[0]
+            instance = self._instances.get(instance_id)
+            if instance is not None and instance.deadline == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    # -- updates -----------------------------------------------------------------------------
+
+    def apply(
+        self,
+        message: DiscoveryMessage,
+        *,
+        now: float,
+        raw_card: bytes | None = None,
+        user_id: str | None = None,
+    ) -> list[RegistryEvent]:
+        """Apply one decoded message; ``raw_card`` defaults to the announce's raw card bytes."""
+        if isinstance(message, Withdraw):
+            return self._withdraw(message, now=now, user_id=user_id)
+        raw = bytes(message.card) if raw_card is None else raw_card
+        return self._announce(message, raw, now=now, user_id=user_id)
+
+    def expire(self, now: float) -> list[RegistryEvent]:
+        """Remove every instance (and tombstone) whose deadline has passed."""
+        events: list[RegistryEvent] = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, instance_id = heapq.heappop(self._deadlines)
+            instance = self._instances.get(instance_id)
+            if instance is None or instance.deadline != deadline:
+                continue
+            del self._instances[instance_id]
+            events.extend(self._detach(instance, "expired"))
+        return events
+
+    # -- announce ----------------------------------------------------------------------------
+
+    def _announce(
+        self, message: Announce, raw: bytes, *, now: float, user_id: str | None
+    ) -> list[RegistryEvent]:
+        instance = self._instances.get(message.instance_id)
+        if instance is None:
+            if len(self._instances) >= self._max_instances:
+                detail = f"{self._max_instances} instances tracked already"
+                return [CardRejected(message.instance_id, "too_many_instances", detail)]
+            instance = _Instance(message.instance_id, user_id)
+            self._instances[message.instance_id] = instance
+        refused = self._refuse(instance, message.seq, "announce", user_id)
+        if refused is not None:
+            return refused
+        instance.last_seq = message.seq
+        instance.endpoint = message.endpoint
+        instance.ttl_s = message.ttl_ms / 1000
+        self._refresh(instance, now + instance.ttl_s)
+        events: list[RegistryEvent] = []
+        if raw != instance.raw:
+            events.extend(self._new_card(instance, raw))
+        if instance.model is None and instance.decoded is not None:
+            events.extend(self._admit(instance, instance.decoded))
+        elif instance.model is not None:
+            self._models[instance.model].instances[instance.instance_id] = instance.endpoint
+        return events
+
+    def _refuse(
+        self, instance: _Instance, seq: int, action: Literal["announce", "withdraw"], user_id: str | None
+    ) -> list[RegistryEvent] | None:
+        """Key binding first (a foreign key learns nothing about seq), then ordering."""
+        if instance.user_id != user_id:
+            return [KeyMismatch(instance.instance_id, action, instance.user_id, user_id)]
+        if seq <= instance.last_seq:
+            self.counters["duplicate" if seq == instance.last_seq else "stale"] += 1
+            return []
+        return None
+
+    def _refresh(self, instance: _Instance, deadline: float) -> None:
+        instance.deadline = deadline
+        heapq.heappush(self._deadlines, (deadline, instance.instance_id))
+
+    def _new_card(self, instance: _Instance, raw: bytes) -> list[RegistryEvent]:
+        """Decode changed card bytes; a card for another model detaches the instance first."""
+        instance.raw = raw
+        self.counters["cards_decoded"] += 1
+        try:
+            decoded = decode_card(raw)
+        except CardDecodeError as exc:
+            instance.decoded = None
+            return [
+                *self._detach(instance, "card_changed"),
+                CardRejected(instance.instance_id, "invalid_card", str(exc)),
+            ]
+        instance.decoded = decoded
+        instance.mdcsum = decoded.card.mdcsum()
+        model = self._models.get(instance.model) if instance.model is not None else None
+        if model is None:
+            return []
+        if decoded.card.display_name == model.name and instance.mdcsum == model.mdcsum:
+            return self._check_runtime_config(model, instance.instance_id, decoded.card)
+        return self._detach(instance, "card_changed")
+
+    def _admit(self, instance: _Instance, decoded: CardDecodeResult) -> list[RegistryEvent]:
+        card, mdcsum = decoded.card, instance.mdcsum
+        model = self._models.get(card.display_name)
+        events: list[RegistryEvent] = []
+        if model is None:
+            model = _Model(card.display_name, mdcsum, card.mdcsum_fields(), card, instance.instance_id)
+            self._models[model.name] = model
+            events.append(ModelFirstSeen(model.name, mdcsum, instance.instance_id, instance.endpoint, card))
+        elif model.mdcsum != mdcsum:
+            return self._mismatch(model, instance, card, mdcsum)
+        else:
+            events.extend(self._check_runtime_config(model, instance.instance_id, card))
+        model.instances[instance.instance_id] = instance.endpoint
+        instance.model = model.name
+        instance.mismatch_reported = None
+        events.append(InstanceAdded(model.name, instance.instance_id, instance.endpoint, mdcsum))
+        if decoded.legacy and not instance.legacy_reported:
+            instance.legacy_reported = True
+            token = model.card.runtime_config.image_placeholder_token
+            events.append(LegacyDowngrade(model.name, instance.instance_id, dict(decoded.legacy), token))
+        return events
+
+    def _mismatch(
+        self, model: _Model, instance: _Instance, card: ModelDeploymentCard, mdcsum: str
+    ) -> list[RegistryEvent]:
+        """Refuse the card; report once per (instance, canonical checksum), not every heartbeat."""
+        if instance.mismatch_reported == model.mdcsum:
+            return []
+        instance.mismatch_reported = model.mdcsum
+        fields = _differences(model.fields, card.mdcsum_fields())
+        return [ChecksumMismatch(model.name, instance.instance_id, model.mdcsum, mdcsum, fields)]
+
+    @staticmethod
+    def _check_runtime_config(
+        model: _Model, instance_id: str, card: ModelDeploymentCard
+    ) -> list[RegistryEvent]:
+        if instance_id == model.first_instance_id:
+            return []
+        first = msgspec.structs.asdict(model.card.runtime_config)
+        later = msgspec.structs.asdict(card.runtime_config)
+        fields = _differences(first, later)
+        return (
+            [RuntimeConfigConflict(model.name, instance_id, model.first_instance_id, fields)]
+            if fields
+            else []
+        )
+
+    # -- withdraw and removal ----------------------------------------------------------------
+
+    def _withdraw(self, message: Withdraw, *, now: float, user_id: str | None) -> list[RegistryEvent]:
+        instance = self._instances.get(message.instance_id)
+        if instance is None:
+            self.counters["stale"] += 1
+            return []
+        refused = self._refuse(instance, message.seq, "withdraw", user_id)
+        if refused is not None:
+            return refused
+        instance.last_seq = message.seq
+        self._refresh(instance, now + instance.ttl_s)  # tombstone: late duplicates of older seqs stay dropped
+        return self._detach(instance, "withdraw")
+
+    def _detach(self, instance: _Instance, reason: RemovalReason) -> list[RegistryEvent]:
+        """Take an instance out of its model; the model goes with its last instance."""
+        name, instance.model = instance.model, None
+        model = self._models.get(name) if name is not None else None
+        if model is None:
+            return []
+        endpoint = model.instances.pop(instance.instance_id, instance.endpoint)
+        events: list[RegistryEvent] = [InstanceRemoved(model.name, instance.instance_id, endpoint, reason)]
+        if not model.instances:
+            del self._models[model.name]
+            events.append(ModelRemoved(model.name, model.mdcsum))
+        return events
+
+
+def _differences(first: Mapping[str, Any], later: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """name -> (first, later) for every key whose values differ (a missing key reads as None)."""
+    return {
+        key: (first.get(key), later.get(key))
+        for key in sorted(first.keys() | later.keys())
+        if first.get(key) != later.get(key)
+    }

@@ -1,0 +1,142 @@
+"""CURVE trust for the discovery plane: who may announce, and which key announced what.
+
+The side that binds (a frontend's SUB socket, or a broker's XSUB) is the CURVE *server*: it
+holds a secret key and an allow-list directory of worker public keys, and runs a ZAP
+authenticator. Workers connect, so they are CURVE *clients*: they hold their own key pair and
+the server's public key.
+
+Two settings must agree or every client is rejected: the server socket's ``zap_domain`` and the
+domain the allow-list is registered under (``start_authenticator(..., domain=...)``). Both
+default to ``ZAP_DOMAIN``.
+
+How a receiver binds an instance to its key: the ZAP handler sets the ZMTP ``User-Id`` of every
+accepted connection to the z85 public key of the client. Receive with ``copy=False`` and read
+it per message::
+
+    frames = sock.recv_multipart(copy=False)
+    key = authenticated_key(frames[0])   # frames[0].get("User-Id"): z85 str, or None without CURVE
+
+Key the instance table on that value, so a second key can neither overwrite nor withdraw it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+__all__ = [
+    "ZAP_DOMAIN",
+    "ClientCurve",
+    "ServerCurve",
+    "TrustError",
+    "apply_client_curve",
+    "apply_server_curve",
+    "authenticated_key",
+    "generate_keys",
+    "start_authenticator",
+]
+
+ZAP_DOMAIN = "dynamo_prep"
+
+
+class TrustError(ValueError):
+    """A key file or allow-list cannot be used; the message names the path."""
+
+
+def generate_keys(directory: Path, name: str) -> tuple[Path, Path]:
+    """Write ``NAME.key`` (public, share it) and ``NAME.key_secret`` (keep it) into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    Path(secret).chmod(0o600)
+    return Path(public), Path(secret)
+
+
+def _load_key_pair(secret_key_file: Path) -> tuple[bytes, bytes]:
+    public, secret = _load(secret_key_file)
+    if secret is None:
+        raise TrustError(f"{secret_key_file}: no secret key in this file (is it the public .key?)")
+    return public, secret
+
+
+def _load(path: Path) -> tuple[bytes, bytes | None]:
+    try:
+        return zmq.auth.load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise TrustError(f"{path}: cannot load CURVE key: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ClientCurve:
+    """This process's key pair plus the public key of the server it connects to (z85 bytes)."""
+
+    public_key: bytes
+    secret_key: bytes
+    server_key: bytes
+
+    @classmethod
+    def load(cls, secret_key_file: Path, server_key_file: Path) -> ClientCurve:
+        public, secret = _load_key_pair(secret_key_file)
+        server_public, _ = _load(server_key_file)
+        return cls(public_key=public, secret_key=secret, server_key=server_public)
+
+
+@dataclass(frozen=True)
+class ServerCurve:
+    """The receiving side's key pair and the directory of public keys allowed to connect."""
+
+    public_key: bytes
+    secret_key: bytes
+    allow_dir: Path
+
+    @classmethod
+    def load(cls, secret_key_file: Path, allow_dir: Path) -> ServerCurve:
+        if not allow_dir.is_dir():
+            raise TrustError(f"{allow_dir}: CURVE allow-list directory not found")
+        public, secret = _load_key_pair(secret_key_file)
+        return cls(public_key=public, secret_key=secret, allow_dir=allow_dir)
+
+
+def start_authenticator(
+    context: zmq.Context[Any], allow_dir: Path, domain: str = ZAP_DOMAIN
+) -> ThreadAuthenticator:
+    """Run a ZAP handler in a thread of ``context`` that accepts only keys found in ``allow_dir``.
+
+    It must share the context of the server socket (ZAP is an inproc endpoint). Stop it with
+    ``.stop()`` before terminating the context. Keys added to the directory later need another
+    ``configure_curve`` call.
+    """
+    if not allow_dir.is_dir():
+        raise TrustError(f"{allow_dir}: CURVE allow-list directory not found")
+    authenticator = ThreadAuthenticator(context)
+    authenticator.start()
+    authenticator.configure_curve(domain=domain, location=str(allow_dir))
+    return authenticator
+
+
+def apply_server_curve(socket: zmq.Socket[Any], curve: ServerCurve, domain: str = ZAP_DOMAIN) -> None:
+    """Make ``socket`` a CURVE server checked by the authenticator registered under ``domain``."""
+    socket.curve_secretkey = curve.secret_key
+    socket.curve_publickey = curve.public_key
+    socket.curve_server = True
+    socket.zap_domain = domain.encode()
+
+
+def apply_client_curve(socket: zmq.Socket[Any], curve: ClientCurve) -> None:
+    """Make ``socket`` a CURVE client of the server whose public key ``curve`` carries."""
+    socket.curve_secretkey = curve.secret_key
+    socket.curve_publickey = curve.public_key
+    socket.curve_serverkey = curve.server_key
+
+
+def authenticated_key(frame: zmq.Frame) -> str | None:
+    """The z85 public key that sent ``frame`` (received with ``copy=False``), None without CURVE."""
+    try:
+        user_id = frame.get("User-Id")
+    except zmq.ZMQError:
+        return None
+    return user_id if isinstance(user_id, str) and user_id else None

@@ -1,0 +1,343 @@
+"""Frontend side of the discovery plane: one SUB socket in, the live model catalog out.
+
+The loop is ``await poll()`` (bounded by the next instance deadline), then a drain of up to
+``max_drain`` messages through a *shadow synchronous* socket: ``zmq.asyncio`` allocates a Future
+per ``recv``, which the drain does not need. Every message goes through the pure
+``DiscoveryRegistry``; its events become log lines, catalog updates and model builds. Builds run
+in a thread, so the socket keeps being serviced (a bound SUB only sends its subscription to a new
+publisher when its owner touches it). Nothing a peer sends can stop the loop: bad messages are
+counted and logged at most once per reason per second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from zmq.auth.thread import ThreadAuthenticator
+
+from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.discovery.builder import BuiltModel, ModelBuilder
+from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
+from dynamo_prep.discovery.eventlog import DiscoveryLog
+from dynamo_prep.discovery.registry import (
+    CardRejected,
+    ChecksumMismatch,
+    DiscoveryRegistry,
+    InstanceAdded,
+    InstanceRemoved,
+    KeyMismatch,
+    LegacyDowngrade,
+    ModelFirstSeen,
+    ModelRemoved,
+    RegistryEvent,
+    RuntimeConfigConflict,
+)
+from dynamo_prep.discovery.trust import (
+    ServerCurve,
+    apply_server_curve,
+    authenticated_key,
+    start_authenticator,
+)
+from dynamo_prep.protocol.discovery import (
+    DEFAULT_NAMESPACE,
+    Announce,
+    DiscoveryDecodeError,
+    decode_message,
+    topic,
+)
+
+__all__ = ["DEFAULT_BIND", "DiscoveryWatcher"]
+
+DEFAULT_BIND = "tcp://0.0.0.0:7555"
+MAX_DRAIN_PER_WAKE = 512
+MAX_POLL_S = 1.0
+RECV_HWM = 10_000
+# Frames above this are refused by libzmq (the peer is disconnected): a memory bound, far above
+# the 1 MiB payload limit so that oversize payloads still arrive and are counted as too_large.
+MAX_FRAME_BYTES = 16 << 20
+BUILD_BACKOFF_S = (1.0, 30.0)
+
+
+@dataclass(slots=True)
+class _Build:
+    """One model's preprocessor build: in flight, failed (waiting for a retry) or done."""
+
+    mdcsum: str
+    task: asyncio.Task[None] | None = None
+    failures: int = 0
+    retry_at: float = 0.0
+    built: BuiltModel | None = None
+    pending_legacy: list[LegacyDowngrade] = field(default_factory=list)
+
+
+class DiscoveryWatcher:
+    """Subscribes to one namespace, tracks live instances, keeps ``catalog`` current.
+
+    ``bind`` addresses make this the embedded plane (workers connect here); ``connect``
+    addresses are brokers' XPUB sockets. ``curve`` makes the bound socket a CURVE server whose
+    allow-list decides who may announce; each instance is then bound to its announcing key.
+    """
+
+    def __init__(
+        self,
+        *,
+        builder: ModelBuilder,
+        bind: Sequence[str] = (),
+        connect: Sequence[str] = (),
+        namespace: str = DEFAULT_NAMESPACE,
+        curve: ServerCurve | None = None,
+        catalog: ModelCatalog | None = None,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_drain: int = MAX_DRAIN_PER_WAKE,
+    ) -> None:
+        if not bind and not connect:
+            raise ValueError("the discovery watcher needs at least one bind or connect address")
+        if curve is not None and connect:
+            raise ValueError("frontend CURVE secures its bound plane; with brokers, key the brokers")
+        self.namespace = namespace
+        self.bind = list(bind)
+        self.connect = list(connect)
+        self.curve = curve
+        self.registry = DiscoveryRegistry()
+        self.catalog = catalog or ModelCatalog()
+        self.counters: Counter[str] = Counter()
+        self.addresses: list[str] = []
+        self._builder = builder
+        self._context = context or zmq.asyncio.Context.instance()
+        self._clock = clock
+        self._max_drain = max_drain
+        self._topic = topic(namespace)
+        self._log = DiscoveryLog(namespace)
+        self._builds: dict[str, _Build] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._socket: zmq.asyncio.Socket | None = None
+        self._shadow: zmq.Socket[Any] | None = None
+        self._authenticator: ThreadAuthenticator | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Create, secure, subscribe and bind/connect the SUB socket (idempotent)."""
+        if self._socket is not None:
+            return
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)  # a SUB has nothing worth flushing at exit
+        socket.setsockopt(zmq.RCVHWM, RECV_HWM)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        self._socket = socket
+        try:
+            if self.curve is not None:
+                self._authenticator = start_authenticator(self._context, self.curve.allow_dir)
+                apply_server_curve(socket, self.curve)
+            socket.setsockopt(zmq.SUBSCRIBE, self._topic)
+            for address in self.bind:
+                socket.bind(address)
+                self.addresses.append(socket.getsockopt_string(zmq.LAST_ENDPOINT))
+            for address in self.connect:
+                socket.connect(address)
+                self.addresses.append(address)
+        except BaseException:
+            self.close()
+            raise
+        self._shadow = zmq.Socket.shadow(socket.underlying)
+        if self.curve is None:
+            self._log.plane_open(self.addresses)
+
+    async def run(self) -> None:
+        """Serve the socket until cancelled; closes everything on the way out."""
+        self.open()
+        try:
+            while True:
+                await self.step()
+        finally:
+            self.close()
+
+    async def step(self) -> None:
+        """One wake: wait for messages or the next deadline, drain, expire."""
+        socket = self._socket
+        if socket is None:
+            raise RuntimeError("open() the watcher first")
+        if await socket.poll(self._poll_timeout_ms()):  # flags default to POLLIN
+            drained = self._drain()
+            if drained >= self._max_drain:
+                await asyncio.sleep(0)  # let builds and other tasks run under a flood
+        self._handle(self.registry.expire(self._clock()))
+
+    def close(self) -> None:
+        """Cancel builds, close the socket (LINGER 0) and stop the authenticator."""
+        for task in list(self._tasks):
+            task.cancel()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+            self._socket = None
+            self._shadow = None
+        if self._authenticator is not None:
+            self._authenticator.stop()
+            self._authenticator = None
+
+    async def wait_builds(self) -> None:
+        """Wait for the builds in flight (tests, orderly shutdown)."""
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _poll_timeout_ms(self) -> int:
+        deadline = self.registry.next_deadline()
+        wait_s = MAX_POLL_S if deadline is None else min(MAX_POLL_S, max(0.0, deadline - self._clock()))
+        return math.ceil(wait_s * 1000)
+
+    # -- receiving ---------------------------------------------------------------------------
+
+    def _drain(self) -> int:
+        """Receive without Futures until the socket is empty or ``max_drain`` is reached."""
+        shadow = self._shadow
+        assert shadow is not None
+        received = 0
+        while received < self._max_drain:
+            try:
+                frames = shadow.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            received += 1
+            self._on_frames(frames)
+        return received
+
+    def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.counters["messages"] += 1
+        now = self._clock()
+        if len(frames) != 2:
+            self._reject("frame_count", f"{len(frames)} frames, expected [topic, payload]", now)
+            return
+        if frames[0].bytes != self._topic:
+            self.counters["other_topic"] += 1  # a longer namespace sharing our prefix: not ours
+            return
+        try:
+            message = decode_message(frames[1].buffer)
+        except DiscoveryDecodeError as exc:
+            self._reject(exc.reason, exc.detail, now)
+            return
+        user_id = authenticated_key(frames[0]) if self.curve is not None else None
+        self._handle(self.registry.apply(message, now=now, user_id=user_id))
+        if isinstance(message, Announce):
+            self._maybe_retry_build(message.instance_id, message.endpoint, now)
+
+    def _reject(self, reason: str, detail: str, now: float) -> None:
+        """Count a refused message; the log line is rate-limited per reason."""
+        self.counters[reason] += 1
+        self._log.card_rejected(reason, detail, total=self.counters[reason], now=now)
+
+    # -- registry events ---------------------------------------------------------------------
+
+    def _handle(self, events: list[RegistryEvent]) -> None:
+        for event in events:
+            self._on_event(event)
+
+    def _on_event(self, event: RegistryEvent) -> None:
+        match event:
+            case InstanceAdded():
+                self.catalog.set_instance(event.model, event.instance_id, event.endpoint)
+                snapshot = self.registry.model(event.model)
+                self._log.instance_added(event, instances=len(snapshot.instances) if snapshot else 1)
+            case InstanceRemoved():
+                self.catalog.remove_instance(event.model, event.instance_id)
+                self._log.instance_removed(event)
+            case ModelFirstSeen():
+                self._on_model_first_seen(event)
+            case ModelRemoved():
+                self.catalog.remove(event.model)
+                self._builds.pop(event.model, None)  # an in-flight build sees this and drops its result
+                self._log.model_removed(event)
+            case CardRejected():
+                self._reject(event.reason, f"instance {event.instance_id}: {event.detail}", self._clock())
+            case ChecksumMismatch():
+                self._log.checksum_mismatch(event)
+            case RuntimeConfigConflict():
+                self._log.runtime_config_conflict(event)
+            case LegacyDowngrade():
+                self._on_legacy(event)
+            case KeyMismatch():
+                self.counters["key_mismatch"] += 1
+                self._log.key_mismatch(event, total=self.counters["key_mismatch"], now=self._clock())
+
+    def _on_legacy(self, event: LegacyDowngrade) -> None:
+        """Log now if the model is built (we know what renders); else when its build ends."""
+        build = self._builds.get(event.model)
+        if build is not None and build.built is None and build.failures == 0:
+            build.pending_legacy.append(event)
+            return
+        self._log.legacy_downgrade(event, build.built if build is not None else None)
+
+    # -- builds ------------------------------------------------------------------------------
+
+    def _on_model_first_seen(self, event: ModelFirstSeen) -> None:
+        build = _Build(event.mdcsum)
+        self._builds[event.model] = build
+        self._start_build(event.model, build, event.card, event.instance_id, event.endpoint)
+
+    def _maybe_retry_build(self, instance_id: str, endpoint: str, now: float) -> None:
+        """A later announce of a model whose build failed retries it, after its backoff."""
+        name = self.registry.model_of(instance_id)
+        build = self._builds.get(name) if name is not None else None
+        if name is None or build is None or build.built is not None or build.task is not None:
+            return
+        snapshot = self.registry.model(name)
+        if now >= build.retry_at and snapshot is not None:
+            self._start_build(name, build, snapshot.card, instance_id, endpoint)
+
+    def _start_build(
+        self, name: str, build: _Build, card: ModelDeploymentCard, instance_id: str, endpoint: str
+    ) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._build(name, build, card, instance_id, endpoint), name=f"build:{name}"
+        )
+        build.task = task
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _build(
+        self, name: str, build: _Build, card: ModelDeploymentCard, instance_id: str, endpoint: str
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            built = await asyncio.to_thread(self._builder, card, endpoint)
+        except Exception as exc:  # the contract is ModelBuildError; anything else is reported the same
+            self._build_failed(name, build, instance_id, endpoint, exc)
+            return
+        finally:
+            build.task = None
+        snapshot = self.registry.model(name)
+        if self._builds.get(name) is not build or snapshot is None:
+            self._log.model_build_discarded(name, build.mdcsum)
+            return
+        build.built = built
+        live = LiveModel(name, card, build.mdcsum, built.preprocessor, built.formatter_kind)
+        self.catalog.publish(live.with_instances(snapshot.instances))
+        build_ms = (time.perf_counter() - started) * 1000
+        self._log.model_added(
+            name, build.mdcsum, instance_id, built, instances=len(snapshot.instances), build_ms=build_ms
+        )
+        self._flush_legacy(build)
+
+    def _build_failed(
+        self, name: str, build: _Build, instance_id: str, endpoint: str, exc: Exception
+    ) -> None:
+        build.failures += 1
+        low, high = BUILD_BACKOFF_S
+        retry_in = min(high, low * 2 ** (build.failures - 1))
+        build.retry_at = self._clock() + retry_in
+        self._log.model_build_failed(
+            name, build.mdcsum, instance_id, endpoint, exc, attempt=build.failures, retry_in_s=retry_in
+        )
+        self._flush_legacy(build)
+
+    def _flush_legacy(self, build: _Build) -> None:
+        pending, build.pending_legacy = build.pending_legacy, []
+        for event in pending:
+            self._log.legacy_downgrade(event, build.built)

@@ -1,0 +1,190 @@
+"""The frontend process runner: start the components, stop them all on SIGTERM / SIGINT.
+
+Components are named coroutines supervised together: the discovery watcher today, the HTTP
+server of the "Serving" issue next to it (add it in ``_components``). A signal stops every
+component and exits 0; a component that ends on its own is a failure and exits 1. Logging is
+configured by the CLI, never here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+import zmq.asyncio
+
+from dynamo_prep.discovery.builder import PreprocessorBuilder
+from dynamo_prep.discovery.catalog import ModelCatalog
+from dynamo_prep.discovery.files import ModelFileStore
+from dynamo_prep.discovery.trust import ServerCurve, TrustError
+from dynamo_prep.discovery.watcher import DEFAULT_BIND, DiscoveryWatcher
+from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
+
+__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "FrontendConfig", "run_frontend", "serve_frontend"]
+
+log = structlog.get_logger("dynamo_prep.frontend")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_CONFIG = 2
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """Validated frontend options (what the CLI flags mean, checked once)."""
+
+    bind: tuple[str, ...] = ()
+    connect: tuple[str, ...] = ()
+    namespace: str = DEFAULT_NAMESPACE
+    model_path: Path | None = None
+    cache_dir: Path | None = None
+    curve: ServerCurve | None = None
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        discovery_bind: str | None = None,
+        discovery: Sequence[str] | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        model_path: str | Path | None = None,
+        cache_dir: Path | None = None,
+        curve_secret_key: Path | None = None,
+        curve_allow_dir: Path | None = None,
+    ) -> FrontendConfig:
+        """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options."""
+        if discovery_bind and discovery:
+            raise ValueError("give --discovery-bind (embedded plane) or --discovery (brokers), not both")
+        if (curve_secret_key is None) != (curve_allow_dir is None):
+            raise ValueError("--curve-secret-key and --curve-allow-dir go together")
+        connect = tuple(discovery or ())
+        bind = (discovery_bind,) if discovery_bind else (() if connect else (DEFAULT_BIND,))
+        curve = None
+        if curve_secret_key is not None and curve_allow_dir is not None:
+            if connect:
+                raise ValueError(
+                    "frontend CURVE secures its bound plane; with brokers, give the keys to the brokers"
+                )
+            curve = ServerCurve.load(curve_secret_key, curve_allow_dir)
+        return cls(
+            bind=bind,
+            connect=connect,
+            namespace=namespace,
+            model_path=Path(model_path) if model_path is not None else None,
+            cache_dir=cache_dir,
+            curve=curve,
+        )
+
+
+def run_frontend(
+    *,
+    discovery_bind: str | None = None,
+    discovery: Sequence[str] | None = None,
+    namespace: str = DEFAULT_NAMESPACE,
+    model_path: str | Path | None = None,
+    cache_dir: Path | None = None,
+    curve_secret_key: Path | None = None,
+    curve_allow_dir: Path | None = None,
+) -> int:
+    """Blocking entry point of ``dynamo-prep frontend``; returns the process exit code."""
+    try:
+        config = FrontendConfig.from_options(
+            discovery_bind=discovery_bind,
+            discovery=discovery,
+            namespace=namespace,
+            model_path=model_path,
+            cache_dir=cache_dir,
+            curve_secret_key=curve_secret_key,
+            curve_allow_dir=curve_allow_dir,
+        )
+    except (TrustError, ValueError) as exc:
+        log.error("frontend_config_error", error=str(exc))
+        return EXIT_CONFIG
+    return asyncio.run(serve_frontend(config))
+
+
+async def serve_frontend(config: FrontendConfig, *, stop: asyncio.Event | None = None) -> int:
+    """Run until ``stop`` is set (or SIGTERM / SIGINT when in the main thread)."""
+    stop = stop or asyncio.Event()
+    _install_signal_handlers(stop)
+    context = zmq.asyncio.Context.instance()
+    catalog = ModelCatalog()
+    store = ModelFileStore(config.cache_dir)
+    watcher = _watcher(config, catalog, store, context)
+    try:
+        watcher.open()
+    except (zmq.ZMQError, TrustError, ValueError) as exc:
+        log.error("frontend_start_failed", error=str(exc), discovery=[*config.bind, *config.connect])
+        return EXIT_FAILED
+    log.info(
+        "frontend_started",
+        discovery=watcher.addresses,
+        mode="bind" if config.bind else "connect",
+        namespace=config.namespace,
+        curve="on" if config.curve is not None else "off",
+        model_path=str(config.model_path) if config.model_path else None,
+        cache_dir=str(store.root),
+    )
+    return await _supervise(_components(watcher, catalog), stop)
+
+
+def _watcher(
+    config: FrontendConfig, catalog: ModelCatalog, store: ModelFileStore, context: zmq.asyncio.Context
+) -> DiscoveryWatcher:
+    builder = PreprocessorBuilder(store, local_model_path=config.model_path, context=context)
+    return DiscoveryWatcher(
+        builder=builder,
+        bind=config.bind,
+        connect=config.connect,
+        namespace=config.namespace,
+        curve=config.curve,
+        catalog=catalog,
+        context=context,
+    )
+
+
+def _components(watcher: DiscoveryWatcher, catalog: ModelCatalog) -> dict[str, Coroutine[Any, Any, None]]:
+    """Everything the frontend runs concurrently; the HTTP server (reading ``catalog``) goes here."""
+    del catalog  # read by the HTTP server of the "Serving" issue
+    return {"discovery_watcher": watcher.run()}
+
+
+async def _supervise(components: Mapping[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> int:
+    """Run components until ``stop`` or until one of them ends (a failure); cancel the rest."""
+    tasks = {asyncio.create_task(coro, name=name): name for name, coro in components.items()}
+    stopper = asyncio.create_task(stop.wait(), name="stop")
+    done, _ = await asyncio.wait([*tasks, stopper], return_when=asyncio.FIRST_COMPLETED)
+    code = EXIT_OK
+    for task, name in tasks.items():
+        if task in done:
+            code = EXIT_FAILED
+            error = task.exception() if not task.cancelled() else None
+            log.error("frontend_component_failed", component=name, error=repr(error))
+    stopper.cancel()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, stopper, return_exceptions=True)
+    log.info("frontend_stopped", exit_code=code)
+    return code
+
+
+def _install_signal_handlers(stop: asyncio.Event) -> None:
+    """SIGTERM / SIGINT set ``stop`` (only possible in the main thread; tests pass ``stop``)."""
+    loop = asyncio.get_running_loop()
+
+    def on_signal(signum: signal.Signals) -> None:
+        log.info("frontend_stopping", signal=signum.name)
+        stop.set()
+
+    for signum in _STOP_SIGNALS:
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+        except (RuntimeError, ValueError):  # not the main thread
+            return

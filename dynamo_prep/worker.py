@@ -1,0 +1,282 @@
+"""A worker process: announce the model card and serve the request plane.
+
+The worker owns two sockets. A ROUTER bound on a random port is its request plane (advertised in
+every announce as ``endpoint``); a ``CardPublisher`` announces the card on the discovery plane.
+For now the request plane serves only the card's model files; the request loop is a dispatcher on
+message type so generation and cancellation can be registered beside ``FetchFile``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from dynamo_prep.card import ModelCardError, ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.discovery.files import FileServer
+from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
+from dynamo_prep.discovery.trust import ClientCurve, TrustError
+from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.protocol import wire
+from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
+from dynamo_prep.protocol.wire import ErrorReply, FetchFile
+
+__all__ = ["RequestDispatcher", "Worker", "run_worker"]
+
+log = structlog.get_logger("dynamo_prep.worker")
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+STOP_TIMEOUT_S = 5.0
+ROUTER_LINGER_MS = 100
+
+M = TypeVar("M")
+Reply = Callable[[wire.FromWorker], Awaitable[None]]
+Handler = Callable[[Any, Reply], Awaitable[None]]
+
+
+class RequestDispatcher:
+    """Routes each decoded request-plane message to the handler registered for its type.
+
+    A handler gets the message and a ``reply`` coroutine bound to the requesting peer; it may
+    reply zero, one or many times (streaming). Handlers run inline in the receive loop, so
+    anything long must spawn its own task.
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[type[Any], Handler] = {}
+
+    def register(self, kind: type[M], handler: Callable[[M, Reply], Awaitable[None]]) -> None:
+        self._handlers[kind] = handler
+
+    async def dispatch(self, payload: bytes, reply: Reply) -> None:
+        try:
+            message = wire.to_worker_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.warning("request_rejected", reason="invalid", error=str(exc)[:200])
+            await reply(ErrorReply(request_id="", code=400, message="invalid request"))
+            return
+        handler = self._handlers.get(type(message))
+        if handler is None:
+            await reply(ErrorReply(request_id=message.request_id, code=400, message="unsupported request"))
+            return
+        try:
+            await handler(message, reply)
+        except Exception as exc:  # one bad request must not take the request plane down
+            log.exception("request_failed", kind=type(message).__name__, request_id=message.request_id)
+            await reply(ErrorReply(request_id=message.request_id, code=500, message=type(exc).__name__))
+
+
+class Worker:
+    """One worker instance: request-plane ROUTER plus card publisher, started and stopped together."""
+
+    def __init__(
+        self,
+        card: ModelDeploymentCard,
+        model_dir: Path,
+        *,
+        discovery: Sequence[str],
+        namespace: str = DEFAULT_NAMESPACE,
+        endpoint_host: str = "127.0.0.1",
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        ttl_ms: int = DEFAULT_TTL_MS,
+        legacy_runtime: Mapping[str, Any] | None = None,
+        curve: ClientCurve | None = None,
+        instance_id: str | None = None,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.card = card
+        self.instance_id = instance_id or uuid.uuid4().hex
+        self.dispatcher = RequestDispatcher()
+        self.files = FileServer(card, model_dir)
+        self.dispatcher.register(FetchFile, self._fetch_file)
+        self._discovery = list(discovery)
+        self._namespace = namespace
+        self._endpoint_host = endpoint_host
+        self._heartbeat_s = heartbeat_s
+        self._ttl_ms = ttl_ms
+        self._legacy_runtime = legacy_runtime
+        self._curve = curve
+        self._context = context or zmq.asyncio.Context.instance()
+        self._router: zmq.asyncio.Socket | None = None
+        self._publisher: CardPublisher | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.endpoint = ""
+
+    async def start(self) -> None:
+        """Bind the request plane (the advertised endpoint is the real bound address)."""
+        router = self._context.socket(zmq.ROUTER)
+        router.setsockopt(zmq.LINGER, ROUTER_LINGER_MS)
+        try:
+            router.bind(f"tcp://{self._endpoint_host}:*")
+        except zmq.ZMQError:
+            router.close(linger=0)
+            raise
+        self._router = router
+        self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._publisher = CardPublisher(
+            self.card,
+            endpoint=self.endpoint,
+            discovery=self._discovery,
+            namespace=self._namespace,
+            heartbeat_s=self._heartbeat_s,
+            ttl_ms=self._ttl_ms,
+            instance_id=self.instance_id,
+            legacy_runtime=self._legacy_runtime,
+            curve=self._curve,
+            context=self._context,
+        )
+        structlog.contextvars.bind_contextvars(instance_id=self.instance_id, model=self.card.display_name)
+        log.info(
+            "worker_started",
+            model=self.card.display_name,
+            instance_id=self.instance_id,
+            endpoint=self.endpoint,
+            image_placeholder_token=self.card.runtime_config.image_placeholder_token,
+            legacy_runtime=dict(self._legacy_runtime or {}),
+            mdcsum=self.card.mdcsum(),
+        )
+
+    async def run(self) -> None:
+        """Serve and announce until ``stop()``; returns when both loops have ended."""
+        if self._router is None or self._publisher is None:
+            raise RuntimeError("Worker.start() must be awaited before run()")
+        self._tasks = [
+            asyncio.create_task(self._serve(self._router), name="request-plane"),
+            asyncio.create_task(self._publisher.run(), name="card-publisher"),
+        ]
+        await asyncio.gather(*self._tasks)
+
+    async def stop(self) -> None:
+        """Withdraw the card first (so frontends stop routing here), then close the request plane."""
+        if self._publisher is not None:
+            await self._publisher.stop()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._router is not None:
+            self._router.close(linger=ROUTER_LINGER_MS)
+            self._router = None
+        log.info("worker_stopped", instance_id=self.instance_id)
+
+    async def _serve(self, router: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await router.recv_multipart()
+            if len(frames) != 2:
+                continue  # the frontend sends exactly one frame; the ROUTER adds the identity
+            identity, payload = frames
+            await self.dispatcher.dispatch(payload, self._replier(router, identity))
+
+    @staticmethod
+    def _replier(router: zmq.asyncio.Socket, identity: bytes) -> Reply:
+        async def reply(message: wire.FromWorker) -> None:
+            await router.send_multipart([identity, wire.encode(message)])
+
+        return reply
+
+    async def _fetch_file(self, request: FetchFile, reply: Reply) -> None:
+        await reply(await asyncio.to_thread(self.files.handle, request))
+
+
+def run_worker(
+    *,
+    model_path: str | Path,
+    served_name: str | None,
+    declared_image_token: str | None,
+    legacy_expands_image_pad_token: bool,
+    discovery: Sequence[str],
+    namespace: str,
+    endpoint_host: str,
+    heartbeat_s: float,
+    ttl_ms: int,
+    curve_secret_key: Path | None,
+    curve_server_key: Path | None,
+) -> int:
+    """The ``dynamo-prep worker`` process; returns the exit code (0 after SIGTERM/SIGINT)."""
+    try:
+        model_dir = resolve_model_dir(model_path)
+        card = ModelDeploymentCard.from_model_dir(
+            model_dir,
+            served_name=served_name,
+            runtime_config=ModelRuntimeConfig(image_placeholder_token=declared_image_token),
+        )
+        curve = _client_curve(curve_secret_key, curve_server_key)
+    except (ModelCardError, TrustError, OSError) as exc:
+        log.error("worker_start_failed", model_path=str(model_path), error=str(exc))
+        return EXIT_ERROR
+    legacy = {"expands_image_pad_token": True} if legacy_expands_image_pad_token else None
+    return asyncio.run(
+        _serve_until_signalled(
+            lambda context: Worker(
+                card,
+                model_dir,
+                discovery=discovery,
+                namespace=namespace,
+                endpoint_host=endpoint_host,
+                heartbeat_s=heartbeat_s,
+                ttl_ms=ttl_ms,
+                legacy_runtime=legacy,
+                curve=curve,
+                context=context,
+            )
+        )
+    )
+
+
+def _client_curve(secret_key: Path | None, server_key: Path | None) -> ClientCurve | None:
+    if secret_key is None and server_key is None:
+        return None
+    if secret_key is None or server_key is None:
+        raise TrustError("CURVE needs both --curve-secret-key and --curve-server-key")
+    return ClientCurve.load(secret_key, server_key)
+
+
+async def _serve_until_signalled(make_worker: Callable[[zmq.asyncio.Context], Worker]) -> int:
+    # Handlers go in before anything is logged, so a SIGTERM right after worker_started is graceful.
+    loop = asyncio.get_running_loop()
+    stopping = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    context = zmq.asyncio.Context()
+    try:
+        worker = make_worker(context)
+        try:
+            await worker.start()
+        except zmq.ZMQError as exc:
+            log.error("worker_start_failed", error=str(exc))
+            return EXIT_ERROR
+        return await _run_until(worker, stopping)
+    finally:
+        # Every socket is closed with a bounded linger, so this waits at most that long.
+        context.term()
+
+
+async def _run_until(worker: Worker, stopping: asyncio.Event) -> int:
+    running = asyncio.create_task(worker.run())
+    signalled = asyncio.create_task(stopping.wait())
+    await asyncio.wait({running, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    code = EXIT_OK
+    if running.done() and running.exception() is not None:
+        log.error("worker_failed", error=repr(running.exception()))
+        code = EXIT_ERROR
+    try:
+        await asyncio.wait_for(worker.stop(), timeout=STOP_TIMEOUT_S + STOP_LINGER_MS / 1000)
+    except TimeoutError:
+        log.error("worker_stop_timeout", timeout_s=STOP_TIMEOUT_S)
+        code = EXIT_ERROR
+    signalled.cancel()
+    running.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await running
+    return code

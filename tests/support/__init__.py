@@ -1,0 +1,1 @@
+"""Reusable helpers for tests that run real sockets and processes on loopback."""

@@ -1,0 +1,216 @@
+"""Model files by content: FileServer, fetch_file and the frontend's ModelFileStore."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from support.plane import write_model_dir
+
+from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.discovery.files import (
+    FileFetchError,
+    FileServer,
+    ModelFileError,
+    ModelFileStore,
+    default_cache_dir,
+    fetch_file,
+)
+from dynamo_prep.protocol import wire
+from dynamo_prep.protocol.wire import ErrorReply, FetchFile, FileData
+
+UNKNOWN = "0" * 64
+
+
+class ThreadRouter:
+    """A request-plane ROUTER in a thread answering FetchFile with a FileServer (or a forger)."""
+
+    def __init__(self, server: FileServer, *, corrupt: bool = False) -> None:
+        self.server = server
+        self.corrupt = corrupt
+        self.requests: list[FetchFile] = []
+        self._context: zmq.Context[Any] = zmq.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(20, zmq.POLLIN):
+                continue
+            identity, payload = self._socket.recv_multipart()
+            request = wire.to_worker_decoder.decode(payload)
+            self.requests.append(request)
+            reply = self.server.handle(request)
+            if self.corrupt and isinstance(reply, FileData):
+                reply = FileData(request_id=reply.request_id, sha256=reply.sha256, data=reply.data + b"!")
+            self._socket.send_multipart([identity, wire.encode(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._socket.close(linger=0)
+        self._context.term()
+
+
+@pytest.fixture
+def model(tmp_path: Path) -> tuple[ModelDeploymentCard, Path]:
+    directory = write_model_dir(tmp_path / "Kimi-K3-Test", chat_template="{{ messages }}")
+    return ModelDeploymentCard.from_model_dir(directory), directory
+
+
+@pytest.fixture
+def router(model: tuple[ModelDeploymentCard, Path]) -> Iterator[ThreadRouter]:
+    card, directory = model
+    server = ThreadRouter(FileServer(card, directory))
+    yield server
+    server.close()
+
+
+def test_file_server_serves_only_listed_files(model: tuple[ModelDeploymentCard, Path]) -> None:
+    card, directory = model
+    server = FileServer(card, directory)
+    assert server.hashes == {ref.sha256 for ref in card.files.values()}
+    ref = card.files["config.json"]
+    reply = server.handle(FetchFile(request_id="r1", sha256=ref.sha256))
+    assert isinstance(reply, FileData)
+    assert reply.data == (directory / "config.json").read_bytes()
+    refused = server.handle(FetchFile(request_id="r2", sha256=UNKNOWN))
+    assert isinstance(refused, ErrorReply)
+    assert (refused.request_id, refused.code) == ("r2", 404)
+
+
+def test_file_server_refuses_a_file_changed_on_disk(model: tuple[ModelDeploymentCard, Path]) -> None:
+    card, directory = model
+    server = FileServer(card, directory)
+    (directory / "config.json").write_text("{}")
+    reply = server.handle(FetchFile(request_id="r", sha256=card.files["config.json"].sha256))
+    assert isinstance(reply, ErrorReply)
+    assert reply.code == 500
+
+
+def test_fetch_file_over_the_wire(model: tuple[ModelDeploymentCard, Path], router: ThreadRouter) -> None:
+    card, directory = model
+    data = fetch_file(None, router.endpoint, card.files["tiktoken.model"].sha256, timeout_s=5)
+    assert data == (directory / "tiktoken.model").read_bytes()
+    with pytest.raises(FileFetchError, match="404"):
+        fetch_file(None, router.endpoint, UNKNOWN, timeout_s=5)
+    with pytest.raises(FileFetchError, match="not a sha256"):
+        fetch_file(None, router.endpoint, "../../etc/passwd", timeout_s=5)
+
+
+def test_fetch_file_rejects_a_checksum_mismatch(model: tuple[ModelDeploymentCard, Path]) -> None:
+    card, directory = model
+    forger = ThreadRouter(FileServer(card, directory), corrupt=True)
+    try:
+        with pytest.raises(FileFetchError, match="checksum"):
+            fetch_file(None, forger.endpoint, card.files["config.json"].sha256, timeout_s=5)
+    finally:
+        forger.close()
+
+
+def test_fetch_file_times_out() -> None:
+    context: zmq.Context[Any] = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        with pytest.raises(FileFetchError, match="no reply"):
+            fetch_file(context, silent.getsockopt_string(zmq.LAST_ENDPOINT), UNKNOWN, timeout_s=0.2)
+    finally:
+        silent.close(linger=0)
+        context.term()
+
+
+def test_store_uses_a_matching_local_dir(model: tuple[ModelDeploymentCard, Path], tmp_path: Path) -> None:
+    card, directory = model
+    store = ModelFileStore(tmp_path / "cache")
+    assert store.model_dir_for(card, local_model_path=directory) == directory
+    assert not (tmp_path / "cache").exists()
+
+
+def test_store_fetches_caches_and_materializes(
+    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
+) -> None:
+    card, _ = model
+    other_local = write_model_dir(tmp_path / "other", max_position_embeddings=8192)
+    store = ModelFileStore(tmp_path / "cache")
+    path = store.model_dir_for(card, local_model_path=other_local, endpoint=router.endpoint, timeout_s=5)
+    assert path == tmp_path / "cache" / "models" / card.mdcsum()
+    assert len(router.requests) == len(card.files)
+    for ref in card.files.values():
+        blob = store.blob_path(ref.sha256).read_bytes()
+        assert hashlib.sha256(blob).hexdigest() == ref.sha256
+    loaded = ModelDeploymentCard.from_model_dir(path, served_name=card.display_name)
+    assert loaded.mdcsum() == card.mdcsum()
+    # Second call: the materialized directory is reused, nothing is fetched.
+    assert store.model_dir_for(card, endpoint=router.endpoint) == path
+    assert len(router.requests) == len(card.files)
+
+
+def test_store_rebuilds_from_blobs_without_fetching(
+    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
+) -> None:
+    card, _ = model
+    store = ModelFileStore(tmp_path / "cache")
+    path = store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5)
+    (path / "config.json").write_text("tampered")
+    assert store.model_dir_for(card, endpoint=None) == path
+    assert len(router.requests) == len(card.files)
+    assert ModelDeploymentCard.from_model_dir(path, served_name=card.display_name).mdcsum() == card.mdcsum()
+
+
+def test_store_refetches_a_corrupted_blob(
+    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
+) -> None:
+    card, _ = model
+    store = ModelFileStore(tmp_path / "cache")
+    path = store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5)
+    store.blob_path(card.files["config.json"].sha256).write_text("bitrot")
+    (path / "config.json").unlink()
+    store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5)
+    assert len(router.requests) == len(card.files) + 1
+
+
+def test_store_refuses_unsafe_names_and_hashes(
+    model: tuple[ModelDeploymentCard, Path], tmp_path: Path
+) -> None:
+    card, _ = model
+    store = ModelFileStore(tmp_path / "cache")
+    ref = card.files["config.json"]
+    escaping = ModelDeploymentCard(**{**_fields(card), "files": {**card.files, "../../evil": ref}})
+    with pytest.raises(ModelFileError, match="unknown model file name"):
+        store.model_dir_for(card=escaping, endpoint="tcp://127.0.0.1:1")
+    bad_hash = ModelDeploymentCard(
+        **{**_fields(card), "files": {**card.files, "config.json": type(ref)(sha256="../x", size=1)}}
+    )
+    with pytest.raises(ModelFileError, match="invalid sha256"):
+        store.model_dir_for(card=bad_hash, endpoint="tcp://127.0.0.1:1")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_store_without_endpoint_says_so(model: tuple[ModelDeploymentCard, Path], tmp_path: Path) -> None:
+    card, _ = model
+    with pytest.raises(ModelFileError, match="no endpoint"):
+        ModelFileStore(tmp_path / "cache").model_dir_for(card)
+
+
+def test_default_cache_dir_honours_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("DYN_PREP_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    assert ModelFileStore().root == tmp_path
+    monkeypatch.delenv("DYN_PREP_CACHE_DIR")
+    assert default_cache_dir() == Path.home() / ".cache" / "dynamo_prep"
+
+
+def _fields(card: ModelDeploymentCard) -> dict[str, Any]:
+    return {name: getattr(card, name) for name in card.__struct_fields__}

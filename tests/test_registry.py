@@ -1,0 +1,353 @@
+"""The discovery registry as a pure state machine: no sockets, time passed in."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, encode_card
+from dynamo_prep.discovery.registry import (
+    CardRejected,
+    ChecksumMismatch,
+    DiscoveryRegistry,
+    InstanceAdded,
+    InstanceRemoved,
+    KeyMismatch,
+    LegacyDowngrade,
+    ModelFirstSeen,
+    ModelRemoved,
+    RegistryEvent,
+    RuntimeConfigConflict,
+)
+from dynamo_prep.protocol.discovery import Announce, Withdraw
+
+K3 = "kimi-k3-demo"
+
+
+@pytest.fixture(scope="module")
+def k3_card() -> ModelDeploymentCard:
+    return ModelDeploymentCard.from_model_dir(K3)
+
+
+def card_bytes(card: ModelDeploymentCard, **runtime: Any) -> bytes:
+    """The card's wire bytes; runtime keys are merged raw (so legacy keys can be sent)."""
+    if not runtime:
+        return encode_card(card)
+    fields = msgspec.msgpack.decode(encode_card(card))
+    fields["runtime_config"] = {**fields.get("runtime_config", {}), **runtime}
+    return msgspec.msgpack.encode(fields)
+
+
+def announce(instance_id: str, seq: int, raw: bytes, *, ttl_ms: int = 3000) -> Announce:
+    return Announce(
+        instance_id=instance_id,
+        seq=seq,
+        sent_ms=0,
+        ttl_ms=ttl_ms,
+        endpoint=f"tcp://127.0.0.1:1{seq % 10}00",
+        card=msgspec.Raw(raw),
+    )
+
+
+def withdraw(instance_id: str, seq: int) -> Withdraw:
+    return Withdraw(instance_id=instance_id, seq=seq, sent_ms=0)
+
+
+def kinds(events: list[RegistryEvent]) -> list[str]:
+    return [type(event).__name__ for event in events]
+
+
+def test_first_announce_adds_model_and_instance(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    events = registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    assert kinds(events) == ["ModelFirstSeen", "InstanceAdded"]
+    first = events[0]
+    assert isinstance(first, ModelFirstSeen)
+    assert first.model == "kimi-k3-demo"
+    assert first.mdcsum == k3_card.mdcsum()
+    assert first.instance_id == "a"
+    assert first.card == k3_card
+    snapshot = registry.model("kimi-k3-demo")
+    assert snapshot is not None
+    assert dict(snapshot.instances) == {"a": first.endpoint}
+    assert registry.model_of("a") == "kimi-k3-demo"
+
+
+def test_second_instance_only_adds_instance(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    events = registry.apply(announce("b", 1, card_bytes(k3_card)), now=0.1)
+    assert events == [InstanceAdded("kimi-k3-demo", "b", "tcp://127.0.0.1:1100", k3_card.mdcsum())]
+
+
+def test_heartbeat_is_silent_and_refreshes_deadline(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 1, raw, ttl_ms=1000), now=0.0)
+    assert registry.next_deadline() == pytest.approx(1.0)
+    assert registry.apply(announce("a", 2, raw, ttl_ms=1000), now=0.5) == []
+    assert registry.next_deadline() == pytest.approx(1.5)
+    assert registry.expire(1.2) == []
+
+
+@pytest.mark.parametrize(("seq", "counter"), [(5, "duplicate"), (4, "stale"), (0, "stale")])
+def test_duplicate_and_stale_messages_are_dropped(
+    k3_card: ModelDeploymentCard, seq: int, counter: str
+) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 5, raw, ttl_ms=1000), now=0.0)
+    assert registry.apply(announce("a", seq, raw, ttl_ms=1000), now=0.9) == []
+    assert registry.counters[counter] == 1
+    # a dropped message does not refresh the deadline
+    assert registry.next_deadline() == pytest.approx(1.0)
+
+
+def test_stale_withdraw_is_dropped(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 5, card_bytes(k3_card)), now=0.0)
+    assert registry.apply(withdraw("a", 3), now=0.1) == []
+    assert registry.model_of("a") == "kimi-k3-demo"
+
+
+def test_two_brokers_deliver_twice_and_nothing_doubles(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    events: list[RegistryEvent] = []
+    for seq in range(1, 4):
+        for _broker in range(2):
+            events += registry.apply(announce("a", seq, raw), now=seq * 0.1)
+    events += registry.apply(withdraw("a", 4), now=0.5)
+    events += registry.apply(withdraw("a", 4), now=0.5)
+    assert kinds(events) == ["ModelFirstSeen", "InstanceAdded", "InstanceRemoved", "ModelRemoved"]
+    assert registry.counters["duplicate"] == 4
+
+
+def test_expiry_removes_instance_then_model(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 1, raw, ttl_ms=1000), now=0.0)
+    registry.apply(announce("b", 1, raw, ttl_ms=2000), now=0.0)
+    assert registry.expire(0.99) == []
+    events = registry.expire(1.0)
+    assert events == [InstanceRemoved("kimi-k3-demo", "a", "tcp://127.0.0.1:1100", "expired")]
+    assert registry.next_deadline() == pytest.approx(2.0)
+    events = registry.expire(5.0)
+    assert kinds(events) == ["InstanceRemoved", "ModelRemoved"]
+    assert events[1] == ModelRemoved("kimi-k3-demo", k3_card.mdcsum())
+    assert registry.model("kimi-k3-demo") is None
+    assert registry.next_deadline() is None
+
+
+def test_withdraw_removes_at_once_and_tombstone_blocks_late_duplicates(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 1, raw, ttl_ms=1000), now=0.0)
+    events = registry.apply(withdraw("a", 2), now=0.2)
+    assert events == [
+        InstanceRemoved("kimi-k3-demo", "a", "tcp://127.0.0.1:1100", "withdraw"),
+        ModelRemoved("kimi-k3-demo", k3_card.mdcsum()),
+    ]
+    # the second broker's copy of the last announce arrives after the withdraw
+    assert registry.apply(announce("a", 1, raw, ttl_ms=1000), now=0.3) == []
+    assert registry.model_of("a") is None
+    # the tombstone goes away silently after one TTL
+    assert registry.expire(1.3) == []
+    assert registry.next_deadline() is None
+
+
+def test_withdraw_of_unknown_instance_is_ignored() -> None:
+    registry = DiscoveryRegistry()
+    assert registry.apply(withdraw("ghost", 1), now=0.0) == []
+
+
+def test_checksum_mismatch_lists_differing_fields_once(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    other = msgspec.structs.replace(k3_card, context_length=4096, kv_cache_block_size=32)
+    raw = card_bytes(other)
+    events = registry.apply(announce("b", 1, raw), now=0.1)
+    assert len(events) == 1
+    mismatch = events[0]
+    assert isinstance(mismatch, ChecksumMismatch)
+    assert mismatch.canonical_mdcsum == k3_card.mdcsum()
+    assert mismatch.mdcsum == other.mdcsum()
+    assert dict(mismatch.fields) == {"context_length": (8192, 4096), "kv_cache_block_size": (16, 32)}
+    assert registry.model_of("b") is None
+    # refused every heartbeat, reported once
+    assert registry.apply(announce("b", 2, raw), now=1.1) == []
+    snapshot = registry.model("kimi-k3-demo")
+    assert snapshot is not None and set(snapshot.instances) == {"a"}
+
+
+def test_checksum_mismatch_names_changed_files(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    files = dict(k3_card.files)
+    old = files["tiktoken.model"]
+    files["tiktoken.model"] = msgspec.structs.replace(old, sha256="0" * 64)
+    events = registry.apply(
+        announce("b", 1, card_bytes(msgspec.structs.replace(k3_card, files=files))), now=0
+    )
+    assert isinstance(events[0], ChecksumMismatch)
+    assert dict(events[0].fields) == {"files.tiktoken.model": (old.sha256, "0" * 64)}
+
+
+def test_mismatched_instance_is_admitted_once_the_old_model_is_gone(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("old", 1, card_bytes(k3_card), ttl_ms=1000), now=0.0)
+    new = msgspec.structs.replace(k3_card, context_length=4096)
+    raw = card_bytes(new)
+    assert kinds(registry.apply(announce("new", 1, raw, ttl_ms=5000), now=0.0)) == ["ChecksumMismatch"]
+    assert kinds(registry.expire(1.0)) == ["InstanceRemoved", "ModelRemoved"]
+    events = registry.apply(announce("new", 2, raw, ttl_ms=5000), now=1.5)
+    assert kinds(events) == ["ModelFirstSeen", "InstanceAdded"]
+    assert registry.counters["cards_decoded"] == 2  # the same bytes were not decoded again
+
+
+def test_runtime_config_conflict_reports_both_values(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("vllm", 1, card_bytes(k3_card)), now=0.0)
+    raw = card_bytes(k3_card, image_placeholder_token="<|media_pad|>", max_num_seqs=8)
+    events = registry.apply(announce("sglang", 1, raw), now=0.1)
+    assert kinds(events) == ["RuntimeConfigConflict", "InstanceAdded"]
+    conflict = events[0]
+    assert isinstance(conflict, RuntimeConfigConflict)
+    assert conflict.first_instance_id == "vllm"
+    assert dict(conflict.fields) == {
+        "image_placeholder_token": (None, "<|media_pad|>"),
+        "max_num_seqs": (None, 8),
+    }
+    snapshot = registry.model("kimi-k3-demo")
+    assert snapshot is not None
+    assert snapshot.runtime_config.image_placeholder_token is None  # first card wins
+    # heartbeats with the same bytes do not repeat the conflict
+    assert registry.apply(announce("sglang", 2, raw), now=0.2) == []
+
+
+def test_same_runtime_config_is_no_conflict(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card, image_placeholder_token="<|media_pad|>")
+    registry.apply(announce("a", 1, raw), now=0.0)
+    assert kinds(registry.apply(announce("b", 1, raw), now=0.0)) == ["InstanceAdded"]
+
+
+def test_legacy_card_is_accepted_and_reported_once_per_instance(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card, expands_image_pad_token=True)
+    events = registry.apply(announce("old", 1, raw, ttl_ms=1000), now=0.0)
+    assert kinds(events) == ["ModelFirstSeen", "InstanceAdded", "LegacyDowngrade"]
+    assert events[2] == LegacyDowngrade("kimi-k3-demo", "old", {"expands_image_pad_token": True}, None)
+    first = events[0]
+    assert isinstance(first, ModelFirstSeen)
+    assert first.card.runtime_config.image_placeholder_token is None
+    assert registry.apply(announce("old", 2, raw, ttl_ms=1000), now=0.5) == []
+    # withdrawn and re-announced (same instance): still not repeated
+    registry.apply(withdraw("old", 3), now=0.6)
+    assert kinds(registry.apply(announce("old", 4, raw, ttl_ms=1000), now=0.7)) == [
+        "ModelFirstSeen",
+        "InstanceAdded",
+    ]
+    # another legacy instance is reported on its own
+    events = registry.apply(announce("old2", 1, raw), now=0.8)
+    assert kinds(events) == ["InstanceAdded", "LegacyDowngrade"]
+
+
+def test_legacy_downgrade_names_the_models_declared_token(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("new", 1, card_bytes(k3_card, image_placeholder_token="<|media_pad|>")), now=0)
+    events = registry.apply(announce("old", 1, card_bytes(k3_card, expands_image_pad_token=True)), now=0)
+    legacy = [event for event in events if isinstance(event, LegacyDowngrade)]
+    assert legacy[0].rendered_instead == "<|media_pad|>"
+
+
+def test_instance_is_bound_to_its_first_key(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 1, raw), now=0.0, user_id="KEY-A")
+    events = registry.apply(announce("a", 2, raw), now=0.1, user_id="KEY-B")
+    assert events == [KeyMismatch("a", "announce", "KEY-A", "KEY-B")]
+    events = registry.apply(withdraw("a", 3), now=0.2, user_id="KEY-B")
+    assert events == [KeyMismatch("a", "withdraw", "KEY-A", "KEY-B")]
+    assert registry.model_of("a") == "kimi-k3-demo"
+    # the foreign key's high seq did not advance the instance's own sequence
+    assert registry.apply(announce("a", 2, raw), now=0.3, user_id="KEY-A") == []
+    assert registry.counters["duplicate"] == 0
+    assert kinds(registry.apply(withdraw("a", 3), now=0.4, user_id="KEY-A")) == [
+        "InstanceRemoved",
+        "ModelRemoved",
+    ]
+
+
+def test_unchanged_card_bytes_are_not_decoded_again(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    for seq in range(1, 50):
+        registry.apply(announce("a", seq, raw), now=seq * 0.01)
+    assert registry.counters["cards_decoded"] == 1
+    registry.apply(announce("a", 50, card_bytes(k3_card, max_num_seqs=4)), now=1.0)
+    assert registry.counters["cards_decoded"] == 2
+
+
+def test_invalid_card_is_rejected_once_and_never_admitted(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    bad = msgspec.msgpack.encode({"display_name": 7})
+    events = registry.apply(announce("a", 1, bad), now=0.0)
+    assert len(events) == 1 and isinstance(events[0], CardRejected)
+    assert events[0].reason == "invalid_card"
+    assert "display_name" in events[0].detail
+    assert registry.apply(announce("a", 2, bad), now=0.1) == []
+    assert registry.counters["cards_decoded"] == 1
+    assert registry.model_names() == []
+    # the worker fixes its card: admitted
+    assert kinds(registry.apply(announce("a", 3, card_bytes(k3_card)), now=0.2)) == [
+        "ModelFirstSeen",
+        "InstanceAdded",
+    ]
+
+
+def test_card_turning_invalid_detaches_the_instance(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    events = registry.apply(announce("a", 2, b"\xc1"), now=0.1)
+    assert kinds(events) == ["InstanceRemoved", "ModelRemoved", "CardRejected"]
+    assert isinstance(events[0], InstanceRemoved) and events[0].reason == "card_changed"
+
+
+def test_card_for_another_model_moves_the_instance(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    renamed = msgspec.structs.replace(k3_card, display_name="k3-renamed")
+    events = registry.apply(announce("a", 2, card_bytes(renamed)), now=0.1)
+    assert kinds(events) == ["InstanceRemoved", "ModelRemoved", "ModelFirstSeen", "InstanceAdded"]
+    assert registry.model_names() == ["k3-renamed"]
+
+
+def test_runtime_config_change_of_a_later_instance_is_reported(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    registry.apply(announce("b", 1, card_bytes(k3_card)), now=0.0)
+    events = registry.apply(announce("b", 2, card_bytes(k3_card, max_num_seqs=2)), now=0.1)
+    assert kinds(events) == ["RuntimeConfigConflict"]
+    assert registry.model_of("b") == "kimi-k3-demo"
+
+
+def test_instance_cap_refuses_new_instances(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry(max_instances=2)
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 1, raw), now=0.0)
+    registry.apply(announce("b", 1, raw), now=0.0)
+    events = registry.apply(announce("c", 1, raw), now=0.0)
+    assert len(events) == 1 and isinstance(events[0], CardRejected)
+    assert events[0].reason == "too_many_instances"
+    # known instances keep working
+    assert registry.apply(announce("a", 2, raw), now=0.1) == []
+
+
+def test_runtime_config_defaults_compare_equal(k3_card: ModelDeploymentCard) -> None:
+    explicit = msgspec.structs.replace(k3_card, runtime_config=ModelRuntimeConfig(data_parallel_size=1))
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    assert kinds(registry.apply(announce("b", 1, card_bytes(explicit)), now=0.0)) == ["InstanceAdded"]

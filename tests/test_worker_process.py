@@ -1,0 +1,144 @@
+"""The ``dynamo-prep worker`` process, end to end on loopback."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint, write_model_dir
+
+from dynamo_prep.card import ModelDeploymentCard, decode_card
+from dynamo_prep.discovery.files import FileFetchError, ModelFileStore, fetch_file
+from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.protocol import wire
+from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage, Withdraw
+from dynamo_prep.protocol.wire import ErrorReply, FetchFile
+
+DEMO = "kimi-k3-demo"
+MEDIA_PAD = "<|media_pad|>"
+
+
+@pytest.fixture
+def plane() -> Iterator[tuple[str, SubCollector]]:
+    address = tcp_endpoint()
+    with SubCollector(address, bind=True) as collector:
+        yield address, collector
+
+
+@pytest.fixture
+def model_path(tmp_path: Path) -> str:
+    """The demo model when it is installed, else an equivalent directory."""
+    if resolve_model_dir(DEMO).is_dir():
+        return DEMO
+    return str(write_model_dir(tmp_path / DEMO))
+
+
+@pytest.fixture
+def procs() -> Iterator[list[DynamoProcess]]:
+    started: list[DynamoProcess] = []
+    yield started
+    for proc in started:
+        proc.stop()
+
+
+def announces(message: DiscoveryMessage) -> bool:
+    return isinstance(message, Announce)
+
+
+def test_worker_announces_the_declared_token_and_withdraws_on_sigterm(
+    plane: tuple[str, SubCollector], model_path: str, procs: list[DynamoProcess]
+) -> None:
+    address, collector = plane
+    worker = start_dynamo(
+        "worker", "--model-path", model_path, "--discovery", address, "--declare-image-token", MEDIA_PAD
+    )
+    procs.append(worker)
+    started = worker.wait_event("worker_started")
+    assert started["image_placeholder_token"] == MEDIA_PAD
+    assert started["endpoint"].startswith("tcp://127.0.0.1:")
+    message = collector.wait_messages(announces)[0]
+    assert isinstance(message, Announce)
+    assert message.instance_id == started["instance_id"]
+    assert message.endpoint == started["endpoint"]
+    decoded = decode_card(message.card)
+    assert decoded.card.runtime_config.image_placeholder_token == MEDIA_PAD
+    assert decoded.card.mdcsum() == started["mdcsum"]
+    assert decoded.legacy == {}
+
+    worker.signal(signal.SIGTERM)
+    withdraw = collector.wait_messages(lambda m: isinstance(m, Withdraw))[0]
+    assert withdraw.instance_id == started["instance_id"]
+    assert worker.wait(5) == 0
+    assert worker.find("card_withdrawn", instance_id=started["instance_id"])
+
+
+def test_legacy_worker_publishes_the_old_key(
+    plane: tuple[str, SubCollector], model_path: str, procs: list[DynamoProcess]
+) -> None:
+    address, collector = plane
+    worker = start_dynamo(
+        "worker", "--model-path", model_path, "--discovery", address, "--legacy-expands-image-pad-token"
+    )
+    procs.append(worker)
+    message = collector.wait_messages(announces)[0]
+    assert isinstance(message, Announce)
+    decoded = decode_card(message.card)
+    assert decoded.legacy == {"expands_image_pad_token": True}
+    assert decoded.card.runtime_config.image_placeholder_token is None
+    worker.signal(signal.SIGINT)
+    assert worker.wait(5) == 0
+
+
+def test_frontend_store_fetches_files_from_a_worker(
+    plane: tuple[str, SubCollector], model_path: str, procs: list[DynamoProcess], tmp_path: Path
+) -> None:
+    address, collector = plane
+    worker = start_dynamo("worker", "--model-path", model_path, "--discovery", address)
+    procs.append(worker)
+    message = collector.wait_messages(announces)[0]
+    assert isinstance(message, Announce)
+    card = decode_card(message.card).card
+    path = ModelFileStore(tmp_path / "cache").model_dir_for(card, endpoint=message.endpoint, timeout_s=5)
+    assert ModelDeploymentCard.from_model_dir(path, served_name=card.display_name).mdcsum() == card.mdcsum()
+
+
+def test_missing_model_dir_exits_1_with_a_json_error(tmp_path: Path, procs: list[DynamoProcess]) -> None:
+    worker = start_dynamo(
+        "worker", "--model-path", str(tmp_path / "nope"), "--discovery", tcp_endpoint(), log_level="info"
+    )
+    procs.append(worker)
+    assert worker.wait(10) == 1
+    [failure] = worker.find("worker_start_failed")
+    assert failure["level"] == "error"
+    assert "nope" in failure["error"]
+
+
+def test_request_plane_refuses_garbage_and_unknown_files(
+    plane: tuple[str, SubCollector], model_path: str, procs: list[DynamoProcess]
+) -> None:
+    address, _ = plane
+    worker = start_dynamo("worker", "--model-path", model_path, "--discovery", address)
+    procs.append(worker)
+    endpoint = worker.wait_event("worker_started")["endpoint"]
+    context: zmq.Context[Any] = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(endpoint)
+        dealer.send(b"\xc1 not msgpack")
+        assert dealer.poll(5000)
+        garbage = wire.from_worker_decoder.decode(dealer.recv())
+        assert isinstance(garbage, ErrorReply) and garbage.code == 400
+        dealer.send(wire.encode(FetchFile(request_id="r1", sha256="0" * 64)))
+        assert dealer.poll(5000)
+        unknown = wire.from_worker_decoder.decode(dealer.recv())
+        assert isinstance(unknown, ErrorReply) and (unknown.request_id, unknown.code) == ("r1", 404)
+    finally:
+        dealer.close(linger=0)
+        context.term()
+    with pytest.raises(FileFetchError, match="404"):
+        fetch_file(None, endpoint, "0" * 64, timeout_s=5)
