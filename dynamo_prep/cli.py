@@ -92,6 +92,26 @@ def _add_worker(commands: Any) -> None:
         "--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S, help="seconds between announces"
     )
     worker.add_argument("--ttl-ms", type=int, default=DEFAULT_TTL_MS)
+    worker.add_argument("--engine", default="mock", choices=["mock"], help="the engine behind the worker")
+    worker.add_argument(
+        "--flavor",
+        default="sglang",
+        choices=["sglang", "vllm"],
+        help="whose image contract the mock enforces",
+    )
+    worker.add_argument(
+        "--token-delay", type=float, default=0.02, metavar="SECONDS", help="mock engine delay per token"
+    )
+    worker.add_argument(
+        "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
+    )
+    worker.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long in-flight requests may finish",
+    )
     _add_discovery_client(worker)
     worker.set_defaults(handler=_worker)
 
@@ -179,6 +199,11 @@ def _worker(args: argparse.Namespace) -> int:
         ttl_ms=args.ttl_ms,
         curve_secret_key=args.curve_secret_key,
         curve_server_key=args.curve_server_key,
+        engine=args.engine,
+        flavor=args.flavor,
+        token_delay_s=args.token_delay,
+        migration_limit=args.migration_limit,
+        drain_timeout_s=args.drain_timeout,
     )
 
 

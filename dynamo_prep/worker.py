@@ -2,8 +2,12 @@
 
 The worker owns two sockets. A ROUTER bound on a random port is its request plane (advertised in
 every announce as ``endpoint``); a ``CardPublisher`` announces the card on the discovery plane.
-For now the request plane serves only the card's model files; the request loop is a dispatcher on
-message type so generation and cancellation can be registered beside ``FetchFile``.
+The request loop is a dispatcher on message type: ``FetchFile`` always, plus Generate / Cancel /
+Ping when the worker runs an engine (``GenerationServer``, in ``worker_generate``).
+
+Stopping is graceful in Dynamo's order: withdraw the card first (frontends stop routing here),
+then drain (new Generate gets a retryable 503, in-flight requests may finish for
+``drain_timeout_s``), then cancel what is left and close the request plane.
 """
 
 from __future__ import annotations
@@ -25,18 +29,22 @@ from dynamo_prep.card import ModelCardError, ModelDeploymentCard, ModelRuntimeCo
 from dynamo_prep.discovery.files import FileServer
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
 from dynamo_prep.discovery.trust import ClientCurve, TrustError
+from dynamo_prep.engines.mock import Flavor, MockContinuation, MockEngine
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
-from dynamo_prep.protocol.wire import ErrorReply, FetchFile
+from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
+from dynamo_prep.worker_generate import GenerationServer
 
-__all__ = ["RequestDispatcher", "Worker", "run_worker"]
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "RequestDispatcher", "Worker", "run_worker"]
 
 log = structlog.get_logger("dynamo_prep.worker")
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 STOP_TIMEOUT_S = 5.0
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+DEFAULT_TOKEN_DELAY_S = 0.02
 ROUTER_LINGER_MS = 100
 
 M = TypeVar("M")
@@ -93,12 +101,20 @@ class Worker:
         curve: ClientCurve | None = None,
         instance_id: str | None = None,
         context: zmq.asyncio.Context | None = None,
+        generation: GenerationServer | None = None,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
     ) -> None:
         self.card = card
         self.instance_id = instance_id or uuid.uuid4().hex
         self.dispatcher = RequestDispatcher()
         self.files = FileServer(card, model_dir)
         self.dispatcher.register(FetchFile, self._fetch_file)
+        self.generation = generation
+        self.drain_timeout_s = drain_timeout_s
+        if generation is not None:
+            self.dispatcher.register(Generate, generation.on_generate)
+            self.dispatcher.register(Cancel, generation.on_cancel)
+            self.dispatcher.register(Ping, generation.on_ping)
         self._discovery = list(discovery)
         self._namespace = namespace
         self._endpoint_host = endpoint_host
@@ -110,6 +126,7 @@ class Worker:
         self._router: zmq.asyncio.Socket | None = None
         self._publisher: CardPublisher | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._runner: asyncio.Task[None] | None = None
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -156,15 +173,35 @@ class Worker:
         ]
         await asyncio.gather(*self._tasks)
 
+    async def start_serving(self) -> None:
+        """``start()`` then ``run()`` in the background, for an embedding process (stop with ``stop()``)."""
+        await self.start()
+        self._runner = asyncio.create_task(self.run(), name="worker")
+
+    @property
+    def stop_timeout_s(self) -> float:
+        """The longest ``stop()`` may take: withdraw, drain, then close."""
+        return self.drain_timeout_s + STOP_TIMEOUT_S + STOP_LINGER_MS / 1000
+
     async def stop(self) -> None:
-        """Withdraw the card first (so frontends stop routing here), then close the request plane."""
+        """Withdraw the card first, drain in-flight generations, then close the request plane.
+
+        The request plane keeps serving during the drain, so late requests get a 503 (retryable
+        on another instance) and in-flight streams can still be cancelled.
+        """
         if self._publisher is not None:
             await self._publisher.stop()
+        if self.generation is not None:
+            await self.generation.drain(self.drain_timeout_s)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self._runner is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._runner
+            self._runner = None
         if self._router is not None:
             self._router.close(linger=ROUTER_LINGER_MS)
             self._router = None
@@ -202,17 +239,25 @@ def run_worker(
     ttl_ms: int,
     curve_secret_key: Path | None,
     curve_server_key: Path | None,
+    engine: str = "mock",
+    flavor: Flavor = "sglang",
+    token_delay_s: float = DEFAULT_TOKEN_DELAY_S,
+    migration_limit: int = 0,
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
 ) -> int:
     """The ``dynamo-prep worker`` process; returns the exit code (0 after SIGTERM/SIGINT)."""
     try:
         model_dir = resolve_model_dir(model_path)
+        continuing = _mock_engine(engine, model_dir, flavor, token_delay_s)
+        token = _declared_token(declared_image_token, continuing, legacy=legacy_expands_image_pad_token)
         card = ModelDeploymentCard.from_model_dir(
             model_dir,
             served_name=served_name,
-            runtime_config=ModelRuntimeConfig(image_placeholder_token=declared_image_token),
+            migration_limit=migration_limit,
+            runtime_config=ModelRuntimeConfig(image_placeholder_token=token),
         )
         curve = _client_curve(curve_secret_key, curve_server_key)
-    except (ModelCardError, TrustError, OSError) as exc:
+    except (ModelCardError, TrustError, OSError, ValueError) as exc:
         log.error("worker_start_failed", model_path=str(model_path), error=str(exc))
         return EXIT_ERROR
     legacy = {"expands_image_pad_token": True} if legacy_expands_image_pad_token else None
@@ -229,9 +274,33 @@ def run_worker(
                 legacy_runtime=legacy,
                 curve=curve,
                 context=context,
+                generation=GenerationServer(continuing.generate, check=continuing.check_contract),
+                drain_timeout_s=drain_timeout_s,
             )
         )
     )
+
+
+def _mock_engine(engine: str, model_dir: Path, flavor: Flavor, token_delay_s: float) -> MockContinuation:
+    """The GPU-free engine; a model directory it cannot load is a start failure, not a silent worker."""
+    if engine != "mock":
+        raise ValueError(f"unknown engine {engine!r} (known: mock)")
+    if token_delay_s < 0:
+        raise ValueError(f"--token-delay must be >= 0, got {token_delay_s}")
+    return MockContinuation(MockEngine(model_dir, flavor=flavor, token_delay_s=token_delay_s))
+
+
+def _declared_token(flag: str | None, engine: MockContinuation, *, legacy: bool) -> str | None:
+    """An explicit ``--declare-image-token`` wins; a legacy worker declares nothing; else the engine's."""
+    if flag is not None:
+        token, source = flag, "flag"
+    elif legacy:
+        token, source = None, "legacy"
+    else:
+        token = engine.engine.declared_image_token
+        source = "engine" if token is not None else "none"
+    log.info("worker_declared_image_token", token=token, source=source)
+    return token
 
 
 def _client_curve(secret_key: Path | None, server_key: Path | None) -> ClientCurve | None:
@@ -271,9 +340,9 @@ async def _run_until(worker: Worker, stopping: asyncio.Event) -> int:
         log.error("worker_failed", error=repr(running.exception()))
         code = EXIT_ERROR
     try:
-        await asyncio.wait_for(worker.stop(), timeout=STOP_TIMEOUT_S + STOP_LINGER_MS / 1000)
+        await asyncio.wait_for(worker.stop(), timeout=worker.stop_timeout_s)
     except TimeoutError:
-        log.error("worker_stop_timeout", timeout_s=STOP_TIMEOUT_S)
+        log.error("worker_stop_timeout", timeout_s=worker.stop_timeout_s)
         code = EXIT_ERROR
     signalled.cancel()
     running.cancel()

@@ -6,6 +6,7 @@ frontend fetches the model files from the workers into a cache under ``tmp_path`
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -17,6 +18,8 @@ import pytest
 import zmq
 from support.plane import DynamoProcess, start_dynamo, tcp_endpoint, wait_for
 
+from dynamo_prep.discovery.watcher import DEFAULT_BIND
+from dynamo_prep.frontend import FrontendConfig, serve_frontend
 from dynamo_prep.protocol.discovery import topic
 
 DEMO = "kimi-k3-demo"
@@ -56,10 +59,12 @@ def frontend(procs: list[DynamoProcess], address: str, tmp_path: Path) -> Callab
 
 @pytest.fixture
 def worker(procs: list[DynamoProcess], address: str) -> Start:
-    """Start a worker on the demo model announcing to ``address``; returns once it started."""
+    """Start a worker on the demo model announcing to ``discovery`` (default: the frontend's address)."""
 
-    def _start(*extra: str) -> DynamoProcess:
-        proc = start_dynamo("worker", "--model-path", DEMO, "--discovery", address, *extra, log_level="info")
+    def _start(*extra: str, discovery: str = address) -> DynamoProcess:
+        proc = start_dynamo(
+            "worker", "--model-path", DEMO, "--discovery", discovery, *extra, log_level="info"
+        )
         procs.append(proc)
         proc.wait_event("worker_started")
         return proc
@@ -82,8 +87,9 @@ def test_workers_before_and_after_a_late_frontend_converge_at_once(
     assert time.monotonic() - joined < 6  # far below the 30 s heartbeat
     assert added["model"] == DEMO
     assert added["instance_id"] == instance_id(early)
-    assert added["image_placeholder_token"] is None
-    assert added["image_token"] == KIMI_DEFAULT
+    declared = early.wait_event("worker_started")["image_placeholder_token"]  # depends on --flavor
+    assert added["image_placeholder_token"] == declared
+    assert added["image_token"] == (declared or KIMI_DEFAULT)
     assert added["formatter"] == "kimi_k3"
     assert added["mdcsum"] == early.wait_event("worker_started")["mdcsum"]
     late = worker()
@@ -179,3 +185,83 @@ def test_frontend_keeps_serving_after_garbage_and_stops_cleanly(
     assert fe.process.poll() is None
     assert fe.stop() == 0
     fe.wait_event("frontend_stopped", exit_code=0)
+
+
+def test_two_brokers_deliver_twice_and_losing_one_loses_nothing(
+    procs: list[DynamoProcess], tmp_path: Path, worker: Start
+) -> None:
+    """Workers -> two brokers -> one frontend: duplicates dropped, a dead broker costs nothing."""
+    xsubs, xpubs = [tcp_endpoint(), tcp_endpoint()], [tcp_endpoint(), tcp_endpoint()]
+    brokers = []
+    for xsub, xpub in zip(xsubs, xpubs, strict=True):
+        broker = start_dynamo("broker", "--xsub", xsub, "--xpub", xpub, log_level="info")
+        procs.append(broker)
+        broker.wait_event("broker_started")
+        brokers.append(broker)
+    fe = start_dynamo(
+        "frontend", "--discovery", ",".join(xpubs), "--cache-dir", str(tmp_path / "cache"), log_level="info"
+    )
+    procs.append(fe)
+    fe.wait_event("frontend_started", mode="connect")
+    both = ",".join(xsubs)
+    steady = worker("--heartbeat", "0.2", "--ttl-ms", "1000", discovery=both)
+    fe.wait_event("model_added", instance_id=instance_id(steady))
+
+    brokers[0].kill()
+    # A second worker joins and dies after the first broker is gone: its expiry takes longer than
+    # the steady worker's TTL, so had the steady worker lost its heartbeats it would expire first.
+    probe = worker("--heartbeat", "0.2", "--ttl-ms", "1000", discovery=xsubs[1])
+    fe.wait_event("instance_added", instance_id=instance_id(probe))
+    probe.kill()
+    fe.wait_event("instance_removed", instance_id=instance_id(probe), reason="expired")
+    assert not fe.find("instance_removed", instance_id=instance_id(steady))
+    assert len(fe.find("instance_added", instance_id=instance_id(steady))) == 1
+    assert len(fe.find("model_added")) == 1
+
+
+def test_frontend_config_defaults_to_the_embedded_plane() -> None:
+    config = FrontendConfig.from_options()
+    assert config.bind == (DEFAULT_BIND,) == ("tcp://0.0.0.0:7555",)
+    assert config.connect == ()
+    assert config.curve is None
+    brokers = FrontendConfig.from_options(discovery=["tcp://b1:7556", "tcp://b2:7556"], namespace="ns")
+    assert (brokers.bind, brokers.connect, brokers.namespace) == (
+        (),
+        ("tcp://b1:7556", "tcp://b2:7556"),
+        "ns",
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"discovery_bind": "tcp://127.0.0.1:1", "discovery": ["tcp://b:2"]}, "not both"),
+        ({"curve_secret_key": Path("k")}, "go together"),
+        (
+            {"discovery": ["tcp://b:2"], "curve_secret_key": Path("k"), "curve_allow_dir": Path(".")},
+            "brokers",
+        ),
+    ],
+)
+def test_frontend_config_refuses_contradictions(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        FrontendConfig.from_options(**options)
+
+
+def test_bad_options_exit_2_with_a_json_error(procs: list[DynamoProcess], tmp_path: Path) -> None:
+    proc = start_dynamo(
+        "frontend", "--curve-secret-key", str(tmp_path / "missing.key_secret"), log_level="info"
+    )
+    procs.append(proc)
+    assert proc.wait(10) == 2
+    [error] = proc.find("frontend_config_error")
+    assert error["level"] == "error"
+    assert "--curve-allow-dir" in error["error"]
+
+
+async def test_serve_frontend_returns_0_when_stopped(tmp_path: Path) -> None:
+    stop = asyncio.Event()
+    config = FrontendConfig(bind=("tcp://127.0.0.1:0",), cache_dir=tmp_path / "cache")
+    serving = asyncio.create_task(serve_frontend(config, stop=stop))
+    stop.set()
+    assert await asyncio.wait_for(serving, 10) == 0

@@ -10,7 +10,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ KIMI_DEFAULT = "<|kimi_image_placeholder|>"
 TIMEOUT_S = 10.0
 LOOPBACK = "tcp://127.0.0.1:0"
 
-Logs = list[dict[str, Any]]
+Logs = list[MutableMapping[str, Any]]
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -57,7 +57,9 @@ def find(logs: Logs, event: str, **fields: Any) -> Logs:
     return [e for e in logs if e["event"] == event and all(e.get(k) == v for k, v in fields.items())]
 
 
-async def wait_log(logs: Logs, event: str, timeout: float = TIMEOUT_S, **fields: Any) -> dict[str, Any]:
+async def wait_log(
+    logs: Logs, event: str, timeout: float = TIMEOUT_S, **fields: Any
+) -> MutableMapping[str, Any]:
     hits: Logs = await until(lambda: find(logs, event, **fields), f"{event} {fields}", timeout)
     return hits[0]
 

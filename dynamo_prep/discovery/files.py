@@ -126,7 +126,7 @@ def _await_reply(
             reply = wire.from_worker_decoder.decode(socket.recv())
         except (msgspec.DecodeError, msgspec.ValidationError):
             continue
-        if reply.request_id == request_id:
+        if reply.request_id == request_id and isinstance(reply, FileData | ErrorReply):
             return reply
     raise FileFetchError(f"{endpoint}: no reply within the timeout")
 

@@ -7,6 +7,13 @@ per ``recv``, which the drain does not need. Every message goes through the pure
 in a thread, so the socket keeps being serviced (a bound SUB only sends its subscription to a new
 publisher when its owner touches it). Nothing a peer sends can stop the loop: bad messages are
 counted and logged at most once per reason per second.
+
+For routing, the watcher also tracks each instance's declared ``image_placeholder_token``, from
+the registry's events alone: the first card of a model (``ModelFirstSeen``) declares the canonical
+token, and a later instance that declares another one arrives with a ``RuntimeConfigConflict``
+naming it. When the set of declarations in a model's pool changes it logs
+``pool_composition_changed``; when an instance expires (it died) it calls ``on_endpoint_lost`` so
+the request plane fails that worker's streams at once instead of waiting for its stall timeout.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import zmq
 import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
@@ -64,6 +72,7 @@ RECV_HWM = 10_000
 # the 1 MiB payload limit so that oversize payloads still arrive and are counted as too_large.
 MAX_FRAME_BYTES = 16 << 20
 BUILD_BACKOFF_S = (1.0, 30.0)
+IMAGE_TOKEN_FIELD = "image_placeholder_token"
 
 
 @dataclass(slots=True)
@@ -98,6 +107,7 @@ class DiscoveryWatcher:
         context: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_drain: int = MAX_DRAIN_PER_WAKE,
+        on_endpoint_lost: Callable[[str], None] | None = None,
     ) -> None:
         if not bind and not connect:
             raise ValueError("the discovery watcher needs at least one bind or connect address")
@@ -122,6 +132,10 @@ class DiscoveryWatcher:
         self._socket: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket[Any] | None = None
         self._authenticator: ThreadAuthenticator | None = None
+        self._on_endpoint_lost = on_endpoint_lost
+        self._declared: dict[str, str | None] = {}  # instance_id -> token, when not the canonical one
+        self._compositions: dict[str, frozenset[str]] = {}
+        self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -242,29 +256,77 @@ class DiscoveryWatcher:
     def _on_event(self, event: RegistryEvent) -> None:
         match event:
             case InstanceAdded():
-                self.catalog.set_instance(event.model, event.instance_id, event.endpoint)
+                token = self._image_token(event.model, event.instance_id)
+                self.catalog.set_instance(event.model, event.instance_id, event.endpoint, image_token=token)
                 snapshot = self.registry.model(event.model)
                 self._log.instance_added(event, instances=len(snapshot.instances) if snapshot else 1)
+                self._note_composition(event.model)
             case InstanceRemoved():
                 self.catalog.remove_instance(event.model, event.instance_id)
+                self._declared.pop(event.instance_id, None)
                 self._log.instance_removed(event)
+                if event.reason == "expired" and self._on_endpoint_lost is not None:
+                    self._on_endpoint_lost(event.endpoint)  # it died: fail its streams now
+                self._note_composition(event.model)
             case ModelFirstSeen():
+                self.catalog.mark_pending(event.model)
                 self._on_model_first_seen(event)
             case ModelRemoved():
                 self.catalog.remove(event.model)
                 self._builds.pop(event.model, None)  # an in-flight build sees this and drops its result
                 self._log.model_removed(event)
+                self._note_composition(event.model)
             case CardRejected():
                 self._reject(event.reason, f"instance {event.instance_id}: {event.detail}", self._clock())
             case ChecksumMismatch():
                 self._log.checksum_mismatch(event)
             case RuntimeConfigConflict():
                 self._log.runtime_config_conflict(event)
+                self._on_declaration(event)
             case LegacyDowngrade():
                 self._on_legacy(event)
             case KeyMismatch():
                 self.counters["key_mismatch"] += 1
                 self._log.key_mismatch(event, total=self.counters["key_mismatch"], now=self._clock())
+
+    # -- declarations (routing) ---------------------------------------------------------------
+
+    def _image_token(self, model: str, instance_id: str) -> str | None:
+        """What ``instance_id`` declared: its own conflicting value, else the canonical card's."""
+        if instance_id in self._declared:
+            return self._declared[instance_id]
+        snapshot = self.registry.model(model)
+        return snapshot.runtime_config.image_placeholder_token if snapshot is not None else None
+
+    def _on_declaration(self, event: RuntimeConfigConflict) -> None:
+        """A later instance declaring another token: remember it (and update a live instance)."""
+        if IMAGE_TOKEN_FIELD not in event.fields:
+            return
+        self._declared[event.instance_id] = event.fields[IMAGE_TOKEN_FIELD][1]
+        live = self.catalog.get(event.model)
+        endpoint = live.instances.get(event.instance_id) if live is not None else None
+        if endpoint is not None:  # a live instance whose card changed in place
+            token = self._declared[event.instance_id]
+            self.catalog.set_instance(event.model, event.instance_id, endpoint, image_token=token)
+            self._note_composition(event.model)
+
+    def _note_composition(self, model: str) -> None:
+        """Log ``pool_composition_changed`` when the set of declarations serving ``model`` changes."""
+        live = self.catalog.get(model)
+        composition = live.composition() if live is not None else {}
+        declarations = frozenset(composition)
+        if declarations == self._compositions.get(model, frozenset()):
+            return
+        if declarations:
+            self._compositions[model] = declarations
+        else:
+            self._compositions.pop(model, None)
+        self._pool_log.info(
+            "pool_composition_changed",
+            model=model,
+            composition=composition,
+            mixed=len(declarations) > 1,
+        )
 
     def _on_legacy(self, event: LegacyDowngrade) -> None:
         """Log now if the model is built (we know what renders); else when its build ends."""
@@ -317,13 +379,17 @@ class DiscoveryWatcher:
             self._log.model_build_discarded(name, build.mdcsum)
             return
         build.built = built
-        live = LiveModel(name, card, build.mdcsum, built.preprocessor, built.formatter_kind)
-        self.catalog.publish(live.with_instances(snapshot.instances))
+        live = LiveModel(
+            name, card, build.mdcsum, built.preprocessor, built.formatter_kind, model_dir=built.model_dir
+        )
+        tokens = {instance_id: self._image_token(name, instance_id) for instance_id in snapshot.instances}
+        self.catalog.publish(live.with_instances(snapshot.instances, tokens))
         build_ms = (time.perf_counter() - started) * 1000
         self._log.model_added(
             name, build.mdcsum, instance_id, built, instances=len(snapshot.instances), build_ms=build_ms
         )
         self._flush_legacy(build)
+        self._note_composition(name)
 
     def _build_failed(
         self, name: str, build: _Build, instance_id: str, endpoint: str, exc: Exception

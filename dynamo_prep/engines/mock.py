@@ -316,3 +316,72 @@ def _index(token_ids: Sequence[int], token_id: int, start: int) -> int | None:
 def _clip(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 3] + "..."
+
+
+_MAX_CONTINUATION_TOKENS = 4096
+
+
+class MockContinuation:
+    """The mock engine, continuing a migrated request the way a real engine would.
+
+    A migrated request's prompt is the original prompt followed by the tokens already streamed
+    (Dynamo's migration). A real LLM simply continues that text; the mock's reply is a function
+    of the prompt, so it recognises its own reply's beginning at the end of the prompt and streams
+    the rest of it.
+    """
+
+    def __init__(self, engine: MockEngine) -> None:
+        self.engine = engine
+        self._instant = MockEngine(engine.model_dir, flavor=engine.flavor, token_delay_s=0.0)
+        self._first_id = self._instant.tokenizer.encode(f"[mock {engine.flavor}]")[0]
+
+    def check_contract(self, request: PreprocessedRequest) -> None:
+        self.engine.check_contract(request)
+
+    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[MockOutput]:
+        streamed = self.already_streamed(request)
+        if not streamed:
+            async for step in self.engine.generate(request):
+                yield step
+            return
+        original = _shortened(request, streamed)
+        prompt_tokens = len(request.token_ids)
+        last: MockOutput | None = None
+        async for index, step in _aenumerate(self._instant.generate(original)):
+            last = step
+            if index < streamed:
+                continue
+            await asyncio.sleep(self.engine.token_delay_s)
+            yield MockOutput(
+                step.token_ids, step.finish_reason, prompt_tokens, step.completion_tokens - streamed
+            )
+        if last is not None and last.completion_tokens <= streamed:  # nothing was left to stream
+            yield MockOutput([], last.finish_reason, prompt_tokens, 0)
+
+    def already_streamed(self, request: PreprocessedRequest) -> int:
+        """How many trailing prompt tokens are the start of the mock's reply to the rest (0: none)."""
+        ids = request.token_ids
+        low = max(1, len(ids) - _MAX_CONTINUATION_TOKENS)
+        for start in range(low, len(ids)):
+            if ids[start] != self._first_id:
+                continue
+            tail = ids[start:]
+            reply = self._instant.tokenizer.encode(self._instant.reply_text(_shortened(request, len(tail))))
+            if reply[: len(tail)] == tail:
+                return len(tail)
+        return 0
+
+
+def _shortened(request: PreprocessedRequest, streamed: int) -> PreprocessedRequest:
+    """The request before migration: without the streamed tail, with its original token budget."""
+    stop = msgspec.structs.replace(
+        request.stop_conditions, max_tokens=request.stop_conditions.max_tokens + streamed
+    )
+    return msgspec.structs.replace(request, token_ids=request.token_ids[:-streamed], stop_conditions=stop)
+
+
+async def _aenumerate(steps: AsyncIterator[MockOutput]) -> AsyncIterator[tuple[int, MockOutput]]:
+    index = 0
+    async for step in steps:
+        yield index, step
+        index += 1

@@ -9,8 +9,9 @@ configured by the CLI, never here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,11 @@ def run_frontend(
 async def serve_frontend(config: FrontendConfig, *, stop: asyncio.Event | None = None) -> int:
     """Run until ``stop`` is set (or SIGTERM / SIGINT when in the main thread)."""
     stop = stop or asyncio.Event()
-    _install_signal_handlers(stop)
+    with _stop_on_signals(stop):
+        return await _serve(config, stop)
+
+
+async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     context = zmq.asyncio.Context.instance()
     catalog = ModelCatalog()
     store = ModelFileStore(config.cache_dir)
@@ -175,16 +180,24 @@ async def _supervise(components: Mapping[str, Coroutine[Any, Any, None]], stop: 
     return code
 
 
-def _install_signal_handlers(stop: asyncio.Event) -> None:
-    """SIGTERM / SIGINT set ``stop`` (only possible in the main thread; tests pass ``stop``)."""
+@contextlib.contextmanager
+def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """SIGTERM / SIGINT set ``stop`` while inside (main thread only; elsewhere callers set ``stop``)."""
     loop = asyncio.get_running_loop()
 
     def on_signal(signum: signal.Signals) -> None:
         log.info("frontend_stopping", signal=signum.name)
         stop.set()
 
+    installed: list[signal.Signals] = []
     for signum in _STOP_SIGNALS:
         try:
             loop.add_signal_handler(signum, on_signal, signum)
         except (RuntimeError, ValueError):  # not the main thread
-            return
+            break
+        installed.append(signum)
+    try:
+        yield
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)

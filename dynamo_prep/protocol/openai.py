@@ -74,3 +74,102 @@ def parse_chat_request(request: ChatCompletionRequest | dict[str, Any] | bytes) 
         raise RequestError(f"Invalid request: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"Request body is not valid JSON: {exc}") from exc
+
+
+# -- responses -------------------------------------------------------------------------------------
+# Encoded with msgspec; ``UNSET`` fields are left out, ``None`` fields are sent as ``null`` (OpenAI
+# clients expect ``"logprobs": null`` and ``"finish_reason": null`` to be present).
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(msgspec.Struct, kw_only=True):
+    """The non-streaming ``POST /v1/chat/completions`` answer."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChunkDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    role: str | msgspec.UnsetType = msgspec.UNSET
+    content: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChunkChoice(msgspec.Struct, kw_only=True):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    """One SSE event of a streamed completion; the usage chunk has no choices."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class ModelEntry(msgspec.Struct, kw_only=True):
+    id: str
+    created: int
+    owned_by: str = "dynamo_prep"
+    object: str = "model"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    """``GET /v1/models``."""
+
+    data: list[ModelEntry]
+    object: str = "list"
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    error: ErrorDetail
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /tokenize``: a chat (``messages``) or a plain ``prompt``; other keys are chat fields."""
+
+    model: str
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    add_special_tokens: bool = False
+
+
+class TokenizeResponse(msgspec.Struct, kw_only=True):
+    count: int
+    max_model_len: int
+    tokens: list[int]

@@ -1,16 +1,38 @@
 """Request-plane messages: frontend DEALER <-> worker ROUTER, one MessagePack frame each.
 
 The frontend sends one frame per message (the ROUTER prepends the peer identity). Every message
-carries a ``request_id`` chosen by the frontend, so replies can be matched and interleaved.
+carries a ``request_id`` chosen by the frontend, so replies can be matched and interleaved: many
+requests share one DEALER per worker. ``docs/request-plane.md`` documents every message.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Final
 
 import msgspec
 
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+
+__all__ = [
+    "FINISH_REASONS",
+    "Cancel",
+    "ErrorReply",
+    "FetchFile",
+    "FileData",
+    "FromWorker",
+    "Generate",
+    "Output",
+    "Ping",
+    "Pong",
+    "ToWorker",
+    "encode",
+    "from_worker_decoder",
+    "to_worker_decoder",
+]
+
 MAX_FILE_BYTES = 256 << 20
+# The finish reasons a final Output may carry: the engine's own, or the worker's verdict.
+FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled", "deadline"})
 
 _Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 _RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -23,6 +45,26 @@ class FetchFile(msgspec.Struct, kw_only=True, tag="fetch_file", tag_field="kind"
     sha256: _Sha256
 
 
+class Generate(msgspec.Struct, kw_only=True, tag="generate", tag_field="kind"):
+    """Start one generation; ``deadline_ms`` is absolute (ms since the epoch), so queueing counts."""
+
+    request_id: _RequestId
+    request: PreprocessedRequest
+    deadline_ms: int
+
+
+class Cancel(msgspec.Struct, kw_only=True, tag="cancel", tag_field="kind"):
+    """Stop a generation whose consumer went away (e.g. the HTTP client disconnected)."""
+
+    request_id: _RequestId
+
+
+class Ping(msgspec.Struct, kw_only=True, tag="ping", tag_field="kind"):
+    """Liveness probe: a slow worker still answers, a dead one does not."""
+
+    request_id: _RequestId
+
+
 class FileData(msgspec.Struct, kw_only=True, tag="file_data", tag_field="kind"):
     """The bytes of a file the worker's card lists; the receiver verifies the sha256."""
 
@@ -31,16 +73,39 @@ class FileData(msgspec.Struct, kw_only=True, tag="file_data", tag_field="kind"):
     data: bytes
 
 
+class Output(msgspec.Struct, kw_only=True, tag="output", tag_field="kind"):
+    """One streamed step of a generation; the last one of a request has ``finish_reason`` set.
+
+    ``prompt_tokens`` / ``completion_tokens`` are cumulative usage as of this step.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Pong(msgspec.Struct, kw_only=True, tag="pong", tag_field="kind"):
+    """The answer to ``Ping``, same ``request_id``."""
+
+    request_id: str
+
+
 class ErrorReply(msgspec.Struct, kw_only=True, tag="error", tag_field="kind"):
-    """A request the worker cannot serve; ``code`` is HTTP-like (400, 404, 500, 503)."""
+    """A request the worker cannot serve; ``code`` is HTTP-like.
+
+    400 engine contract violation (the engine's own message) or bad request, 404 unknown file,
+    503 the worker is draining (retryable elsewhere), 504 deadline already passed, 500 otherwise.
+    """
 
     request_id: str
     code: int
     message: str
 
 
-ToWorker = FetchFile
-FromWorker = FileData | ErrorReply
+ToWorker = FetchFile | Generate | Cancel | Ping
+FromWorker = FileData | Output | Pong | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +30,7 @@ from typing import Any, TypeVar
 
 import zmq
 
+from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE, DiscoveryMessage, decode_message, topic
 
 T = TypeVar("T")
@@ -353,15 +355,16 @@ class SubCollector:
 
 
 def write_model_dir(path: Path, *, chat_template: str | None = None, **config: Any) -> Path:
-    """A minimal valid model directory (config, tokenizer config, a tiny tiktoken file).
+    """A servable model directory: the kimi-k3-demo tokenizer with its own config.json.
 
-    Enough for ``ModelDeploymentCard.from_model_dir``; ``config`` entries override config.json.
+    ``config`` entries override the demo's config.json, so tests can make cards that differ.
     """
     path.mkdir(parents=True, exist_ok=True)
-    values = {"model_type": "kimi_k3", "max_position_embeddings": 4096, **config}
+    demo = resolve_model_dir("kimi-k3-demo")
+    values = {**json.loads((demo / "config.json").read_text()), **config}
     (path / "config.json").write_text(json.dumps(values))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[EOS]"}))
-    (path / "tiktoken.model").write_text("IQ== 0\nIg== 1\n")
+    for name in ("tokenizer_config.json", "tiktoken.model", "generation_config.json"):
+        shutil.copyfile(demo / name, path / name)
     if chat_template is not None:
         (path / "chat_template.jinja").write_text(chat_template)
     return path

@@ -1,0 +1,321 @@
+"""The frontend's side of the request plane: stream generations from workers, detect lost ones.
+
+One DEALER per worker endpoint carries every request to it; a single receive task per endpoint
+routes replies to per-request queues by ``request_id``. A worker that dies says nothing, so each
+endpoint has a watchdog: when a busy endpoint has been silent for a while it is pinged (a slow
+worker still answers), and after ``stall_timeout_s`` of silence every request on it fails with
+``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
+instance expires. ``generate_with_migration`` continues a lost stream on another instance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections.abc import AsyncGenerator, Callable
+
+import msgspec
+import structlog
+import zmq
+import zmq.asyncio
+
+from dynamo_prep.protocol import wire
+from dynamo_prep.protocol.discovery import now_ms
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
+
+__all__ = [
+    "DEFAULT_STALL_TIMEOUT_S",
+    "RequestPlaneClient",
+    "WorkerError",
+    "WorkerLost",
+    "generate_with_migration",
+]
+
+log = structlog.get_logger("dynamo_prep.frontend")
+
+DEFAULT_STALL_TIMEOUT_S = 10.0
+# Probes per stall timeout: a live worker gets several chances to answer a Ping before it is lost.
+PROBES_PER_STALL = 4
+# How long past its deadline the client waits for the worker's own "deadline" reply.
+DEADLINE_GRACE_S = 1.0
+
+
+class WorkerError(Exception):
+    """The worker refused or failed the request (an ``ErrorReply``): 400 contract, 503 draining, ..."""
+
+    def __init__(self, code: int, message: str, *, endpoint: str = "") -> None:
+        super().__init__(f"{code} {message}")
+        self.code = code
+        self.message = message
+        self.endpoint = endpoint
+
+
+class WorkerLost(Exception):  # noqa: N818 - the name the frontend codes against
+    """The worker died or was removed mid-request; the stream will not continue there."""
+
+    def __init__(self, endpoint: str, reason: str = "lost") -> None:
+        super().__init__(f"worker {endpoint} {reason}")
+        self.endpoint = endpoint
+        self.reason = reason
+
+
+_Item = Output | ErrorReply | WorkerLost
+
+
+class _Channel:
+    """One worker endpoint: its DEALER, receive task, watchdog, and the queues of its requests."""
+
+    def __init__(self, endpoint: str, socket: zmq.asyncio.Socket, stall_timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.socket = socket
+        # Cancel and Ping must go out from ``finally`` blocks without awaiting: a sync shadow.
+        self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
+        self.stall_timeout_s = stall_timeout_s
+        self.queues: dict[str, asyncio.Queue[_Item]] = {}
+        self.closed = False
+        self._loop = asyncio.get_running_loop()
+        self._heard_at = self._loop.time()
+        self._pings = itertools.count(1)
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def open(self, request_id: str) -> asyncio.Queue[_Item]:
+        if request_id in self.queues:
+            raise ValueError(f"request_id {request_id!r} is already in flight to {self.endpoint}")
+        if not self.queues:
+            self._heard_at = self._loop.time()  # silence while idle does not count
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.queues[request_id] = queue
+        return queue
+
+    async def send(self, message: wire.ToWorker) -> None:
+        if self.closed:
+            raise WorkerLost(self.endpoint, "closed")
+        await self.socket.send(wire.encode(message))
+
+    def send_nowait(self, message: wire.ToWorker) -> None:
+        """Best effort: dropped when the socket is closed or its queue is full."""
+        if self.closed:
+            return
+        with contextlib.suppress(zmq.Again, zmq.ZMQError):
+            self._shadow.send(wire.encode(message), zmq.NOBLOCK)
+
+    def fail_all(self, error: WorkerLost) -> None:
+        """Replace whatever is queued with ``error``: the failure is reported at once."""
+        for queue in self.queues.values():
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(error)
+
+    async def receive(self) -> None:
+        while True:
+            payload = await self.socket.recv()
+            self._heard_at = self._loop.time()
+            try:
+                reply = wire.from_worker_decoder.decode(payload)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("reply_rejected", endpoint=self.endpoint, error=str(exc)[:200])
+                continue
+            if isinstance(reply, Pong | wire.FileData):
+                continue
+            queue = self.queues.get(reply.request_id)
+            if queue is not None:
+                queue.put_nowait(reply)
+
+    async def watch(self, on_stall: Callable[[str], None]) -> None:
+        """Ping a busy, silent endpoint; declare it lost after ``stall_timeout_s`` of silence."""
+        probe_s = self.stall_timeout_s / PROBES_PER_STALL
+        while True:
+            await asyncio.sleep(probe_s)  # a periodic timer, not a synchronisation
+            if not self.queues:
+                continue
+            silent_s = self._loop.time() - self._heard_at
+            if silent_s >= self.stall_timeout_s:
+                log.warning("worker_stalled", endpoint=self.endpoint, silent_s=round(silent_s, 3))
+                on_stall(self.endpoint)
+                return
+            if silent_s >= probe_s:
+                self.send_nowait(Ping(request_id=f"ping-{next(self._pings)}"))
+
+    def close(self) -> None:
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
+        self.socket.close(linger=0)
+
+
+class RequestPlaneClient:
+    """Streams generations from workers over shared per-endpoint DEALER sockets."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context | None = None,
+        *,
+        stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+    ) -> None:
+        if stall_timeout_s <= 0:
+            raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
+        self._context = context or zmq.asyncio.Context.instance()
+        self.stall_timeout_s = stall_timeout_s
+        self._channels: dict[str, _Channel] = {}
+
+    async def generate(
+        self, endpoint: str, request: PreprocessedRequest, *, request_id: str, timeout_s: float
+    ) -> AsyncGenerator[Output, None]:
+        """Yield the worker's Outputs up to the one with ``finish_reason``.
+
+        Raises ``WorkerError`` on an ErrorReply (or 504 if even the deadline reply never comes),
+        ``WorkerLost`` if the worker is lost. Stopping early (``aclose``, cancellation) sends Cancel.
+        """
+        channel = self._channel(endpoint)
+        queue = channel.open(request_id)
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + timeout_s + DEADLINE_GRACE_S
+        finished = False
+        try:
+            deadline_ms = now_ms() + int(timeout_s * 1000)
+            await channel.send(Generate(request_id=request_id, request=request, deadline_ms=deadline_ms))
+            while True:
+                try:
+                    async with asyncio.timeout(give_up_at - loop.time()):
+                        item = await queue.get()
+                except TimeoutError:
+                    raise WorkerError(504, "no reply by the deadline", endpoint=endpoint) from None
+                finished = not isinstance(item, Output) or item.finish_reason is not None
+                if isinstance(item, WorkerLost):
+                    raise item
+                if isinstance(item, ErrorReply):
+                    raise WorkerError(item.code, item.message, endpoint=endpoint)
+                yield item
+                if finished:
+                    return
+        finally:
+            channel.queues.pop(request_id, None)
+            if not finished:
+                channel.send_nowait(Cancel(request_id=request_id))
+                log.debug("request_cancel_sent", request_id=request_id, endpoint=endpoint)
+
+    def endpoint_lost(self, endpoint: str) -> None:
+        """Fail every in-flight request to ``endpoint`` with ``WorkerLost`` now and close its socket.
+
+        Call it when an instance expires (died), not on a withdraw: a withdrawn worker is draining
+        and its in-flight streams still finish.
+        """
+        self._lose(endpoint, "removed")
+
+    async def close(self) -> None:
+        for endpoint in list(self._channels):
+            self._lose(endpoint, "client closed")
+        await asyncio.sleep(0)  # let the cancelled channel tasks unwind
+
+    def _lose(self, endpoint: str, reason: str) -> None:
+        channel = self._channels.pop(endpoint, None)
+        if channel is None:
+            return
+        log.info("worker_lost", endpoint=endpoint, reason=reason, in_flight=len(channel.queues))
+        channel.fail_all(WorkerLost(endpoint, reason))
+        channel.close()
+
+    def _channel(self, endpoint: str) -> _Channel:
+        channel = self._channels.get(endpoint)
+        if channel is not None:
+            return channel
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(endpoint)
+        channel = _Channel(endpoint, socket, self.stall_timeout_s)
+        channel.tasks = [
+            asyncio.create_task(channel.receive(), name=f"request-plane-recv-{endpoint}"),
+            asyncio.create_task(
+                channel.watch(lambda lost: self._lose(lost, "stalled")),
+                name=f"request-plane-watch-{endpoint}",
+            ),
+        ]
+        self._channels[endpoint] = channel
+        return channel
+
+
+async def generate_with_migration(
+    client: RequestPlaneClient,
+    pick_endpoint: Callable[[set[str]], str | None],
+    request: PreprocessedRequest,
+    *,
+    request_id: str,
+    timeout_s: float,
+    migration_limit: int,
+) -> AsyncGenerator[Output, None]:
+    """``client.generate`` that survives a lost worker, like Dynamo's migration.
+
+    On ``WorkerLost`` (or a 503: the worker is draining), while migrations remain and
+    ``pick_endpoint(excluded)`` names another endpoint, the request is re-sent there with the
+    tokens already streamed appended to the prompt and ``max_tokens`` reduced by as many, and the
+    stream continues. Usage in the yielded Outputs is the original request's.
+    """
+    excluded: set[str] = set()
+    endpoint = pick_endpoint(excluded)
+    if endpoint is None:
+        raise WorkerError(503, "no live instance")
+    streamed: list[int] = []
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + timeout_s
+    for migration in itertools.count(1):
+        attempt = _continuation(request, streamed)
+        if attempt is None:  # the budget was used up before the final message got through
+            final = Output(request_id=request_id, token_ids=[], finish_reason="length")
+            yield _adjusted(final, request, len(streamed))
+            return
+        earlier = len(streamed)
+        try:
+            steps = client.generate(
+                endpoint, attempt, request_id=request_id, timeout_s=max(give_up_at - loop.time(), 0.001)
+            )
+            async with contextlib.aclosing(steps):
+                async for output in steps:
+                    adjusted = _adjusted(output, request, earlier)
+                    streamed.extend(output.token_ids)
+                    yield adjusted
+            return
+        except (WorkerLost, WorkerError) as exc:
+            if isinstance(exc, WorkerError) and exc.code != 503:
+                raise
+            excluded.add(endpoint)
+            target = pick_endpoint(excluded) if migration <= migration_limit else None
+            if target is None:
+                raise
+            log.info(
+                "request_migrated",
+                request_id=request_id,
+                from_endpoint=endpoint,
+                to_endpoint=target,
+                streamed_tokens=len(streamed),
+                migration=migration,
+                reason=str(exc),
+            )
+            endpoint = target
+    raise AssertionError("unreachable")  # pragma: no cover - itertools.count never ends
+
+
+def _continuation(request: PreprocessedRequest, streamed: list[int]) -> PreprocessedRequest | None:
+    """The request to send after ``streamed`` tokens went out; None when no token budget is left."""
+    if not streamed:
+        return request
+    stop = request.stop_conditions
+    remaining = stop.max_tokens - len(streamed)
+    if remaining <= 0:
+        return None
+    min_tokens = None if stop.min_tokens is None else max(stop.min_tokens - len(streamed), 0)
+    return msgspec.structs.replace(
+        request,
+        token_ids=[*request.token_ids, *streamed],
+        stop_conditions=msgspec.structs.replace(stop, max_tokens=remaining, min_tokens=min_tokens),
+    )
+
+
+def _adjusted(output: Output, request: PreprocessedRequest, earlier: int) -> Output:
+    """Usage as the client sees it: the original prompt, and the tokens of earlier attempts added."""
+    if not earlier and output.prompt_tokens:
+        return output
+    return msgspec.structs.replace(
+        output, prompt_tokens=len(request.token_ids), completion_tokens=earlier + output.completion_tokens
+    )

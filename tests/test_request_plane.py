@@ -1,0 +1,235 @@
+"""The request plane end to end: real ``dynamo-prep worker --engine mock`` processes and the client."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
+
+from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.engines.mock import MockEngine
+from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost, generate_with_migration
+from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.wire import Output
+
+DEMO = "kimi-k3-demo"
+MEDIA_PAD = "<|media_pad|>"
+IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+LONG_TEXT = "Please describe every detail of this picture, slowly and carefully, one by one."
+
+
+@pytest.fixture(scope="module")
+def mock() -> MockEngine:
+    """The same engine the sglang worker runs: the expected replies, computed locally."""
+    return MockEngine(DEMO, flavor="sglang")
+
+
+def preprocess(declared: str | None, text: str = "Describe it.", **fields: Any) -> PreprocessedRequest:
+    card = ModelDeploymentCard.from_model_dir(
+        DEMO, runtime_config=ModelRuntimeConfig(image_placeholder_token=declared)
+    )
+    messages = [{"role": "user", "content": [IMAGE, {"type": "text", "text": text}]}]
+    return OpenAIPreprocessor.new(card, DEMO).preprocess({"model": DEMO, "messages": messages, **fields})
+
+
+@pytest.fixture
+def plane() -> Iterator[str]:
+    address = tcp_endpoint()
+    with SubCollector(address, bind=True):
+        yield address
+
+
+@pytest.fixture
+def workers(plane: str) -> Iterator[Any]:
+    started: list[DynamoProcess] = []
+
+    def start(*extra: str) -> tuple[DynamoProcess, str]:
+        proc = start_dynamo(
+            "worker", "--model-path", DEMO, "--flavor", "sglang", "--discovery", plane, *extra
+        )
+        started.append(proc)
+        return proc, proc.wait_event("worker_started")["endpoint"]
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[RequestPlaneClient]:
+    client = RequestPlaneClient(stall_timeout_s=1.0)
+    yield client
+    await client.close()
+
+
+def text_of(mock: MockEngine, outputs: list[Output]) -> str:
+    return mock.tokenizer.decode([t for o in outputs for t in o.token_ids])
+
+
+async def test_streamed_generation_with_usage(
+    workers: Any, client: RequestPlaneClient, mock: MockEngine
+) -> None:
+    proc, endpoint = workers("--token-delay", "0")
+    request = preprocess(MEDIA_PAD)
+    outputs = [o async for o in client.generate(endpoint, request, request_id="a1", timeout_s=5)]
+    assert text_of(mock, outputs) == mock.reply_text(request)
+    assert text_of(mock, outputs).startswith("[mock sglang] 1 image(s)")
+    final = outputs[-1]
+    assert final.finish_reason == "stop"
+    assert all(o.finish_reason is None for o in outputs[:-1])
+    assert final.prompt_tokens == len(request.token_ids)
+    assert final.completion_tokens == len(mock.tokenizer.encode(mock.reply_text(request)))
+    declared = proc.wait_event("worker_declared_image_token")
+    assert (declared["token"], declared["source"]) == (MEDIA_PAD, "engine")
+
+
+async def test_checkpoint_default_sent_to_sglang_is_a_400(workers: Any, client: RequestPlaneClient) -> None:
+    _, endpoint = workers()
+    with pytest.raises(WorkerError) as caught:
+        async for _ in client.generate(endpoint, preprocess(None), request_id="bad", timeout_s=5):
+            pass
+    assert (caught.value.code, caught.value.message) == (
+        400,
+        "Expected 1 image placeholder token(s), found 0",
+    )
+
+
+async def test_consumer_stopping_early_cancels_on_the_worker(
+    workers: Any, client: RequestPlaneClient
+) -> None:
+    proc, endpoint = workers("--token-delay", "0.2")
+    stream = client.generate(endpoint, preprocess(MEDIA_PAD), request_id="c1", timeout_s=10)
+    first = await anext(stream)
+    assert first.token_ids
+    await stream.aclose()
+    finished = await asyncio.to_thread(proc.wait_event, "request_finished", request_id="c1")
+    assert finished["finish_reason"] == "cancelled"
+
+
+async def test_deadline_ends_the_stream(workers: Any, client: RequestPlaneClient) -> None:
+    _, endpoint = workers("--token-delay", "0.2")
+    outputs = [
+        o async for o in client.generate(endpoint, preprocess(MEDIA_PAD), request_id="d1", timeout_s=0.5)
+    ]
+    assert outputs[-1].finish_reason == "deadline"
+    assert 0 < outputs[-1].completion_tokens < 10
+
+
+async def test_killed_worker_is_lost_by_stall_detection(workers: Any, client: RequestPlaneClient) -> None:
+    proc, endpoint = workers("--token-delay", "0.2")
+    stream = client.generate(endpoint, preprocess(MEDIA_PAD, LONG_TEXT), request_id="k1", timeout_s=30)
+    await anext(stream)
+    proc.kill()
+    started = time.monotonic()
+    with pytest.raises(WorkerLost) as caught:
+        async for _ in stream:
+            pass
+    assert time.monotonic() - started < 3.0  # stall_timeout_s is 1 s
+    assert (caught.value.endpoint, caught.value.reason) == (endpoint, "stalled")
+
+
+async def test_endpoint_lost_fails_in_flight_requests_at_once(
+    workers: Any, client: RequestPlaneClient
+) -> None:
+    proc, endpoint = workers("--token-delay", "0.2")
+    streams = [
+        client.generate(endpoint, preprocess(MEDIA_PAD, LONG_TEXT), request_id=f"e{i}", timeout_s=30)
+        for i in range(3)
+    ]
+    for stream in streams:
+        await anext(stream)
+    proc.kill()
+    client.endpoint_lost(endpoint)
+    for stream in streams:
+        with pytest.raises(WorkerLost) as caught:
+            await asyncio.wait_for(anext(stream), 0.5)
+        assert caught.value.reason == "removed"
+
+
+async def test_slow_but_alive_worker_answers_pings(workers: Any, client: RequestPlaneClient) -> None:
+    _, endpoint = workers("--token-delay", "1.3")  # silent longer than the 1 s stall timeout
+    request = preprocess(MEDIA_PAD, max_tokens=1)
+    outputs = [o async for o in client.generate(endpoint, request, request_id="s1", timeout_s=10)]
+    assert (outputs[-1].finish_reason, outputs[-1].completion_tokens) == ("length", 1)
+
+
+async def test_migration_finishes_on_another_worker(
+    workers: Any, client: RequestPlaneClient, mock: MockEngine
+) -> None:
+    first, first_endpoint = workers("--token-delay", "0.1")
+    _, second_endpoint = workers("--token-delay", "0.02")
+    request = preprocess(MEDIA_PAD, LONG_TEXT)
+
+    def pick(excluded: set[str]) -> str | None:
+        return next((e for e in (first_endpoint, second_endpoint) if e not in excluded), None)
+
+    outputs: list[Output] = []
+    stream = generate_with_migration(client, pick, request, request_id="m1", timeout_s=30, migration_limit=1)
+    async for output in stream:
+        outputs.append(output)
+        if len(outputs) == 5:
+            first.kill()
+    assert text_of(mock, outputs) == mock.reply_text(request)
+    final = outputs[-1]
+    assert final.finish_reason == "stop"
+    assert final.prompt_tokens == len(request.token_ids)
+    assert final.completion_tokens == sum(len(o.token_ids) for o in outputs)
+
+
+async def test_migration_limit_zero_reraises(workers: Any, client: RequestPlaneClient) -> None:
+    first, endpoint = workers("--token-delay", "0.2")
+    stream = generate_with_migration(
+        client,
+        lambda excluded: None if excluded else endpoint,
+        preprocess(MEDIA_PAD),
+        request_id="z1",
+        timeout_s=30,
+        migration_limit=0,
+    )
+    await anext(stream)
+    first.kill()
+    client.endpoint_lost(endpoint)
+    with pytest.raises(WorkerLost):
+        await anext(stream)
+
+
+async def test_sigterm_drains_in_flight_and_refuses_new_requests(
+    workers: Any, client: RequestPlaneClient, mock: MockEngine
+) -> None:
+    proc, endpoint = workers("--token-delay", "0.05", "--drain-timeout", "10")
+    request = preprocess(MEDIA_PAD)
+    stream = client.generate(endpoint, request, request_id="t1", timeout_s=30)
+    outputs = [await anext(stream)]
+    proc.signal(signal.SIGTERM)
+    await asyncio.to_thread(proc.wait_event, "worker_draining")
+    assert proc.find("card_withdrawn"), "the card is withdrawn before the drain"
+    with pytest.raises(WorkerError) as refused:
+        async for _ in client.generate(endpoint, request, request_id="t2", timeout_s=5):
+            pass
+    assert refused.value.code == 503
+    outputs += [o async for o in stream]
+    assert text_of(mock, outputs) == mock.reply_text(request)
+    assert outputs[-1].finish_reason == "stop"
+    assert await asyncio.to_thread(proc.wait, 10) == 0
+
+
+async def test_hundred_concurrent_requests_share_one_dealer(
+    workers: Any, client: RequestPlaneClient, mock: MockEngine
+) -> None:
+    _, endpoint = workers("--token-delay", "0")
+    requests = [preprocess(MEDIA_PAD, f"Question number {i}?") for i in range(100)]
+
+    async def run(i: int) -> str:
+        outputs = [o async for o in client.generate(endpoint, requests[i], request_id=f"n{i}", timeout_s=15)]
+        assert outputs[-1].finish_reason == "stop"
+        return text_of(mock, outputs)
+
+    texts = await asyncio.gather(*(run(i) for i in range(100)))
+    assert texts == [mock.reply_text(request) for request in requests]
+    assert len(client._channels) == 1
