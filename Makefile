@@ -24,7 +24,7 @@ unit: $(STAMP)
 test: lint typecheck unit
 
 up: $(STAMP)
-	$(BIN)/dynamo-prep render --model-path kimi-k3-demo examples/demo_request.json
+	$(BIN)/dynamo-prep up
 
 demo-models: $(STAMP)
 	$(BIN)/python scripts/make_demo_models.py

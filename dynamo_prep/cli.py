@@ -50,6 +50,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_frontend(commands)
     _add_broker(commands)
     _add_keys(commands)
+    _add_up(commands)
     return parser
 
 
@@ -132,7 +133,38 @@ def _add_frontend(commands: Any) -> None:
     frontend.add_argument(
         "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
     )
+    _add_http(frontend)
     frontend.set_defaults(handler=_frontend)
+
+
+def _add_http(command: Any) -> None:
+    """The HTTP flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
+    command.add_argument("--http-host", default=_env("DYN_HTTP_HOST", "0.0.0.0"))
+    command.add_argument(
+        "--http-port", type=int, default=int(_env("DYN_HTTP_PORT", "8000") or 8000), help="0: any free port"
+    )
+    command.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(_env("DYN_MAX_BODY_BYTES", str(16 << 20)) or 16 << 20),
+        help="larger request bodies get 413",
+    )
+    command.add_argument(
+        "--request-timeout",
+        type=float,
+        default=float(_env("DYN_REQUEST_TIMEOUT", "300") or 300),
+        metavar="SECONDS",
+        help="per-request deadline, queueing included",
+    )
+
+
+def _add_up(commands: Any) -> None:
+    up = commands.add_parser("up", help="a local cluster: frontend + an sglang and a vllm mock worker")
+    up.add_argument("--http-port", type=int, default=int(_env("DYN_HTTP_PORT", "8000") or 8000))
+    up.add_argument("--discovery-bind", default="tcp://127.0.0.1:7555", help="the frontend's embedded plane")
+    up.add_argument("--model", default="kimi-k3-demo", help="demo model directory or name")
+    up.add_argument("--log-dir", type=Path, default=None, help="child logs go here (default: a temp dir)")
+    up.set_defaults(handler=_up)
 
 
 def _add_broker(commands: Any) -> None:
@@ -218,6 +250,22 @@ def _frontend(args: argparse.Namespace) -> int:
         cache_dir=args.cache_dir,
         curve_secret_key=args.curve_secret_key,
         curve_allow_dir=args.curve_allow_dir,
+        http_host=args.http_host,
+        http_port=args.http_port,
+        max_body_bytes=args.max_body_bytes,
+        request_timeout_s=args.request_timeout,
+    )
+
+
+def _up(args: argparse.Namespace) -> int:
+    from dynamo_prep.frontend.up import run_up  # noqa: PLC0415
+
+    return run_up(
+        http_port=args.http_port,
+        discovery_bind=args.discovery_bind,
+        model=args.model,
+        log_dir=args.log_dir,
+        log_level=args.log_level,
     )
 
 

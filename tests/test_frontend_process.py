@@ -48,7 +48,14 @@ def frontend(procs: list[DynamoProcess], address: str, tmp_path: Path) -> Callab
 
     def _start() -> DynamoProcess:
         proc = start_dynamo(
-            "frontend", "--discovery-bind", address, "--cache-dir", str(tmp_path / "cache"), log_level="info"
+            "frontend",
+            "--discovery-bind",
+            address,
+            "--http-port",
+            "0",
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            log_level="info",
         )
         procs.append(proc)
         proc.wait_event("frontend_started")
@@ -199,7 +206,14 @@ def test_two_brokers_deliver_twice_and_losing_one_loses_nothing(
         broker.wait_event("broker_started")
         brokers.append(broker)
     fe = start_dynamo(
-        "frontend", "--discovery", ",".join(xpubs), "--cache-dir", str(tmp_path / "cache"), log_level="info"
+        "frontend",
+        "--discovery",
+        ",".join(xpubs),
+        "--http-port",
+        "0",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        log_level="info",
     )
     procs.append(fe)
     fe.wait_event("frontend_started", mode="connect")

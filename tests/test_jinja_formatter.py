@@ -188,7 +188,8 @@ def test_qwen_vl_demo_from_model_dir() -> None:
         {"type": "text", "text": "What is this?"},
     ]
     prompt = formatter.render(user_request(messages=[{"role": "user", "content": content}]))
-    assert prompt.image_count == 1 and prompt.segments is None
+    assert prompt.image_count == 1 and prompt.segments is not None  # injection-safe segments by default
+    assert "".join(segment.text for segment in prompt.segments) == prompt.text
     assert "What is this?" in prompt.text
 
 
@@ -288,7 +289,7 @@ def test_render_converts_image_url_parts_and_counts_images() -> None:
 
 def test_render_without_image_token_counts_nothing() -> None:
     prompt = JinjaFormatter.from_template("<image><image>").render(user_request())
-    assert prompt.image_count == 0 and prompt.segments is None
+    assert prompt.image_count == 0 and prompt.segments is not None
 
 
 TOOLS_TEMPLATE = (

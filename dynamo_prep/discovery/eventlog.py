@@ -34,7 +34,8 @@ DRAIN_HINT = (
 )
 LEGACY_HINT = "upgrade this worker so it declares runtime_config.image_placeholder_token"
 OPEN_HINT = "any process that reaches these addresses can announce models; configure CURVE keys"
-FIRST_WINS = "first card wins: this model renders with the first value"
+FIRST_WINS = "first card wins: this model keeps the first value"
+PER_INSTANCE_TOKEN = "each request is rendered with the token of the instance it is routed to"
 
 
 class RateLimiter:
@@ -136,7 +137,7 @@ class DiscoveryLog:
                 field=name,
                 first_value=first,
                 later_value=later,
-                effect=FIRST_WINS,
+                effect=PER_INSTANCE_TOKEN if name == "image_placeholder_token" else FIRST_WINS,
             )
 
     def legacy_downgrade(self, event: LegacyDowngrade, built: BuiltModel | None) -> None:

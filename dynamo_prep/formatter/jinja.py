@@ -31,13 +31,56 @@ add_generation_prompt=..., **kwargs)`` of transformers 5.24.0 (``utils/chat_temp
 
 Not covered: ``continue_final_message``, ``sanitize_control_tokens``, callables as tools, the
 ``chat_templates/`` directory, and ``special_tokens_map.json``.
+
+Injection safety (``render`` returns segments; ``strict_hf_tokenization=False``, the default)
+-------------------------------------------------------------------------------------------
+transformers tokenizes the rendered string whole with special tokens allowed, so a user who types
+``<|im_end|>`` or ``<|vision_start|><|image_pad|><|vision_end|>`` in a message, a name, tool-call
+arguments or a tool result gets real control ids: a forged turn, a forged image slot. Here the
+text stays byte-identical to transformers' render and only the ids of such forged specials change:
+
+* Segments. The rendered text is cut at the special-token strings the TEMPLATE emitted (control
+  segments, one special each); everything between them (template text and user text together) is
+  one text segment, encoded with special-looking text as plain BPE. Because tiktoken's own
+  whole-string encoding also cuts at specials and encodes the runs between them, the ids equal
+  transformers' ids exactly unless user text spells a special, and then only that span differs.
+* Which strings are user strings: every string (values and keys) in the messages and the tools,
+  except ``role`` and ``type`` values from the OpenAI vocabulary (so ``'<|' + role + '|>'``
+  templates keep their specials; any other role is user text).
+* Fast path. A user string can only take part in a special occurrence if it contains the first
+  or last character of some special (case-insensitively), or is itself a piece of a special: a
+  string that overlaps an occurrence either lies inside it or covers one of its ends. The second
+  case needs a template that writes the ends of a special around user text (``'<|' + x + '|>'``),
+  so it is only checked when the template source holds such partial specials. When no user
+  string is suspicious (ordinary prose), every special in the render is the template's: one
+  plain render, cut at the specials.
+* Traced path. Otherwise the template is rendered a second time with each suspicious user string
+  wrapped in two private-use sentinels (chosen per request, absent from the input). The wrapped
+  value is a ``str`` subclass whose methods and operators act on the unwrapped text (``len``,
+  ``strip``/``trim``, ``split``, slicing, ``startswith``, ``in``, ``==``, hashing, iteration), so
+  the template takes the same decisions; ``tojson`` and concatenation carry the sentinels along.
+  The sentinel-stripped render must equal the plain render byte for byte, and the sentinels must
+  nest; then sentinel spans are user text and specials are matched only outside them.
+* Fallback. When the traced render differs from the plain one (the template transformed a user
+  string in a way the sentinels cannot follow, e.g. ``|wordwrap`` or a comparison on a
+  concatenated copy), the request is refused with a ``PromptRenderError`` (HTTP 400) saying so:
+  it never silently falls back to whole-string encoding. That needs both such a template and
+  special-looking user text.
+* Not detected: a template that slices an ordinary user string and rebuilds a special token from
+  the slice and its own partial-special text (``'<|' + content[1:-1] + '|>'``); no known template
+  does this.
+
+``strict_hf_tokenization=True`` returns ``segments=None``: the preprocessor then encodes the text
+whole with specials allowed, exactly as transformers does, forged specials included. Choose it
+only when id-for-id parity on special-looking user text matters more than the turn structure.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -48,15 +91,20 @@ import jinja2.exceptions
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import jinja2.runtime
+import jinja2.tests
 import jinja2.utils
+import structlog
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynamo_prep.card import ModelCardError, read_json
-from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt
+from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 __all__ = ["ChatTemplateError", "JinjaFormatter"]
+
+log = structlog.get_logger("dynamo_prep.formatter.jinja")
 
 TRANSFORMERS_VERSION_MATCHED = "5.24.0"
 NAMED_SPECIAL_TOKENS = (
@@ -70,6 +118,16 @@ NAMED_SPECIAL_TOKENS = (
 )
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _RESERVED_ARGS = ("messages", "tools")
+# role/type values that are structure, not user text (any other value is treated as user text)
+STRUCTURAL_VALUES: Mapping[str, frozenset[str]] = {
+    "role": frozenset({"system", "developer", "user", "assistant", "tool", "function", "ipython"}),
+    "type": frozenset(
+        {"text", "image", "image_url", "video", "video_url", "audio", "input_audio", "function"}
+    ),
+}
+# (start, end) sentinel pairs tried in order; the first pair absent from the request is used
+_SENTINEL_PAIRS = (("\ue000", "\ue001"), ("\U000f0000", "\U000f0001"), ("\U00100000", "\U00100001"))
+_DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
 class ChatTemplateError(ModelCardError):
@@ -149,15 +207,45 @@ def _strftime_now(format: str) -> str:
     return datetime.now().strftime(format)
 
 
+class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with fast paths that return exactly what the generic lookups return.
+
+    ``message.role`` on a plain dict goes attribute-first in Jinja: ``getattr`` raises, then the
+    item is read. A plain dict has no attributes beyond ``dir(dict)``, so for any other name the
+    item lookup is the answer; loop variables (``loop.first``, ``loop.previtem``) are public
+    properties the sandbox always allows. Rendering a chat template is mostly such lookups.
+    """
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        kind = type(obj)
+        if kind is dict and attribute not in _DICT_ATTRIBUTES:
+            try:
+                return obj[attribute]
+            except KeyError:
+                return self.undefined(obj=obj, name=attribute)
+        if kind is jinja2.runtime.LoopContext and not attribute.startswith("_"):
+            try:
+                return getattr(obj, attribute)
+            except AttributeError:
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
+def _test_mapping(value: Any) -> bool:
+    """``is mapping`` without the ABC check for the common case (same answer)."""
+    return type(value) is dict or jinja2.tests.test_mapping(value)
+
+
 def _new_environment() -> ImmutableSandboxedEnvironment:
     """The environment transformers builds for every template (same options, filters, globals)."""
     if _version_tuple(jinja2.__version__) < (3, 1, 6):
         raise ChatTemplateError(
             f"chat templates need jinja2>=3.1.6 (sandbox fixes), found {jinja2.__version__}"
         )
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatTemplateEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationExtension, jinja2.ext.loopcontrols]
     )
+    env.tests["mapping"] = _test_mapping
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -187,8 +275,16 @@ def _compile_named(template: str, source: str) -> jinja2.Template:
 
 def _plain(value: Any) -> Any:
     """Rebuild a value from plain JSON types, as transformers does before a template sees it."""
-    if value is None or type(value) in (str, int, float, bool):
+    kind = type(value)
+    if kind is str or kind is int or kind is float or kind is bool or value is None:
         return value
+    if kind is dict:  # the common case, with leaves inlined (this runs on every request)
+        return {
+            key if type(key) is str else _plain(key): item if type(item) is str else _plain(item)
+            for key, item in value.items()
+        }
+    if kind is list:
+        return [item if type(item) is str else _plain(item) for item in value]
     if isinstance(value, str):
         return str.__str__(value)
     if isinstance(value, int):
@@ -289,6 +385,18 @@ def special_tokens_from_config(tokenizer_config: Mapping[str, Any]) -> dict[str,
     return tokens
 
 
+def registered_specials_from_config(tokenizer_config: Mapping[str, Any]) -> list[str]:
+    """Every special-token string a tokenizer built from ``tokenizer_config.json`` registers."""
+    strings = list(special_tokens_from_config(tokenizer_config).values())
+    decoder = tokenizer_config.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        strings.extend(text for entry in decoder.values() if (text := _token_text(entry)) is not None)
+    additional = tokenizer_config.get("additional_special_tokens")
+    if isinstance(additional, list):
+        strings.extend(text for entry in additional if (text := _token_text(entry)) is not None)
+    return strings
+
+
 def _templates_from_config(value: object, source: str) -> dict[str, str]:
     """``chat_template`` as a string or HF's named list ``[{"name": ..., "template": ...}]``."""
     if isinstance(value, str):
@@ -328,8 +436,228 @@ def _image_token(config: Mapping[str, Any], tokenizer_config: Mapping[str, Any])
     return None
 
 
+# ----------------------------------------------------------------------------- injection safety
+
+
+class _Marked(str):
+    """A user string wrapped in sentinels, behaving for the template like the unwrapped string.
+
+    The str value (what ``str()``, concatenation, ``tojson`` and output see) carries the
+    sentinels; every method and operator a template can reach works on the unwrapped text and
+    wraps the strings it derives, so control flow and filters decide as on the plain render.
+    """
+
+    _inner: str
+    _pair: tuple[str, str]
+
+    def __new__(cls, inner: str, pair: tuple[str, str]) -> _Marked:
+        marked = super().__new__(cls, pair[0] + inner + pair[1])
+        marked._inner = inner
+        marked._pair = pair
+        return marked
+
+    def _wrap(self, value: Any) -> Any:
+        if type(value) is str:
+            return _Marked(value, self._pair) if value else value
+        if isinstance(value, list | tuple):
+            return type(value)(self._wrap(item) for item in value)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def __iter__(self) -> Iterator[str]:
+        return (_Marked(char, self._pair) for char in self._inner)
+
+    def __getitem__(self, key: Any) -> Any:
+        return self._wrap(self._inner[key])
+
+    def __hash__(self) -> int:
+        return hash(self._inner)
+
+    def __contains__(self, item: object) -> bool:
+        return _unmarked(item) in self._inner
+
+
+def _unmarked(value: Any) -> Any:
+    return value._inner if isinstance(value, _Marked) else value
+
+
+def _derived(name: str) -> Callable[..., Any]:
+    method = getattr(str, name)
+
+    def call(self: _Marked, *args: Any, **kwargs: Any) -> Any:
+        return self._wrap(method(self._inner, *map(_unmarked, args), **kwargs))
+
+    call.__name__ = name
+    return call
+
+
+def _query(name: str) -> Callable[..., Any]:
+    method = getattr(str, name)
+
+    def call(self: _Marked, *args: Any, **kwargs: Any) -> Any:
+        return method(self._inner, *map(_unmarked, args), **kwargs)
+
+    call.__name__ = name
+    return call
+
+
+_DERIVED_METHODS = (
+    *("capitalize", "casefold", "center", "expandtabs", "ljust", "lower", "lstrip", "removeprefix"),
+    *("removesuffix", "replace", "rjust", "rstrip", "strip", "swapcase", "title", "translate", "upper"),
+    *("zfill", "split", "rsplit", "splitlines", "partition", "rpartition"),
+)
+_QUERY_METHODS = (
+    *("count", "endswith", "find", "index", "rfind", "rindex", "startswith", "encode", "isalnum"),
+    *("isalpha", "isascii", "isdecimal", "isdigit", "isidentifier", "islower", "isnumeric"),
+    *("isprintable", "isspace", "istitle", "isupper", "__eq__", "__ne__", "__lt__", "__le__"),
+    *("__gt__", "__ge__"),
+)
+for _name in _DERIVED_METHODS:
+    setattr(_Marked, _name, _derived(_name))
+for _name in _QUERY_METHODS:
+    setattr(_Marked, _name, _query(_name))
+
+
+class _SpecialTokens:
+    """The special-token strings of a model: where they occur, and which user text could forge one."""
+
+    def __init__(self, specials: Iterable[str], *, inner_pieces: bool = True) -> None:
+        self.strings = tuple(sorted({s for s in specials if s}, key=lambda s: (-len(s), s)))
+        self.inner_pieces = inner_pieces
+        self._pattern = re.compile("|".join(map(re.escape, self.strings))) if self.strings else None
+        edges = {char for s in self.strings for char in (s[0], s[-1])}
+        edges |= {variant for char in edges for variant in (char.lower(), char.upper(), char.casefold())}
+        self._edges = re.compile("[" + "".join(map(re.escape, sorted(edges))) + "]") if edges else None
+        self._joined = "\x00".join(self.strings)
+        self._longest = max(map(len, self.strings), default=0)
+
+    def suspicious(self, text: str) -> bool:
+        """Whether ``text`` could be part of a special occurrence (it holds an end or sits inside one)."""
+        if self._edges is None or not text:
+            return False
+        if self._edges.search(text) is not None:
+            return True
+        return self.inner_pieces and len(text) < self._longest and text in self._joined
+
+    def fragments_in(self, source: str) -> bool:
+        """Whether template source writes a special's first or last two characters outside a whole special.
+
+        Only such a template (``'<|' + role + '|>'``) can build a special around user text that
+        holds neither of its ends; for any other, pieces of specials in user text are harmless.
+        """
+        rest = self._pattern.sub("", source) if self._pattern is not None else source
+        return any(s[:2] in rest or s[-2:] in rest for s in self.strings)
+
+    def cut(self, text: str, segments: list[Segment]) -> None:
+        """Append ``text`` as control segments (each special) and text segments (the runs between)."""
+        start = 0
+        if self._pattern is not None:
+            for match in self._pattern.finditer(text):
+                if match.start() > start:
+                    segments.append(Segment(text[start : match.start()], False))
+                segments.append(Segment(match.group(), True))
+                start = match.end()
+        if start < len(text):
+            segments.append(Segment(text[start:], False))
+
+
+def _user_strings(value: Any, key: Any = None) -> Iterator[str]:
+    """Every string the client sent, keys included, except structural role/type values."""
+    if isinstance(value, str):
+        structural = STRUCTURAL_VALUES.get(key) if isinstance(key, str) else None
+        if structural is None or value not in structural:
+            yield value
+    elif isinstance(value, Mapping):
+        for item_key, item in value.items():
+            yield from _user_strings(item_key)
+            yield from _user_strings(item, item_key)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _user_strings(item)
+
+
+def _mark(value: Any, specials: _SpecialTokens, pair: tuple[str, str], key: Any = None) -> Any:
+    """A copy of ``value`` with every suspicious user string wrapped in the sentinel ``pair``."""
+    if isinstance(value, str):
+        structural = STRUCTURAL_VALUES.get(key) if isinstance(key, str) else None
+        if (structural is None or value not in structural) and specials.suspicious(value):
+            return _Marked(value, pair)
+        return value
+    if isinstance(value, dict):
+        return {
+            _mark(item_key, specials, pair): _mark(item, specials, pair, item_key)
+            for item_key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [_mark(item, specials, pair) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_mark(item, specials, pair) for item in value)
+    return value
+
+
+def _sentinels(texts: Iterable[str]) -> tuple[str, str] | None:
+    """The first sentinel pair that appears in none of ``texts``."""
+    corpus = "".join(texts)
+    for pair in _SENTINEL_PAIRS:
+        if pair[0] not in corpus and pair[1] not in corpus:
+            return pair
+    return None
+
+
+def _traced_segments(
+    marked: str, plain: str, pair: tuple[str, str], specials: _SpecialTokens
+) -> list[Segment]:
+    """Segments of a sentinel-marked render; specials are matched only outside user spans.
+
+    Raises ``PromptRenderError`` when the sentinels do not nest or the stripped render is not
+    byte-identical to ``plain`` (the template transformed user text in a way they cannot follow).
+    """
+    pieces: list[tuple[str, bool]] = []  # (text, is_user)
+    depth = 0
+    for index, part in enumerate(re.split(f"({re.escape(pair[0])}|{re.escape(pair[1])})", marked)):
+        if index % 2:
+            depth += 1 if part == pair[0] else -1
+            if depth < 0:
+                break
+        elif part:
+            pieces.append((part, depth > 0))
+    if depth != 0 or "".join(text for text, _ in pieces) != plain:
+        raise PromptRenderError(
+            "this model's chat template transforms message text in a way that cannot be traced, and "
+            "the request contains text that looks like the model's special tokens; remove that text "
+            "(or serve the model with Hugging Face tokenization parity)"
+        )
+    segments: list[Segment] = []
+    for text, is_user in pieces:
+        if is_user:
+            segments.append(Segment(text, False))
+        else:
+            specials.cut(text, segments)
+    return _merge_text(segments)
+
+
+def _merge_text(segments: list[Segment]) -> list[Segment]:
+    """Adjacent text segments joined, so BPE sees the same runs as a whole-string encode."""
+    merged: list[Segment] = []
+    for segment in segments:
+        if merged and not segment.allow_special and not merged[-1].allow_special:
+            merged[-1] = Segment(merged[-1].text + segment.text, False)
+        else:
+            merged.append(segment)
+    return merged
+
+
 class JinjaFormatter:
-    """Renders OpenAI chat requests through a model's Hugging Face chat template."""
+    """Renders OpenAI chat requests through a model's Hugging Face chat template.
+
+    ``render`` returns injection-safe segments (see the module docstring) unless
+    ``strict_hf_tokenization``; ``registered_specials`` are the model's special-token strings
+    (``from_model_dir`` reads them from ``tokenizer_config.json``), the template's special-token
+    variables are always among them. ``template_sources`` (given by ``from_template``) lets user
+    strings that are mere pieces of a special skip tracing when no template writes partial specials.
+    """
 
     kind = "jinja"
 
@@ -341,12 +669,29 @@ class JinjaFormatter:
         tool_use_template: jinja2.Template | None = None,
         image_token: str | None = None,
         exclude_tools_when_tool_choice_none: bool = True,
+        registered_specials: Iterable[str] = (),
+        strict_hf_tokenization: bool = False,
+        template_sources: Sequence[str] | None = None,
     ) -> None:
         self._template = template
         self._tool_use_template = tool_use_template
         self.special_tokens = dict(special_tokens)
         self.image_token = image_token
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self.strict_hf_tokenization = strict_hf_tokenization
+        known = [*self.special_tokens.values(), *registered_specials]
+        if image_token:
+            known.append(image_token)
+        self._specials = _SpecialTokens(known)
+        if template_sources is not None:
+            fragments = any(self._specials.fragments_in(source) for source in template_sources)
+            self._specials.inner_pieces = fragments
+        self._template_vars = _plain(self.special_tokens)
+
+    @property
+    def registered_specials(self) -> tuple[str, ...]:
+        """The special-token strings the render is cut at (longest first)."""
+        return self._specials.strings
 
     @classmethod
     def from_template(
@@ -362,6 +707,8 @@ class JinjaFormatter:
         special_tokens: Mapping[str, str] | None = None,
         tool_use_template: str | None = None,
         source: str = "<chat_template>",
+        registered_specials: Iterable[str] = (),
+        strict_hf_tokenization: bool = False,
     ) -> JinjaFormatter:
         """A formatter for template text; only the tokens given become template variables.
 
@@ -381,11 +728,18 @@ class JinjaFormatter:
             tool_use_template=tool_use,
             image_token=image_token,
             exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+            registered_specials=registered_specials,
+            strict_hf_tokenization=strict_hf_tokenization,
+            template_sources=[template] if tool_use_template is None else [template, tool_use_template],
         )
 
     @classmethod
     def from_model_dir(
-        cls, path: str | Path, *, exclude_tools_when_tool_choice_none: bool = True
+        cls,
+        path: str | Path,
+        *,
+        exclude_tools_when_tool_choice_none: bool = True,
+        strict_hf_tokenization: bool = False,
     ) -> JinjaFormatter:
         """A formatter from a model directory (or demo model name), as transformers would load it."""
         model_dir = resolve_model_dir(path)
@@ -403,6 +757,8 @@ class JinjaFormatter:
             exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
             tool_use_template=templates.get("tool_use"),
             source=source,
+            registered_specials=registered_specials_from_config(tokenizer_config),
+            strict_hf_tokenization=strict_hf_tokenization,
         )
 
     def render_text(
@@ -416,19 +772,40 @@ class JinjaFormatter:
         **chat_template_args: Any,
     ) -> str:
         """The prompt text, exactly as ``apply_chat_template(..., tokenize=False)`` returns it."""
-        if "messages" in chat_template_args:
-            raise PromptRenderError("chat template arguments cannot set 'messages'")
-        template = self._template
-        if tools is not None and self._tool_use_template is not None:
-            template = self._tool_use_template
-        context = {
-            "messages": _prepare_messages(messages),
-            "tools": _prepare_tools(tools),
-            "documents": _prepare_documents(documents),
-            "add_generation_prompt": add_generation_prompt,
-            **_plain({**self.special_tokens, **chat_template_args}),
-        }
+        template, context = self._context(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            documents=documents,
+            **chat_template_args,
+        )
         return _render(template, context)
+
+    def render_segments(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        /,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **chat_template_args: Any,
+    ) -> RenderedPrompt:
+        """``render_text`` plus injection-safe segments (None under strict HF tokenization)."""
+        template, context = self._context(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            documents=documents,
+            **chat_template_args,
+        )
+        text = _render(template, context)
+        image_count = text.count(self.image_token) if self.image_token else 0
+        if self.strict_hf_tokenization:
+            return RenderedPrompt(text=text, segments=None, image_count=image_count)
+        return RenderedPrompt(
+            text=text, segments=self._segments(template, context, text), image_count=image_count
+        )
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         """Render a request: image parts as HF processors expect, tools unless tool_choice is none."""
@@ -442,9 +819,55 @@ class JinjaFormatter:
         if request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none:
             tools = None
         messages = [_hf_message(message) for message in request.messages]
-        text = self.render_text(messages, tools, add_generation_prompt=add_generation_prompt, **args)
-        image_count = text.count(self.image_token) if self.image_token else 0
-        return RenderedPrompt(text=text, segments=None, image_count=image_count)
+        return self.render_segments(messages, tools, add_generation_prompt=add_generation_prompt, **args)
+
+    def _context(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        /,
+        *,
+        add_generation_prompt: bool,
+        documents: Sequence[Mapping[str, Any]] | None,
+        **chat_template_args: Any,
+    ) -> tuple[jinja2.Template, dict[str, Any]]:
+        if "messages" in chat_template_args:
+            raise PromptRenderError("chat template arguments cannot set 'messages'")
+        template = self._template
+        if tools is not None and self._tool_use_template is not None:
+            template = self._tool_use_template
+        variables = (
+            {**self._template_vars, **_plain(chat_template_args)}
+            if chat_template_args
+            else self._template_vars
+        )
+        context = {
+            "messages": _prepare_messages(messages),
+            "tools": _prepare_tools(tools),
+            "documents": _prepare_documents(documents),
+            "add_generation_prompt": add_generation_prompt,
+            **variables,
+        }
+        return template, context
+
+    def _segments(self, template: jinja2.Template, context: dict[str, Any], text: str) -> list[Segment]:
+        """Fast path when no user string could touch a special; else trace user text with sentinels."""
+        user_inputs = {key: context[key] for key in ("messages", "tools", "documents")}
+        suspicious = [value for value in _user_strings(user_inputs) if self._specials.suspicious(value)]
+        segments: list[Segment] = []
+        if not suspicious:
+            self._specials.cut(text, segments)
+            return segments
+        pair = _sentinels([text, *_user_strings(user_inputs)])
+        if pair is None:
+            raise PromptRenderError("the request contains the private-use characters used to trace user text")
+        marked = {key: _mark(value, self._specials, pair) for key, value in user_inputs.items()}
+        traced = _render(template, {**context, **marked})
+        try:
+            return _traced_segments(traced, text, pair, self._specials)
+        except PromptRenderError:
+            log.warning("jinja_untraceable_user_text", suspicious=len(suspicious))
+            raise
 
 
 def _hf_message(message: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""The frontend process: discovery watcher now, HTTP serving next to it (the "Serving" issue)."""
+"""The frontend process: discovery watcher, request router and OpenAI HTTP API on one event loop."""
 
 from dynamo_prep.frontend.process import FrontendConfig, run_frontend, serve_frontend
 

@@ -1,9 +1,9 @@
 """The frontend process runner: start the components, stop them all on SIGTERM / SIGINT.
 
-Components are named coroutines supervised together: the discovery watcher today, the HTTP
-server of the "Serving" issue next to it (add it in ``_components``). A signal stops every
-component and exits 0; a component that ends on its own is a failure and exits 1. Logging is
-configured by the CLI, never here.
+Components are named coroutines supervised together: the discovery watcher and the HTTP server
+(``app.py`` on uvicorn), on one event loop and sharing the live ``ModelCatalog``. A signal stops
+every component and exits 0; a component that ends on its own is a failure and exits 1. Logging
+is configured by the CLI, never here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,14 @@ from dynamo_prep.discovery.catalog import ModelCatalog
 from dynamo_prep.discovery.files import ModelFileStore
 from dynamo_prep.discovery.trust import ServerCurve, TrustError
 from dynamo_prep.discovery.watcher import DEFAULT_BIND, DiscoveryWatcher
+from dynamo_prep.frontend.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    HttpSettings,
+    create_app,
+)
+from dynamo_prep.frontend.client import RequestPlaneClient
+from dynamo_prep.frontend.http_server import HttpServer, bind_http
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "FrontendConfig", "run_frontend", "serve_frontend"]
@@ -35,6 +43,8 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_CONFIG = 2
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+DEFAULT_HTTP_HOST = "0.0.0.0"
+DEFAULT_HTTP_PORT = 8000
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +57,9 @@ class FrontendConfig:
     model_path: Path | None = None
     cache_dir: Path | None = None
     curve: ServerCurve | None = None
+    http_host: str = DEFAULT_HTTP_HOST
+    http_port: int = DEFAULT_HTTP_PORT
+    http: HttpSettings = field(default_factory=HttpSettings)
 
     @classmethod
     def from_options(
@@ -59,6 +72,10 @@ class FrontendConfig:
         cache_dir: Path | None = None,
         curve_secret_key: Path | None = None,
         curve_allow_dir: Path | None = None,
+        http_host: str = DEFAULT_HTTP_HOST,
+        http_port: int = DEFAULT_HTTP_PORT,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
     ) -> FrontendConfig:
         """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options."""
         if discovery_bind and discovery:
@@ -74,6 +91,10 @@ class FrontendConfig:
                     "frontend CURVE secures its bound plane; with brokers, give the keys to the brokers"
                 )
             curve = ServerCurve.load(curve_secret_key, curve_allow_dir)
+        if not 0 <= http_port <= 65535:
+            raise ValueError(f"--http-port must be in 0..65535, got {http_port}")
+        if max_body_bytes < 1 or request_timeout_s <= 0:
+            raise ValueError("--max-body-bytes and --request-timeout must be positive")
         return cls(
             bind=bind,
             connect=connect,
@@ -81,6 +102,9 @@ class FrontendConfig:
             model_path=Path(model_path) if model_path is not None else None,
             cache_dir=cache_dir,
             curve=curve,
+            http_host=http_host,
+            http_port=http_port,
+            http=HttpSettings(max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s),
         )
 
 
@@ -93,6 +117,10 @@ def run_frontend(
     cache_dir: Path | None = None,
     curve_secret_key: Path | None = None,
     curve_allow_dir: Path | None = None,
+    http_host: str = DEFAULT_HTTP_HOST,
+    http_port: int = DEFAULT_HTTP_PORT,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
 ) -> int:
     """Blocking entry point of ``dynamo-prep frontend``; returns the process exit code."""
     try:
@@ -104,6 +132,10 @@ def run_frontend(
             cache_dir=cache_dir,
             curve_secret_key=curve_secret_key,
             curve_allow_dir=curve_allow_dir,
+            http_host=http_host,
+            http_port=http_port,
+            max_body_bytes=max_body_bytes,
+            request_timeout_s=request_timeout_s,
         )
     except (TrustError, ValueError) as exc:
         log.error("frontend_config_error", error=str(exc))
@@ -122,12 +154,20 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     context = zmq.asyncio.Context.instance()
     catalog = ModelCatalog()
     store = ModelFileStore(config.cache_dir)
-    watcher = _watcher(config, catalog, store, context)
+    client = RequestPlaneClient(context)
+    watcher = _watcher(config, catalog, store, context, client)
     try:
         watcher.open()
     except (zmq.ZMQError, TrustError, ValueError) as exc:
         log.error("frontend_start_failed", error=str(exc), discovery=[*config.bind, *config.connect])
         return EXIT_FAILED
+    try:
+        sock = bind_http(config.http_host, config.http_port)
+    except OSError as exc:
+        watcher.close()
+        log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
+        return EXIT_FAILED
+    http = HttpServer(create_app(catalog, client, settings=config.http), sock)
     log.info(
         "frontend_started",
         discovery=watcher.addresses,
@@ -136,12 +176,21 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         curve="on" if config.curve is not None else "off",
         model_path=str(config.model_path) if config.model_path else None,
         cache_dir=str(store.root),
+        http_host=config.http_host,
+        http_port=http.port,
     )
-    return await _supervise(_components(watcher, catalog), stop)
+    try:
+        return await _supervise(_components(watcher, http), stop)
+    finally:
+        await client.close()
 
 
 def _watcher(
-    config: FrontendConfig, catalog: ModelCatalog, store: ModelFileStore, context: zmq.asyncio.Context
+    config: FrontendConfig,
+    catalog: ModelCatalog,
+    store: ModelFileStore,
+    context: zmq.asyncio.Context,
+    client: RequestPlaneClient,
 ) -> DiscoveryWatcher:
     builder = PreprocessorBuilder(store, local_model_path=config.model_path, context=context)
     return DiscoveryWatcher(
@@ -152,13 +201,13 @@ def _watcher(
         curve=config.curve,
         catalog=catalog,
         context=context,
+        on_endpoint_lost=client.endpoint_lost,
     )
 
 
-def _components(watcher: DiscoveryWatcher, catalog: ModelCatalog) -> dict[str, Coroutine[Any, Any, None]]:
-    """Everything the frontend runs concurrently; the HTTP server (reading ``catalog``) goes here."""
-    del catalog  # read by the HTTP server of the "Serving" issue
-    return {"discovery_watcher": watcher.run()}
+def _components(watcher: DiscoveryWatcher, http: HttpServer) -> dict[str, Coroutine[Any, Any, None]]:
+    """Everything the frontend runs concurrently (both read and write one ``ModelCatalog``)."""
+    return {"discovery_watcher": watcher.run(), "http_server": http.run()}
 
 
 async def _supervise(components: Mapping[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> int:

@@ -1,0 +1,384 @@
+"""The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
+
+Why Starlette (on uvicorn): it is a small ASGI toolkit whose handlers are plain async functions,
+it streams responses from async generators (SSE) and notices client disconnects, and it brings
+no validation layer of its own: request bodies are decoded with msgspec into the project's own
+types, exactly once. Plain ``uvicorn`` (h11, no extras) keeps installs small.
+
+Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
+``GET /health`` (readiness: 503 until a model is live) and ``GET /live``. Every response carries
+``x-request-id`` (an incoming one is honoured); every error has OpenAI's body (``errors.py``).
+
+A chat request is routed before it is rendered: the router picks an instance, and the request is
+preprocessed with that instance's declaration, so each engine of a mixed pool gets its own
+contract. A lost worker is retried (the card's ``migration_limit``) on an instance with the same
+declaration, or, before any token was streamed, re-rendered for another one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+import structlog
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
+from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost, generate_with_migration
+from dynamo_prep.frontend.detokenize import Detokenizer
+from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
+from dynamo_prep.frontend.openai_stream import Completion, sse, visible_text
+from dynamo_prep.frontend.router import Pick, Router
+from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessedRequest
+from dynamo_prep.protocol.openai import (
+    ChatCompletionRequest,
+    ModelEntry,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    parse_chat_request,
+)
+from dynamo_prep.protocol.wire import Output
+
+__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_REQUEST_TIMEOUT_S", "HttpSettings", "create_app"]
+
+log = structlog.get_logger("dynamo_prep.frontend")
+
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+# Preprocessing is sub-millisecond for ordinary prompts; bodies above this render in a thread so
+# one huge prompt cannot stall every other stream on the loop.
+THREAD_ABOVE_BYTES = 256 << 10
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
+_JSON = "application/json"
+_T = TypeVar("_T")
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+
+def create_app(
+    catalog: ModelCatalog,
+    client: RequestPlaneClient,
+    *,
+    router: Router | None = None,
+    settings: HttpSettings | None = None,
+) -> ASGIApp:
+    """The ASGI app serving ``catalog``'s live models through ``client``."""
+    handlers = _Handlers(catalog, client, router or Router(), settings or HttpSettings())
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+            Route("/v1/models", handlers.models, methods=["GET"]),
+            Route("/tokenize", handlers.tokenize, methods=["POST"]),
+            Route("/health", handlers.health, methods=["GET"]),
+            Route("/live", handlers.live, methods=["GET"]),
+        ],
+        exception_handlers={
+            HTTPException: _http_exception,
+            **dict.fromkeys(REQUEST_ERRORS, _request_error),
+            Exception: _unexpected,
+        },
+    )
+    return _RequestId(app)
+
+
+class _Handlers:
+    def __init__(
+        self, catalog: ModelCatalog, client: RequestPlaneClient, router: Router, settings: HttpSettings
+    ) -> None:
+        self.catalog = catalog
+        self.client = client
+        self.router = router
+        self.settings = settings
+
+    # -- chat completions --------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await _read_body(request, self.settings.max_body_bytes)
+        chat = parse_chat_request(body)
+        model = self._live_model(chat.model)
+        request_id: str = request.state.request_id
+        structlog.contextvars.bind_contextvars(model=model.name)
+        # Unique on the request plane even when a client reuses its x-request-id.
+        plane_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
+        outputs = self._outputs(model, chat, plane_id, large=len(body) > THREAD_ABOVE_BYTES)
+        completion = Completion(
+            id=f"chatcmpl-{request_id}",
+            model=chat.model,
+            created=int(time.time()),
+            detokenizer=Detokenizer(model.preprocessor.tokenizer, _stops(chat.stop)),
+        )
+        first = await _first(outputs)  # errors before the first token keep their HTTP status
+        if chat.stream:
+            include_usage = bool((chat.stream_options or {}).get("include_usage"))
+            body_iterator = sse(_prepend(first, outputs), completion, include_usage=include_usage)
+            return StreamingResponse(body_iterator, media_type="text/event-stream", headers=_NO_CACHE)
+        async with contextlib.aclosing(outputs):
+            pieces = visible_text(_prepend(first, outputs), completion)
+            await _unless_disconnected(request, _drain(pieces))
+        completion.log_completed()
+        return Response(_encoder.encode(completion.response()), media_type=_JSON)
+
+    async def _outputs(
+        self, model: LiveModel, chat: ChatCompletionRequest, request_id: str, *, large: bool
+    ) -> AsyncGenerator[Output, None]:
+        """The worker's outputs for ``chat``: pick, render for the pick, generate with migration."""
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + self.settings.request_timeout_s
+        limit = model.card.migration_limit
+        tried: set[str] = set()
+        while True:
+            current = self.catalog.get(model.name) or model
+            pick = self.router.pick(current, excluded=tried)
+            if pick is None:
+                raise OpenAIError(503, f"no live instance of model {model.name!r} can take the request")
+            preprocessed = await self._preprocess(current, pick, chat, large=large)
+            picked_before = len(tried)
+            streamed = False
+            try:
+                steps = generate_with_migration(
+                    self.client,
+                    self._picker(current, pick, tried),
+                    preprocessed,
+                    request_id=request_id,
+                    timeout_s=max(give_up_at - loop.time(), 0.001),
+                    migration_limit=max(limit - picked_before, 0),
+                )
+                async with contextlib.aclosing(steps):
+                    async for output in steps:
+                        streamed = True
+                        yield output
+                return
+            except (WorkerLost, WorkerError) as exc:
+                retryable = isinstance(exc, WorkerLost) or exc.code == 503
+                if streamed or not retryable or len(tried) - 1 >= limit:
+                    raise
+                log.info("request_rerouted", reason=str(exc), tried=sorted(tried))
+
+    def _picker(self, model: LiveModel, pick: Pick, tried: set[str]) -> Callable[[set[str]], str | None]:
+        """``pick_endpoint`` for one rendering: ``pick`` first, then same-declaration instances."""
+        first: list[str] = [pick.endpoint]
+
+        def pick_endpoint(excluded: set[str]) -> str | None:
+            if first:
+                endpoint = first.pop()
+            else:
+                current = self.catalog.get(model.name) or model
+                again = self.router.pick(current, excluded=excluded | tried, image_token=pick.image_token)
+                if again is None:
+                    return None
+                endpoint = again.endpoint
+            tried.add(endpoint)
+            return endpoint
+
+        return pick_endpoint
+
+    async def _preprocess(
+        self, model: LiveModel, pick: Pick, chat: ChatCompletionRequest, *, large: bool
+    ) -> PreprocessedRequest:
+        preprocessor = await self._preprocessor(model, pick.image_token)
+        log.debug("request_routed", instance_id=pick.instance_id, image_token=pick.image_token)
+        if large:
+            return await asyncio.to_thread(preprocessor.preprocess, chat)
+        return preprocessor.preprocess(chat)
+
+    async def _preprocessor(self, model: LiveModel, image_token: str | None) -> OpenAIPreprocessor:
+        if image_token == model.preprocessor.card.runtime_config.image_placeholder_token:
+            return model.preprocessor
+        return await asyncio.to_thread(self.router.preprocessor, model, image_token)  # reads files once
+
+    # -- models, tokenize, health ------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        del request
+        entries = []
+        for name in self.catalog.names():
+            model = self.catalog.get(name)
+            if model is not None:
+                entries.append(ModelEntry(id=name, created=model.created))
+        return Response(_encoder.encode(ModelList(data=entries)), media_type=_JSON)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``, rendered with the model's canonical declaration."""
+        body = await _read_body(request, self.settings.max_body_bytes)
+        try:
+            tokenize = msgspec.json.decode(body, type=TokenizeRequest)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            raise OpenAIError(400, f"Invalid request: {exc}") from exc
+        model = self._live_model(tokenize.model)
+        preprocessor = model.preprocessor
+        if tokenize.messages is not None:
+            tokens = preprocessor.tokenize(body).token_ids
+        elif tokenize.prompt is not None:
+            tokens = preprocessor.tokenizer.encode(tokenize.prompt, allow_special=tokenize.add_special_tokens)
+        else:
+            raise OpenAIError(400, "give either messages (a chat) or prompt (text)", param="messages")
+        answer = TokenizeResponse(count=len(tokens), max_model_len=preprocessor.context_length, tokens=tokens)
+        return Response(_encoder.encode(answer), media_type=_JSON)
+
+    async def health(self, request: Request) -> Response:
+        """Readiness: 200 with the live models once one is servable, else 503."""
+        del request
+        names = self.catalog.names()
+        body = {"status": "healthy" if names else "unhealthy", "models": names}
+        return Response(_encoder.encode(body), status_code=200 if names else 503, media_type=_JSON)
+
+    async def live(self, request: Request) -> Response:
+        del request
+        return Response(b'{"status":"live"}', media_type=_JSON)
+
+    def _live_model(self, name: str) -> LiveModel:
+        """The model if it can serve now; 503 while it (or every model) has no instance; else 404."""
+        model = self.catalog.get(name)
+        if model is not None:
+            return model
+        served = self.catalog.names()
+        if self.catalog.status(name) == "pending":
+            raise OpenAIError(503, f"model {name!r} has no live instance right now; retry shortly")
+        if not served:
+            raise OpenAIError(503, f"no model is being served right now (asked for {name!r})")
+        raise OpenAIError(
+            404, f"The model {name!r} does not exist. Served models: {', '.join(served)}", param="model"
+        )
+
+
+_NO_CACHE = {"cache-control": "no-cache"}
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 past ``limit`` (by Content-Length, and as it streams in)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise OpenAIError(413, f"request body is {declared} bytes; the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _stops(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+async def _first(outputs: AsyncGenerator[Output, None]) -> Output:
+    """The first output: failures up to here still get their own HTTP status."""
+    try:
+        return await anext(outputs)
+    except StopAsyncIteration:
+        raise OpenAIError(502, "the worker ended the stream without a final message") from None
+
+
+async def _prepend(first: Output, rest: AsyncGenerator[Output, None]) -> AsyncGenerator[Output, None]:
+    yield first
+    async with contextlib.aclosing(rest):
+        async for output in rest:
+            yield output
+
+
+async def _drain(pieces: AsyncGenerator[str, None]) -> None:
+    async with contextlib.aclosing(pieces):
+        async for _ in pieces:
+            pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+    """Await ``work``, cancelling it (and so the worker's generation) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        log.info("client_disconnected")
+        raise OpenAIError(499, "client disconnected")
+    return task.result()
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _request_error(request: Request, exc: Exception) -> Response:
+    error = as_openai_error(exc)
+    log_fn = log.warning if error.status >= 500 else log.info
+    log_fn("request_failed", status=error.status, error=error.message, path=request.url.path)
+    return error_response(error)
+
+
+async def _unexpected(request: Request, exc: Exception) -> Response:
+    log.error("request_crashed", path=request.url.path, error=repr(exc))
+    return error_response(OpenAIError(500, "internal error"))
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404 / 405 as OpenAI error bodies."""
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    headers = dict(exc.headers or {})
+    return error_response(OpenAIError(exc.status_code, message), headers=headers)
+
+
+class _RequestId:
+    """Pure ASGI middleware: choose the request id, expose it as ``request.state.request_id``,
+    echo it in ``x-request-id``, and unbind the logging context afterwards."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(scope)
+        scope.setdefault("state", {})["request_id"] = request_id
+        header = (REQUEST_ID_HEADER.encode(), request_id.encode())
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            await self.app(scope, receive, send_with_id)
+
+
+def _request_id(scope: Scope) -> str:
+    """An incoming ``x-request-id`` when it is a sane token, else a fresh one."""
+    for name, value in scope.get("headers", []):
+        if name == REQUEST_ID_HEADER.encode():
+            text = bytes(value).decode("latin-1")
+            if _REQUEST_ID.match(text):
+                return text
+    return uuid.uuid4().hex

@@ -1,0 +1,232 @@
+"""``dynamo-prep up``: a whole local cluster in one command, for trying the project out.
+
+It starts the frontend (embedded discovery plane, HTTP on ``--http-port``) and two mock workers
+of the demo model, one enforcing SGLang's image contract and one vLLM's, so the router's mixed
+pool is what you talk to: consecutive requests alternate between the flavors and each reply says
+which one served it. Children are plain ``dynamo-prep`` processes whose logs go to files (their
+directory is printed). Ctrl-C or SIGTERM stops the workers and the frontend (SIGTERM, a grace
+period, then SIGKILL for stragglers) and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import structlog
+
+__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up"]
+
+log = structlog.get_logger("dynamo_prep.up")
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 10.0
+POLL_S = 0.2
+FLAVORS = ("sglang", "vllm")
+DEMO_IMAGE_URL = "https://upload.wikimedia.org/wikipedia/commons/4/47/PNG_transparency_demonstration_1.png"
+# Loopback only: an http_proxy in the environment must not see (or break) the readiness probe.
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+@dataclass
+class _Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    log_file: IO[bytes]
+
+
+def run_up(
+    *,
+    http_port: int = 8000,
+    discovery_bind: str = "tcp://127.0.0.1:7555",
+    model: str = "kimi-k3-demo",
+    log_dir: Path | None = None,
+    log_level: str = "info",
+) -> int:
+    """Start the cluster, wait until ``model`` is served, print how to use it, run until signalled."""
+    stopping = threading.Event()
+    restore = _on_stop_signals(stopping.set)
+    directory = log_dir or Path(tempfile.mkdtemp(prefix="dynamo-prep-up-"))
+    directory.mkdir(parents=True, exist_ok=True)
+    connect = _connect_address(discovery_bind)
+    base_url = f"http://127.0.0.1:{http_port}"
+    children: list[_Child] = []
+    try:
+        children.append(
+            _start(
+                "frontend",
+                directory,
+                log_level,
+                ["frontend", "--discovery-bind", discovery_bind, "--http-port", str(http_port)],
+            )
+        )
+        for flavor in FLAVORS:
+            worker = ["worker", "--model-path", model, "--discovery", connect, "--flavor", flavor]
+            children.append(_start(f"worker-{flavor}", directory, log_level, worker))
+        log.info("up_starting", url=base_url, model=model, log_dir=str(directory))
+        served_as = _wait_ready(base_url, model, children, stopping)
+        if served_as is None:
+            return EXIT_OK if stopping.is_set() else EXIT_FAILED
+        _print_banner(base_url, served_as, directory)
+        return _run_until_stopped(children, stopping)
+    finally:
+        _stop_all(children)
+        restore()
+        log.info("up_stopped", log_dir=str(directory))
+
+
+def curl_command(base_url: str, model: str, image_url: str = DEMO_IMAGE_URL) -> str:
+    """A ready-to-paste streaming chat request with one image."""
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": 64,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is in this picture?"},
+                    {"type": "image_url", "image_url": {"url": image_url}},
+                ],
+            }
+        ],
+    }
+    return (
+        f"curl -sN {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"-d {shlex.quote(json.dumps(body))}"
+    )
+
+
+def _connect_address(bind: str) -> str:
+    """Where workers connect for a bound address (a wildcard host means this machine)."""
+    parts = urlsplit(bind)
+    if parts.scheme != "tcp" or parts.port is None or parts.port == 0:
+        raise SystemExit(f"--discovery-bind must be tcp://HOST:PORT with a fixed port, got {bind!r}")
+    host = parts.hostname or "127.0.0.1"
+    return f"tcp://{'127.0.0.1' if host in ('0.0.0.0', '*') else host}:{parts.port}"
+
+
+def _start(name: str, directory: Path, log_level: str, args: list[str]) -> _Child:
+    log_path = directory / f"{name}.log"
+    log_file = log_path.open("ab")
+    command = [sys.executable, "-m", "dynamo_prep.cli", "--log-level", log_level, *args]
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    log.info("up_child_started", child=name, pid=process.pid, log=str(log_path))
+    return _Child(name, process, log_path, log_file)
+
+
+def _wait_ready(base_url: str, model: str, children: list[_Child], stopping: threading.Event) -> str | None:
+    """Poll ``/v1/models`` until ``model`` (or its directory's name) is listed; None on failure."""
+    wanted = {model, Path(model).name}
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not stopping.is_set():
+        dead = _dead(children)
+        if dead is not None:
+            log.error(
+                "up_child_exited", child=dead.name, code=dead.process.returncode, log=str(dead.log_path)
+            )
+            return None
+        listed = wanted & _served_models(base_url)
+        if listed:
+            return listed.pop()
+        if time.monotonic() >= deadline:
+            log.error("up_not_ready", url=base_url, timeout_s=READY_TIMEOUT_S)
+            return None
+        stopping.wait(POLL_S)  # a polling interval, woken at once by a stop signal
+    return None
+
+
+def _served_models(base_url: str) -> set[str]:
+    try:
+        with _NO_PROXY.open(f"{base_url}/v1/models", timeout=2) as response:
+            body: dict[str, Any] = json.load(response)
+    except (OSError, urllib.error.URLError, ValueError):
+        return set()
+    return {entry["id"] for entry in body.get("data", []) if isinstance(entry, dict) and "id" in entry}
+
+
+def _print_banner(base_url: str, model: str, directory: Path) -> None:
+    lines = [
+        "",
+        f"dynamo-prep is up: {base_url}  (model {model}; mock workers: {', '.join(FLAVORS)})",
+        f"logs: {directory}/{{frontend,worker-sglang,worker-vllm}}.log",
+        "Try (run it twice: requests alternate between the sglang and the vllm worker):",
+        "",
+        curl_command(base_url, model),
+        "",
+        "Ctrl-C stops everything.",
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _run_until_stopped(children: list[_Child], stopping: threading.Event) -> int:
+    while not stopping.wait(POLL_S):
+        dead = _dead(children)
+        if dead is not None:
+            log.error(
+                "up_child_exited", child=dead.name, code=dead.process.returncode, log=str(dead.log_path)
+            )
+            return EXIT_FAILED
+    return EXIT_OK
+
+
+def _dead(children: list[_Child]) -> _Child | None:
+    return next((child for child in children if child.process.poll() is not None), None)
+
+
+def _stop_all(children: list[_Child]) -> None:
+    """Workers first (they withdraw, then drain), then the frontend; SIGKILL after the grace period."""
+    for child in reversed(children):
+        if child.process.poll() is None:
+            child.process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in children:
+        try:
+            child.process.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            log.warning("up_child_killed", child=child.name, pid=child.process.pid)
+            child.process.kill()
+            child.process.wait()
+        child.log_file.close()
+
+
+def _on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
+    """SIGINT / SIGTERM call ``callback``; returns a function restoring the previous handlers."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        del frame
+        log.info("up_stopping", signal=signal.Signals(signum).name)
+        callback()
+
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+
+    def restore() -> None:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+    return restore

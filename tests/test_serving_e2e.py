@@ -1,0 +1,246 @@
+"""End to end with the official ``openai`` client: a ``dynamo-prep frontend`` process, real mock
+workers of both flavors, real HTTP. Plus ``dynamo-prep up``: ready, its printed curl works, and
+SIGTERM leaves no process behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
+
+DEMO = "kimi-k3-demo"
+HTTP_IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+DATA_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+REPLY = re.compile(r"^\[mock (\w+)\] (\d+) image\(s\)")
+
+
+@dataclass
+class Cluster:
+    """A frontend process and its workers; ``client`` speaks to it through the openai package."""
+
+    tmp_path: Path
+    port: int = field(default_factory=free_port)
+    discovery: str = field(default_factory=tcp_endpoint)
+    procs: list[DynamoProcess] = field(default_factory=list)
+    frontend: DynamoProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_frontend(self) -> DynamoProcess:
+        args = ("--discovery-bind", self.discovery, "--http-host", "127.0.0.1", "--http-port", str(self.port))
+        self.frontend = start_dynamo(
+            "frontend", *args, "--cache-dir", str(self.tmp_path / "cache"), log_level="debug"
+        )
+        self.procs.append(self.frontend)
+        self.frontend.wait_event("frontend_started", timeout=15)
+        return self.frontend
+
+    def worker(self, flavor: str, *extra: str) -> DynamoProcess:
+        args = ("--model-path", DEMO, "--discovery", self.discovery, "--flavor", flavor, *extra)
+        proc = start_dynamo("worker", *args, log_level="info")
+        self.procs.append(proc)
+        return proc
+
+    def wait_instances(self, count: int) -> None:
+        assert self.frontend is not None
+        wait_for(lambda: len(self.frontend.find("instance_added")) >= count, 20, message="instances")  # type: ignore[union-attr]
+        wait_for(lambda: self.frontend.find("model_added"), 20, message="model_added")  # type: ignore[union-attr]
+
+    def client(self, **options: Any) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key="none", max_retries=0, http_client=_http(), **options
+        )
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        http = httpx.AsyncClient(trust_env=False, timeout=30)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, http_client=http)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop()
+
+
+def _http() -> httpx.Client:
+    return httpx.Client(trust_env=False, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    cluster = Cluster(tmp_path_factory.mktemp("mixed"))
+    try:
+        cluster.start_frontend()
+        cluster.worker("sglang", "--token-delay", "0")
+        cluster.worker("vllm", "--token-delay", "0")
+        cluster.wait_instances(2)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def ask(*content: Any, text: str = "Describe them.") -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+
+
+def test_non_streaming_and_streaming(mixed: Cluster) -> None:
+    client = mixed.client()
+    plain = client.chat.completions.create(model=DEMO, messages=ask(text="Hi there"))  # type: ignore[arg-type]
+    content = plain.choices[0].message.content or ""
+    assert REPLY.match(content) and content.endswith("You said: Hi there")
+    assert plain.choices[0].finish_reason == "stop"
+    assert plain.usage is not None and plain.usage.completion_tokens > 0
+    stream = client.chat.completions.create(
+        model=DEMO,
+        messages=ask(text="Hi there"),  # type: ignore[arg-type]
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert REPLY.match(text) and text.endswith("You said: Hi there")
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens > 0
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "stop"
+
+
+def test_two_images_are_served_by_each_flavor(mixed: Cluster) -> None:
+    client = mixed.client()
+    served = set()
+    for _ in range(2):
+        answer = client.chat.completions.create(
+            model=DEMO,
+            messages=ask(HTTP_IMAGE, DATA_IMAGE),  # type: ignore[arg-type]
+        )
+        match = REPLY.match(answer.choices[0].message.content or "")
+        assert match is not None and match[2] == "2"
+        served.add(match[1])
+    assert served == {"sglang", "vllm"}
+
+
+def test_errors_map_to_the_clients_exception_types(mixed: Cluster) -> None:
+    client = mixed.client()
+    with pytest.raises(openai.BadRequestError, match="unknown content part type"):
+        client.chat.completions.create(model=DEMO, messages=ask({"type": "video", "url": "x"}))  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError, match=DEMO):
+        client.chat.completions.create(model="nope", messages=ask())  # type: ignore[arg-type]
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.chat.completions.create(model=DEMO, messages=ask(), max_tokens=10**7)  # type: ignore[arg-type]
+    models = client.models.list()
+    assert [model.id for model in models.data] == [DEMO]
+
+
+def test_mixed_pool_serves_50_image_requests_without_contract_errors(mixed: Cluster) -> None:
+    async def run() -> list[str]:
+        client = mixed.async_client()
+        gate = asyncio.Semaphore(8)
+
+        async def one(index: int) -> str:
+            async with gate:
+                images = [HTTP_IMAGE] * (1 + index % 3)
+                answer = await client.chat.completions.create(
+                    model=DEMO,
+                    messages=ask(*images, text=f"request {index}"),  # type: ignore[arg-type]
+                    max_tokens=40,
+                )
+                content = answer.choices[0].message.content or ""
+                match = REPLY.match(content)
+                assert match is not None and int(match[2]) == len(images), content
+                return match[1]
+
+        try:
+            return await asyncio.gather(*(one(index) for index in range(50)))
+        finally:
+            await client.close()
+
+    flavors = asyncio.run(run())
+    assert flavors.count("sglang") == flavors.count("vllm") == 25
+    for proc in mixed.procs[1:]:
+        assert not proc.find("mock_contract_violation")
+
+
+def test_worker_killed_mid_stream(tmp_path: Path) -> None:
+    """SIGKILL the worker serving a stream: the stream migrates (or ends with a clean error), and
+    the frontend keeps serving."""
+    cluster = Cluster(tmp_path)
+    try:
+        frontend = cluster.start_frontend()
+        options = ("--token-delay", "0.05", "--migration-limit", "1", "--heartbeat", "0.2", "--ttl-ms", "800")
+        workers = [cluster.worker("sglang", *options) for _ in range(2)]
+        cluster.wait_instances(2)
+        client = cluster.client()
+        reference = client.chat.completions.create(model=DEMO, messages=ask(text="keep talking"))  # type: ignore[arg-type]
+        expected = reference.choices[0].message.content or ""
+        by_instance = {proc.wait_event("worker_started")["instance_id"]: proc for proc in workers}
+        stream = client.chat.completions.create(
+            model=DEMO,
+            messages=ask(text="keep talking"),  # type: ignore[arg-type]
+            stream=True,
+        )
+        text, error = "", None
+        try:
+            for index, chunk in enumerate(stream):
+                text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+                if index == 3:
+                    routed = frontend.find("request_routed")[-1]
+                    by_instance[routed["instance_id"]].kill()
+        except openai.APIError as exc:
+            error = exc
+        if error is None:
+            assert text == expected  # migrated: the continuation picks up exactly where it stopped
+            assert frontend.find("request_migrated")
+        else:
+            assert "worker" in str(error)
+        after = client.chat.completions.create(model=DEMO, messages=ask(text="still there?"))  # type: ignore[arg-type]
+        assert (after.choices[0].message.content or "").endswith("still there?")
+    finally:
+        cluster.stop()
+
+
+def sse_text(body: str) -> str:
+    chunks = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    return "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks if chunk["choices"])
+
+
+def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    port = free_port()
+    up = start_dynamo(
+        "up", "--http-port", str(port), "--discovery-bind", tcp_endpoint(), "--log-dir", str(tmp_path),
+        log_level="info",
+    )  # fmt: skip
+    try:
+        curl = wait_for(
+            lambda: next((line for line in up.raw if line.startswith("curl ")), None), 30, message="curl"
+        )
+        children = [event["pid"] for event in up.find("up_child_started")]
+        assert len(children) == 3
+        served = set()
+        for _ in range(2):
+            out = subprocess.run(
+                shlex.split(curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+            assert out.rstrip().endswith("data: [DONE]"), out
+            match = REPLY.match(sse_text(out))
+            assert match is not None and match[2] == "1", out[:400]
+            served.add(match[1])
+        assert served == {"sglang", "vllm"}
+        up.signal(signal.SIGTERM)
+        assert up.wait(20) == 0
+        for pid in children:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert (tmp_path / "frontend.log").stat().st_size > 0
+    finally:
+        up.stop()
