@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: test lint typecheck unit up demo-models clean
+.PHONY: test lint typecheck unit up demo-models bench soak clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,21 @@ test: lint typecheck unit
 
 up: $(STAMP)
 	$(BIN)/dynamo-prep up
+
+# Every benchmarks/*.py suite in one run (installs the bench extra: transformers without torch, pyinstrument).
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	set -e; for suite in benchmarks/[!_]*.py; do $(BIN)/python -m benchmarks.$$(basename $$suite .py); done
+	cat benchmarks/results/README.md
+
+# Mixed traffic with workers restarting, against one frontend (SOAK_MINUTES=2 for a short run).
+SOAK_MINUTES ?= 10
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --minutes $(SOAK_MINUTES)
 
 demo-models: $(STAMP)
 	$(BIN)/python scripts/make_demo_models.py

@@ -12,7 +12,13 @@ from dynamo_prep.tokenizer import Tokenizer
 
 
 def render_request(
-    request: Any, *, model_path: str, served_name: str | None, image_token: str | None, hosted: bool
+    request: Any,
+    *,
+    model_path: str,
+    served_name: str | None,
+    image_token: str | None,
+    hosted: bool,
+    strict_hf_tokenization: bool = False,
 ) -> dict[str, Any]:
     """Segments, text and token ids of one chat request, as a JSON-ready dict."""
     model_dir = resolve_model_dir(model_path)
@@ -26,6 +32,7 @@ def render_request(
         model_dir,
         image_placeholder_token=image_token,
         generation_prompt="hosted" if hosted else "reference",
+        strict_hf_tokenization=strict_hf_tokenization,
     )
     preprocessor = OpenAIPreprocessor.new_with_parts(card, formatter, Tokenizer.from_model_dir(model_dir))
     prompt = preprocessor.tokenize(request)

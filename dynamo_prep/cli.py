@@ -24,7 +24,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dynamo-prep`` console script."""
     args = _parser().parse_args(argv)
     # render's stdout is its result, so its logs go to stderr; every other process logs to stdout.
-    stream = sys.stderr if args.command in ("render", "keys") else sys.stdout
+    stream = sys.stderr if args.command in ("render", "keys", "watch") else sys.stdout
     configure_logging(level=args.log_level, log_format=args.log_format, stream=stream, component=args.command)
     result: int = args.handler(args)
     return result
@@ -51,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_broker(commands)
     _add_keys(commands)
     _add_up(commands)
+    _add_watch(commands)
     return parser
 
 
@@ -60,6 +61,13 @@ def _add_render(commands: Any) -> None:
     render.add_argument("--served-name", default=None, help="model name (default: the directory name)")
     render.add_argument("--image-token", default=None, help="the per-image token a worker would declare")
     render.add_argument("--hosted", action="store_true", help="Kimi-K3: stop before the channel opener")
+    render.add_argument(
+        "--jinja-tokenization",
+        choices=["segmented", "hf"],
+        default="segmented",
+        help="Jinja templates: 'segmented' keeps user text from becoming special tokens (default); "
+        "'hf' encodes the whole prompt like Hugging Face (user text may spell special tokens)",
+    )
     render.add_argument("request", type=Path, help="OpenAI chat completion request JSON ('-' for stdin)")
     render.set_defaults(handler=_render)
 
@@ -112,6 +120,12 @@ def _add_worker(commands: Any) -> None:
         default=5.0,
         metavar="SECONDS",
         help="on SIGTERM, how long in-flight requests may finish",
+    )
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve dynamo_worker_* Prometheus metrics on this port (default off; 0: a free port, logged)",
     )
     _add_discovery_client(worker)
     worker.set_defaults(handler=_worker)
@@ -176,6 +190,42 @@ def _add_broker(commands: Any) -> None:
     broker.set_defaults(handler=_broker)
 
 
+_WATCH_HELP = """\
+Show the discovery plane live: models, instances, each instance's declared image token (or
+"checkpoint default"), legacy card keys, endpoint, heartbeat age and seq. It subscribes like a
+frontend and applies the frontend's own rules (TTL, withdraw, checksums); it never fetches files.
+
+Reaching the plane (a worker publishes only to the addresses in its own --discovery list):
+  * behind brokers: dynamo-prep watch --discovery tcp://broker-a:7556,tcp://broker-b:7556
+    (the brokers' XPUB ports, exactly like a frontend started with --discovery);
+  * embedded plane: dynamo-prep watch --bind tcp://0.0.0.0:7557 and start the workers with
+    --discovery tcp://FRONTEND:7555,tcp://WATCH-HOST:7557 (they publish to both).
+Logs go to stderr; stdout is the table, or with --json one JSON line per change."""
+
+
+def _add_watch(commands: Any) -> None:
+    watch = commands.add_parser(
+        "watch",
+        help="live view of the discovery plane (who announced what)",
+        description=_WATCH_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    watch.add_argument(
+        "--discovery", type=_addresses, default=[], help="connect to brokers' XPUB ADDR[,ADDR]"
+    )
+    watch.add_argument("--bind", type=_addresses, default=[], help="bind ADDR[,ADDR]; workers connect here")
+    watch.add_argument("--namespace", default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE))
+    watch.add_argument("--json", action="store_true", help="one JSON line per change instead of the table")
+    watch.add_argument(
+        "--once-after",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="watch this long, then print the table (or a JSON snapshot line) and exit 0",
+    )
+    watch.set_defaults(handler=_watch)
+
+
 def _add_keys(commands: Any) -> None:
     keys = commands.add_parser("keys", help="CURVE key management")
     actions = keys.add_subparsers(dest="action", required=True)
@@ -195,6 +245,7 @@ def _render(args: argparse.Namespace) -> int:
             served_name=args.served_name,
             image_token=args.image_token,
             hosted=args.hosted,
+            strict_hf_tokenization=args.jinja_tokenization == "hf",
         )
     except (ValueError, OSError) as exc:  # PreprocessError, ModelCardError, TokenizerError, ...
         _print_error(exc)
@@ -236,6 +287,7 @@ def _worker(args: argparse.Namespace) -> int:
         token_delay_s=args.token_delay,
         migration_limit=args.migration_limit,
         drain_timeout_s=args.drain_timeout,
+        metrics_port=args.metrics_port,
     )
 
 
@@ -277,6 +329,18 @@ def _broker(args: argparse.Namespace) -> int:
         xpub=args.xpub,
         curve_secret_key=args.curve_secret_key,
         curve_allow_dir=args.curve_allow_dir,
+    )
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from dynamo_prep.watch import run_watch  # noqa: PLC0415
+
+    return run_watch(
+        discovery=args.discovery,
+        bind=args.bind,
+        namespace=args.namespace,
+        json_lines=args.json,
+        once_after=args.once_after,
     )
 
 

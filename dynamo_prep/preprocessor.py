@@ -63,6 +63,8 @@ class OpenAIPreprocessor:
         self.tokenizer = tokenizer
         self.mdcsum = card.mdcsum()
         self.context_length = card.runtime_config.context_length or card.context_length
+        # Set by ``new_with_parts`` when it warned: lets a metrics hook count the warning.
+        self.unregistered_image_token: str | None = None
 
     @classmethod
     def new(cls, card: ModelDeploymentCard, model_dir: str | Path) -> OpenAIPreprocessor:
@@ -78,17 +80,20 @@ class OpenAIPreprocessor:
         cls, card: ModelDeploymentCard, formatter: PromptFormatter, tokenizer: Tokenizer
     ) -> OpenAIPreprocessor:
         """Join separately built parts; warn once if the declared image token is not a special."""
-        declared_image_token = card.runtime_config.image_placeholder_token
-        if declared_image_token is not None and not tokenizer.is_special_token(declared_image_token):
+        declared = card.runtime_config.image_placeholder_token
+        unregistered = declared if declared is not None and not tokenizer.is_special_token(declared) else None
+        if unregistered is not None:
             log.warning(
                 "declared_image_token_unregistered",
                 model=card.display_name,
-                token=declared_image_token,
-                ids=tokenizer.encode(declared_image_token, allow_special=True),
-                rendered=formatter.image_token == declared_image_token,
+                token=unregistered,
+                ids=tokenizer.encode(unregistered, allow_special=True),
+                rendered=formatter.image_token == unregistered,
                 formatter=formatter.kind,
             )
-        return cls(card, formatter, tokenizer)
+        preprocessor = cls(card, formatter, tokenizer)
+        preprocessor.unregistered_image_token = unregistered
+        return preprocessor
 
     def tokenize(self, request: ChatCompletionRequest | dict[str, Any] | bytes) -> TokenizedPrompt:
         """Render and tokenize a request (segment by segment when the formatter segments)."""

@@ -122,6 +122,7 @@ class Tokenizer:
         self._num_base_tokens = num_base_tokens
         self._special_names = {token_id: text for text, token_id in special_tokens.items()}
         self._allowed = frozenset(special_tokens)
+        self._special_ids = {text: (token_id,) for text, token_id in special_tokens.items()}
         self._control_cache: dict[str, tuple[int, ...]] = {}
         self._text_cache: dict[str, tuple[int, ...]] = {}
 
@@ -181,18 +182,18 @@ class Tokenizer:
         return ids
 
     def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
-        """Concatenated ``encode(text, allow_special=...)`` of each segment, served from caches when short."""
+        """Concatenated ``encode(text, allow_special=...)`` of each segment, served from caches when short.
+
+        This runs once per request over every segment (hundreds for K3), so the common cases cost
+        one dict lookup: a control segment that is exactly one special, a short text segment seen
+        before. Anything else (other control text, new or long text) goes through ``_miss``.
+        """
         ids: list[int] = []
-        specials = self._specials
+        extend = ids.extend
+        special_ids, text_ids, miss = self._special_ids, self._text_cache, self._miss
         for text, allow_special in segments:
-            if allow_special:
-                special_id = specials.get(text)
-                if special_id is not None:
-                    ids.append(special_id)
-                else:
-                    ids.extend(self._cached(text, self._control_cache, allow_special=True))
-            else:
-                ids.extend(self._cached(text, self._text_cache, allow_special=False))
+            hit = special_ids.get(text) if allow_special else text_ids.get(text)
+            extend(hit if hit is not None else miss(text, allow_special))
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -235,6 +236,11 @@ class Tokenizer:
         else:
             ids = self._encoding.encode_ordinary(text)
         return ids
+
+    def _miss(self, text: str, allow_special: bool) -> Sequence[int]:
+        if allow_special:
+            return self._cached(text, self._control_cache, allow_special=True)
+        return self._cached(text, self._text_cache, allow_special=False)
 
     def _cached(self, text: str, cache: dict[str, tuple[int, ...]], *, allow_special: bool) -> Sequence[int]:
         """Short segments repeat on every request (tags, roles, quotes): encode each once."""

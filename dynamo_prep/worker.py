@@ -35,6 +35,7 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
 from dynamo_prep.worker_generate import GenerationServer
+from dynamo_prep.worker_metrics import MetricsServer, WorkerMetrics
 
 __all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "RequestDispatcher", "Worker", "run_worker"]
 
@@ -103,8 +104,11 @@ class Worker:
         context: zmq.asyncio.Context | None = None,
         generation: GenerationServer | None = None,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        metrics: WorkerMetrics | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         self.card = card
+        self.metrics = metrics if metrics is not None else WorkerMetrics()
         self.instance_id = instance_id or uuid.uuid4().hex
         self.dispatcher = RequestDispatcher()
         self.files = FileServer(card, model_dir)
@@ -112,7 +116,8 @@ class Worker:
         self.generation = generation
         self.drain_timeout_s = drain_timeout_s
         if generation is not None:
-            self.dispatcher.register(Generate, generation.on_generate)
+            self.metrics.track_inflight(lambda: generation.in_flight)
+            self.dispatcher.register(Generate, self.metrics.counting_generate(generation.on_generate))
             self.dispatcher.register(Cancel, generation.on_cancel)
             self.dispatcher.register(Ping, generation.on_ping)
         self._discovery = list(discovery)
@@ -127,6 +132,8 @@ class Worker:
         self._publisher: CardPublisher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: asyncio.Task[None] | None = None
+        self._metrics_port = metrics_port
+        self.metrics_server: MetricsServer | None = None
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -140,6 +147,13 @@ class Worker:
             raise
         self._router = router
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self._metrics_port is not None:
+            try:
+                self.metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
+            except OSError:
+                router.close(linger=0)
+                self._router = None
+                raise
         self._publisher = CardPublisher(
             self.card,
             endpoint=self.endpoint,
@@ -205,6 +219,9 @@ class Worker:
         if self._router is not None:
             self._router.close(linger=ROUTER_LINGER_MS)
             self._router = None
+        if self.metrics_server is not None:
+            await asyncio.to_thread(self.metrics_server.close)
+            self.metrics_server = None
         log.info("worker_stopped", instance_id=self.instance_id)
 
     async def _serve(self, router: zmq.asyncio.Socket) -> None:
@@ -244,8 +261,13 @@ def run_worker(
     token_delay_s: float = DEFAULT_TOKEN_DELAY_S,
     migration_limit: int = 0,
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    metrics_port: int | None = None,
 ) -> int:
-    """The ``dynamo-prep worker`` process; returns the exit code (0 after SIGTERM/SIGINT)."""
+    """The ``dynamo-prep worker`` process; returns the exit code (0 after SIGTERM/SIGINT).
+
+    ``metrics_port`` serves ``dynamo_worker_*`` metrics on ``/metrics`` (None: off; 0: a free port,
+    logged in ``worker_metrics_started``).
+    """
     try:
         model_dir = resolve_model_dir(model_path)
         continuing = _mock_engine(engine, model_dir, flavor, token_delay_s)
@@ -261,6 +283,8 @@ def run_worker(
         log.error("worker_start_failed", model_path=str(model_path), error=str(exc))
         return EXIT_ERROR
     legacy = {"expands_image_pad_token": True} if legacy_expands_image_pad_token else None
+    metrics = WorkerMetrics()
+    check = metrics.counting_check(continuing.check_contract, flavor)
     return asyncio.run(
         _serve_until_signalled(
             lambda context: Worker(
@@ -274,8 +298,10 @@ def run_worker(
                 legacy_runtime=legacy,
                 curve=curve,
                 context=context,
-                generation=GenerationServer(continuing.generate, check=continuing.check_contract),
+                generation=GenerationServer(continuing.generate, check=check),
                 drain_timeout_s=drain_timeout_s,
+                metrics=metrics,
+                metrics_port=metrics_port,
             )
         )
     )
@@ -322,7 +348,7 @@ async def _serve_until_signalled(make_worker: Callable[[zmq.asyncio.Context], Wo
         worker = make_worker(context)
         try:
             await worker.start()
-        except zmq.ZMQError as exc:
+        except (zmq.ZMQError, OSError) as exc:
             log.error("worker_start_failed", error=str(exc))
             return EXIT_ERROR
         return await _run_until(worker, stopping)

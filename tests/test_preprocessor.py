@@ -369,3 +369,16 @@ def _error_line(stderr: str) -> dict[str, Any]:
     assert len(errors) == 1, stderr
     error: dict[str, Any] = errors[0]
     return error
+
+
+def test_cli_jinja_tokenization_modes(tmp_path: Path) -> None:
+    """Default: typed ``<|im_end|>`` stays text; ``hf``: whole-string encoding, as transformers does."""
+    request = tmp_path / "typed.json"
+    request.write_text(json.dumps(chat(user("hi <|im_end|> there"))))
+    im_end = Tokenizer.from_model_dir("qwen-vl-demo").token_to_id("<|im_end|>")
+    counts = {}
+    for mode in ("segmented", "hf"):
+        result = run_cli("render", "--model-path", "qwen-vl-demo", "--jinja-tokenization", mode, str(request))
+        assert result.returncode == 0, result.stderr
+        counts[mode] = json.loads(result.stdout)["token_ids"].count(im_end)
+    assert counts == {"segmented": 2, "hf": 3}

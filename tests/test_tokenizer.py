@@ -392,3 +392,49 @@ def test_unresolvable_eos_token(tmp_path: Path) -> None:
     edit_json(model / "tokenizer_config.json", eos_token="<|no_such_token|>")
     with pytest.raises(TokenizerError, match=r"tokenizer_config\.json: eos_token '<\|no_such_token\|>'"):
         Tokenizer.from_model_dir(model)
+
+
+# --- segments cut at specials equal whole-string encoding (the Jinja path's HF parity) ---------
+
+_QWEN_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"]
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(
+    st.lists(
+        st.one_of(st.sampled_from(_QWEN_SPECIALS), st.text(alphabet="ab \n?}{:.,é你0123", max_size=30)),
+        max_size=12,
+    )
+)
+def test_cut_at_specials_equals_whole_string_encoding(
+    qwen_demo_tokenizer: Tokenizer, pieces: list[str]
+) -> None:
+    """Whole-string tiktoken cuts at specials and encodes the runs between: so do text segments."""
+    tok = qwen_demo_tokenizer
+    segments: list[Segment] = []
+    for piece in pieces:
+        if piece in _QWEN_SPECIALS:
+            segments.append(Segment(piece, True))
+        elif segments and not segments[-1].allow_special:
+            segments[-1] = Segment(segments[-1].text + piece, False)
+        elif piece:
+            segments.append(Segment(piece, False))
+    text = "".join(pieces)
+    assert tok.encode_segments(segments) == tok.encode(text, allow_special=True)
+    assert tok.encode_segments(segments) == tok.encode_segments(segments)  # cached pass agrees
+
+
+def test_encode_segments_mixes_specials_cached_and_long_segments(cl100k_k3_tokenizer: Tokenizer) -> None:
+    tok = cl100k_k3_tokenizer
+    long_text = "word " * 40
+    segments = [
+        Segment("<|open|>", True),
+        Segment("message", False),
+        Segment("<|open|><|sep|>", True),  # a control segment that is not one special
+        Segment(long_text, False),
+        Segment(long_text, True),
+        Segment("message", False),
+    ]
+    expected = [i for s in segments for i in tok.encode(s.text, allow_special=s.allow_special)]
+    assert tok.encode_segments(segments) == expected
+    assert tok.encode_segments(segments) == expected

@@ -231,6 +231,16 @@ class DiscoveryRegistry:
             instances=dict(model.instances),
         )
 
+    def instance_count(self, name: str) -> int:
+        """Live instances of a model, without the copy ``model()`` makes (per event at scale)."""
+        model = self._models.get(name)
+        return 0 if model is None else len(model.instances)
+
+    def model_card(self, name: str) -> ModelDeploymentCard | None:
+        """A model's canonical card, without the copy ``model()`` makes."""
+        model = self._models.get(name)
+        return None if model is None else model.card
+
     def model_names(self) -> list[str]:
         return sorted(self._models)
 

@@ -83,8 +83,13 @@ def prompt_formatter_for(
     *,
     image_placeholder_token: str | None = None,
     generation_prompt: Literal["reference", "hosted"] = "reference",
+    strict_hf_tokenization: bool = False,
 ) -> PromptFormatter:
-    """Kimi-K3 first, else the model's Jinja chat template."""
+    """Kimi-K3 first, else the model's Jinja chat template.
+
+    ``strict_hf_tokenization`` (Jinja only) encodes the rendered text whole, as Hugging Face does,
+    so user text that spells a special token becomes that token; the default keeps user text text.
+    """
     directory = resolve_model_dir(model_dir)
     exclude_tools = card.runtime_config.exclude_tools_when_tool_choice_none
     config = read_json(directory / "config.json")
@@ -101,4 +106,8 @@ def prompt_formatter_for(
     )
     if kimi is not None:
         return kimi
-    return JinjaFormatter.from_model_dir(directory, exclude_tools_when_tool_choice_none=exclude_tools)
+    return JinjaFormatter.from_model_dir(
+        directory,
+        exclude_tools_when_tool_choice_none=exclude_tools,
+        strict_hf_tokenization=strict_hf_tokenization,
+    )

@@ -94,6 +94,7 @@ import jinja2.parser
 import jinja2.runtime
 import jinja2.tests
 import jinja2.utils
+import msgspec
 import structlog
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -229,6 +230,12 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             except AttributeError:
                 return self.undefined(obj=obj, name=attribute)
         return super().getattr(obj, attribute)
+
+    def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
+        """Template macros are always safe to call: skip the sandbox's format/safety probes for them."""
+        if type(__obj) is jinja2.runtime.Macro:
+            return __context.call(__obj, *args, **kwargs)
+        return super().call(__context, __obj, *args, **kwargs)
 
 
 def _test_mapping(value: Any) -> bool:
@@ -475,6 +482,9 @@ class _Marked(str):
     def __hash__(self) -> int:
         return hash(self._inner)
 
+    def __repr__(self) -> str:  # printing a list or dict of user strings keeps them traced
+        return self._pair[0] + repr(self._inner) + self._pair[1]
+
     def __contains__(self, item: object) -> bool:
         return _unmarked(item) in self._inner
 
@@ -530,6 +540,8 @@ class _SpecialTokens:
         edges = {char for s in self.strings for char in (s[0], s[-1])}
         edges |= {variant for char in edges for variant in (char.lower(), char.upper(), char.casefold())}
         self._edges = re.compile("[" + "".join(map(re.escape, sorted(edges))) + "]") if edges else None
+        # characters JSON escapes (so a search of the JSON text would miss them)
+        self._json_edges = any(char in '"\\' or ord(char) < 0x20 for char in edges)
         self._joined = "\x00".join(self.strings)
         self._longest = max(map(len, self.strings), default=0)
 
@@ -540,6 +552,24 @@ class _SpecialTokens:
         if self._edges.search(text) is not None:
             return True
         return self.inner_pieces and len(text) < self._longest and text in self._joined
+
+    def clean_json(self, value: Any) -> bool:
+        """A quick all-clear for a whole request: its JSON holds no end character of any special.
+
+        JSON text keeps every character but quotes, backslashes and control characters, so unless a
+        special starts or ends with one of those, a clean JSON text means no string inside it is
+        suspicious (punctuation JSON adds can only raise false alarms). Otherwise (or when the value is
+        not JSON-encodable), the caller checks string by string.
+        """
+        if self._edges is None:
+            return True
+        if self.inner_pieces or self._json_edges:
+            return False
+        try:
+            encoded = msgspec.json.encode(value)
+        except (TypeError, ValueError, msgspec.EncodeError):
+            return False
+        return self._edges.search(encoded.decode("utf-8")) is None
 
     def fragments_in(self, source: str) -> bool:
         """Whether template source writes a special's first or last two characters outside a whole special.
@@ -800,12 +830,13 @@ class JinjaFormatter:
             **chat_template_args,
         )
         text = _render(template, context)
-        image_count = text.count(self.image_token) if self.image_token else 0
         if self.strict_hf_tokenization:
+            image_count = text.count(self.image_token) if self.image_token else 0
             return RenderedPrompt(text=text, segments=None, image_count=image_count)
-        return RenderedPrompt(
-            text=text, segments=self._segments(template, context, text), image_count=image_count
-        )
+        segments = self._segments(template, context, text)
+        # only the template's image tokens count: a typed one is text, not an image slot
+        image_count = sum(1 for s in segments if s.allow_special and s.text == self.image_token)
+        return RenderedPrompt(text=text, segments=segments, image_count=image_count)
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         """Render a request: image parts as HF processors expect, tools unless tool_choice is none."""
@@ -853,8 +884,11 @@ class JinjaFormatter:
     def _segments(self, template: jinja2.Template, context: dict[str, Any], text: str) -> list[Segment]:
         """Fast path when no user string could touch a special; else trace user text with sentinels."""
         user_inputs = {key: context[key] for key in ("messages", "tools", "documents")}
-        suspicious = [value for value in _user_strings(user_inputs) if self._specials.suspicious(value)]
         segments: list[Segment] = []
+        if self._specials.clean_json(user_inputs):
+            self._specials.cut(text, segments)
+            return segments
+        suspicious = [value for value in _user_strings(user_inputs) if self._specials.suspicious(value)]
         if not suspicious:
             self._specials.cut(text, segments)
             return segments

@@ -235,14 +235,16 @@ def _normalize_call(call: Any, where: str) -> dict[str, Any]:
 
 
 def _normalize_message(item: _Item) -> _Item:
-    """Deep-sorts message tools and parses tool-call arguments, on a copy."""
+    """Deep-sorts message tools and parses tool-call arguments, on a copy (when there is any)."""
     message = item.message
     if not isinstance(message, dict):
         return item
+    tool_calls = message.get("tool_calls")
+    if message.get("tools") is None and not tool_calls:
+        return item  # nothing to normalize: rendering never mutates a message
     message = dict(message)
     if message.get("tools") is not None:
         message["tools"] = _deep_sort(message["tools"], f"messages[{item.at}].tools")
-    tool_calls = message.get("tool_calls")
     if tool_calls:
         if not isinstance(tool_calls, list):
             raise PromptRenderError(
@@ -289,6 +291,85 @@ def check_effort(thinking: Any, effort: Any, field: str = "thinking_effort") -> 
         raise PromptRenderError(f"{field} {effort!r} is not supported; use one of {', '.join(VALID_EFFORTS)}")
 
 
+# ----------------------------------------------------------------------------- segment runs
+#
+# Almost every segment of a K3 prompt is structure that never changes: markers, tag names,
+# attribute names and quotes, whole frames such as ``<|open|>message role="user"<|sep|>`` (seven
+# segments). They are built once here, as shared Segment objects grouped in tuples, and a render
+# only extends its list with them; the reference's segment boundaries are kept exactly.
+
+OPEN_SEGMENT: Final = Segment(OPEN, True)
+CLOSE_SEGMENT: Final = Segment(CLOSE, True)
+SEP_SEGMENT: Final = Segment(SEP, True)
+END_OF_MSG_SEGMENT: Final = Segment(END_OF_MSG, True)
+QUOTE_OPEN: Final = Segment('="', False)
+QUOTE_CLOSE: Final = Segment('"', False)
+NAME_KEY: Final = Segment(" name", False)
+TOOL_KEY: Final = Segment(" tool", False)
+INDEX_KEY: Final = Segment(" index", False)
+ARGUMENT_KEY: Final = Segment(" key", False)
+
+Run = tuple[Segment, ...]
+
+
+def _attr_run(key: str, value: str) -> Run:
+    """`` key="value"`` as the reference writes it: four text segments, three for an empty value."""
+    escaped = _escape(value)
+    value_segments = (Segment(escaped, False),) if escaped else ()
+    return (Segment(" " + key, False), QUOTE_OPEN, *value_segments, QUOTE_CLOSE)
+
+
+def _open_run(tag: str, *attrs: tuple[str, str], sep: bool = True) -> Run:
+    """``<|open|>tag key="value"...<|sep|>``; with ``sep=False`` the head of a frame that goes on."""
+    run = [OPEN_SEGMENT, Segment(tag, False)]
+    for key, value in attrs:
+        run.extend(_attr_run(key, value))
+    if sep:
+        run.append(SEP_SEGMENT)
+    return tuple(run)
+
+
+def _close_run(tag: str) -> Run:
+    return (CLOSE_SEGMENT, Segment(tag, False), SEP_SEGMENT)
+
+
+def _body_run(body: str) -> Run:
+    return (Segment(body, False),) if body else ()
+
+
+MESSAGE_CLOSE: Final = (*_close_run("message"), END_OF_MSG_SEGMENT)
+MESSAGE_HEADS: Final = {
+    role: _open_run("message", ("role", role), sep=False) for role in ("system", "user", "assistant", "tool")
+}
+MESSAGE_OPENS: Final = {role: (*head, SEP_SEGMENT) for role, head in MESSAGE_HEADS.items()}
+INTERNAL_OPENS: Final = {
+    kind: _open_run("message", ("role", "system"), ("type", kind))
+    for kind in ("tool-declare", "thinking-effort", "tool-choice", "response-format")
+}
+THINK_OPEN, THINK_CLOSE = _open_run("think"), _close_run("think")
+RESPONSE_OPEN, RESPONSE_CLOSE = _open_run("response"), _close_run("response")
+TOOLS_OPEN, TOOLS_CLOSE = _open_run("tools"), _close_run("tools")
+CALL_HEAD, CALL_CLOSE = _open_run("call", sep=False), _close_run("call")
+ARGUMENT_HEAD, ARGUMENT_CLOSE = _open_run("argument", sep=False), _close_run("argument")
+ARGUMENT_TYPE_TAILS: Final = {
+    kind: (*_attr_run("type", kind), SEP_SEGMENT)
+    for kind in ("boolean", "null", "number", "string", "object", "array")
+}
+RAW_ARGUMENTS_OPEN, RAW_ARGUMENTS_CLOSE = _open_run("json", ("type", "object")), _close_run("json")
+EFFORT_MESSAGES: Final = {
+    effort: (
+        *INTERNAL_OPENS["thinking-effort"],
+        *_body_run(EFFORT_BODY.format(effort=effort).strip()),
+        *MESSAGE_CLOSE,
+    )
+    for effort in VALID_EFFORTS
+}
+TOOL_CHOICE_MESSAGES: Final = {
+    choice: (*INTERNAL_OPENS["tool-choice"], *_body_run(body.strip()), *MESSAGE_CLOSE)
+    for choice, body in TOOL_CHOICE_BODIES.items()
+}
+
+
 # ----------------------------------------------------------------------------- emission
 
 
@@ -296,48 +377,39 @@ class _Writer:
     """Collects segments; only structural markers and the image token are ever control segments."""
 
     def __init__(self, image_token: str, thinking: bool) -> None:
-        self.image_token = image_token
+        self.image_segment = Segment(image_token, True)
         self.thinking = thinking
         self.segments: list[Segment] = []
         self.image_count = 0
-
-    def control(self, text: str) -> None:
-        self.segments.append(Segment(text, True))
 
     def text(self, value: Any) -> None:
         text = str(value)
         if text:
             self.segments.append(Segment(text, False))
 
-    def image(self) -> None:
-        self.control(self.image_token)
-        self.image_count += 1
+    def attr(self, key: Segment, value: Any) -> None:
+        """A variable attribute: `` key="value"`` with the value escaped (an empty one is dropped)."""
+        escaped = _escape(str(value))
+        if escaped:
+            self.segments.extend((key, QUOTE_OPEN, Segment(escaped, False), QUOTE_CLOSE))
+        else:
+            self.segments.extend((key, QUOTE_OPEN, QUOTE_CLOSE))
 
-    def open_tag(self, tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> None:
-        self.control(OPEN)
-        self.text(tag)
-        for key, value in attrs:
-            self.text(" " + key)
-            self.text('="')
-            self.text(_escape(str(value)))
-            self.text('"')
-        self.control(SEP)
+    def message_open(self, role: str, message: dict[str, Any]) -> None:
+        name = message.get("name")
+        if not name:
+            self.segments.extend(MESSAGE_OPENS[role])
+            return
+        self.segments.extend(MESSAGE_HEADS[role])
+        self.attr(NAME_KEY, name)
+        self.segments.append(SEP_SEGMENT)
 
-    def close_tag(self, tag: str) -> None:
-        self.control(CLOSE)
-        self.text(tag)
-        self.control(SEP)
+    def internal(self, kind: str, body: str) -> None:
+        self.segments.extend(INTERNAL_OPENS[kind])
+        self.text(body)
+        self.segments.extend(MESSAGE_CLOSE)
 
-    def close_message(self) -> None:
-        self.close_tag("message")
-        self.control(END_OF_MSG)
-
-    def internal(self, kind: str, body: str, *, strip: bool = True) -> None:
-        self.open_tag("message", [("role", "system"), ("type", kind)])
-        self.text(body.strip() if strip else body)
-        self.close_message()
-
-    def content(self, content: Any, where: str) -> None:
+    def content(self, content: Any, at: int) -> None:
         if content is None:
             return
         if isinstance(content, str):
@@ -345,91 +417,99 @@ class _Writer:
             return
         if not isinstance(content, list):
             raise PromptRenderError(
-                f"{where}: expected a string, a list of content parts or null, got {_type_name(content)}"
+                f"messages[{at}].content: expected a string, a list of content parts or null, "
+                f"got {_type_name(content)}"
             )
         for j, part in enumerate(content):
-            self.part(part, f"{where}[{j}]")
+            self.part(part, at, j)
 
-    def part(self, part: Any, where: str) -> None:
+    def part(self, part: Any, at: int, j: int) -> None:
+        if isinstance(part, dict) and "type" in part:
+            if part["type"] in IMAGE_PART_TYPES:
+                self.segments.append(self.image_segment)
+                self.image_count += 1
+                return
+            if "text" in part:
+                self.text(part["text"])
+                return
+        where = f"messages[{at}].content[{j}]"
         if not isinstance(part, dict):
             raise PromptRenderError(f"{where}: expected a content part object, got {_type_name(part)}")
         if "type" not in part:
             raise PromptRenderError(f"{where}: content part has no 'type'")
-        if part["type"] in IMAGE_PART_TYPES:
-            self.image()
-        elif "text" in part:
-            self.text(part["text"])
-        else:
-            raise PromptRenderError(f"{where}: content part of type {part['type']!r} has no 'text'")
-
-    def frame_attrs(self, role: str, message: dict[str, Any]) -> list[tuple[str, Any]]:
-        name = message.get("name")
-        return [("role", role), ("name", name)] if name else [("role", role)]
+        raise PromptRenderError(f"{where}: content part of type {part['type']!r} has no 'text'")
 
     def plain(self, item: _Item, role: str) -> None:
-        self.open_tag("message", self.frame_attrs(role, item.message))
-        self.content(item.message.get("content"), f"messages[{item.at}].content")
-        self.close_message()
+        self.message_open(role, item.message)
+        self.content(item.message.get("content"), item.at)
+        self.segments.extend(MESSAGE_CLOSE)
 
     def think(self, message: dict[str, Any]) -> None:
         reasoning = message.get("reasoning_content") or message.get("reasoning")
-        self.open_tag("think")
-        if reasoning is not None and str(reasoning).strip():
-            self.text(reasoning)
-        self.close_tag("think")
+        self.segments.extend(THINK_OPEN)
+        if reasoning is not None:
+            text = str(reasoning)
+            if text.strip():
+                self.segments.append(Segment(text, False))
+        self.segments.extend(THINK_CLOSE)
+
+    def response(self, item: _Item) -> None:
+        """The assistant frame, reasoning and response channel, left open (partial mode's tail)."""
+        self.message_open("assistant", item.message)
+        if self.thinking:
+            self.think(item.message)
+        self.segments.extend(RESPONSE_OPEN)
+        self.content(item.message.get("content"), item.at)
 
     def assistant(self, item: _Item) -> None:
-        message = item.message
-        self.open_tag("message", self.frame_attrs("assistant", message))
-        if self.thinking:
-            self.think(message)
-        self.open_tag("response")
-        self.content(message.get("content"), f"messages[{item.at}].content")
-        self.close_tag("response")
-        if message.get("tool_calls"):
-            self.tool_calls(item.at, message["tool_calls"])
-        self.close_message()
+        self.response(item)
+        self.segments.extend(RESPONSE_CLOSE)
+        tool_calls = item.message.get("tool_calls")
+        if tool_calls:
+            self.tool_calls(item.at, tool_calls)
+        self.segments.extend(MESSAGE_CLOSE)
 
-    def tool_calls(self, index: int, calls: list[dict[str, Any]]) -> None:
-        self.open_tag("tools")
+    def tool_calls(self, at: int, calls: list[dict[str, Any]]) -> None:
+        self.segments.extend(TOOLS_OPEN)
         for k, call in enumerate(calls, 1):
             function = _function(call)
             if "name" not in function:
-                raise PromptRenderError(f"messages[{index}]: tool call {k} has no function name")
-            self.open_tag("call", [("tool", function["name"]), ("index", k)])
-            self.arguments(function["arguments"], f"messages[{index}]: tool call {k}")
-            self.close_tag("call")
-        self.close_tag("tools")
+                raise PromptRenderError(f"messages[{at}]: tool call {k} has no function name")
+            self.segments.extend(CALL_HEAD)
+            self.attr(TOOL_KEY, function["name"])
+            self.attr(INDEX_KEY, k)
+            self.segments.append(SEP_SEGMENT)
+            self.arguments(function["arguments"], at, k)
+            self.segments.extend(CALL_CLOSE)
+        self.segments.extend(TOOLS_CLOSE)
 
-    def arguments(self, args: _Args, where: str) -> None:
+    def arguments(self, args: _Args, at: int, k: int) -> None:
         if args.raw is not None:
-            self.open_tag("json", [("type", "object")])
+            self.segments.extend(RAW_ARGUMENTS_OPEN)
             self.text(args.raw)
-            self.close_tag("json")
+            self.segments.extend(RAW_ARGUMENTS_CLOSE)
             return
         for key, value in args.values.items():
-            self.open_tag("argument", [("key", key), ("type", _xtml_type(value))])
-            text = (
-                value if isinstance(value, str) else _dumps(value, f"{where} argument {key!r}", compact=False)
-            )
-            self.text(text)
-            self.close_tag("argument")
+            self.segments.extend(ARGUMENT_HEAD)
+            self.attr(ARGUMENT_KEY, key)
+            self.segments.extend(ARGUMENT_TYPE_TAILS[_xtml_type(value)])
+            if isinstance(value, str):
+                self.text(value)
+            else:
+                self.text(_dumps(value, f"messages[{at}]: tool call {k} argument {key!r}", compact=False))
+            self.segments.extend(ARGUMENT_CLOSE)
 
     def tool_result(self, item: _Item, position: int, last_calls: Any) -> None:
         message = item.message
         name = message.get("tool", message.get("name"))
         if name is None:
             name = _name_by_order(item.at, position, last_calls)
-        self.open_tag("message", [("role", "tool"), ("tool", name), ("index", position)])
-        self.content(message.get("content"), f"messages[{item.at}].content")
-        self.close_message()
-
-    def partial(self, item: _Item) -> None:
-        self.open_tag("message", self.frame_attrs("assistant", item.message))
-        if self.thinking:
-            self.think(item.message)
-        self.open_tag("response")
-        self.content(item.message.get("content"), f"messages[{item.at}].content")
+        self.segments.extend(MESSAGE_HEADS["tool"])
+        self.attr(TOOL_KEY, name)
+        self.attr(INDEX_KEY, position)
+        self.segments.append(SEP_SEGMENT)
+        self.content(message.get("content"), item.at)
+        self.segments.extend(MESSAGE_CLOSE)
 
 
 def _name_by_order(index: int, position: int, last_calls: Any) -> Any:
@@ -456,9 +536,11 @@ def _emit_messages(writer: _Writer, items: list[_Item]) -> None:
         role = message["role"]
         if role == "system" and message.get("tools"):
             tools = _dumps(message["tools"], f"messages[{item.at}].tools", compact=True)
-            writer.internal("tool-declare", DYNAMIC_TOOLS_BODY.format(tools=tools), strip=False)
-        elif role in ("user", "system"):
-            writer.plain(item, role)
+            writer.internal("tool-declare", DYNAMIC_TOOLS_BODY.format(tools=tools))
+        elif role == "user":
+            writer.plain(item, "user")
+        elif role == "system":
+            writer.plain(item, "system")
         elif role == "assistant":
             position, last_calls = 0, message.get("tool_calls")
             writer.assistant(item)
@@ -467,15 +549,23 @@ def _emit_messages(writer: _Writer, items: list[_Item]) -> None:
             writer.tool_result(item, position, last_calls)
 
 
+def _emit_effort(writer: _Writer, effort: Any) -> None:
+    """The thinking-effort message; ``check_effort`` has already held ``effort`` to VALID_EFFORTS."""
+    if type(effort) is str:
+        writer.segments.extend(EFFORT_MESSAGES[effort])
+    else:
+        writer.internal("thinking-effort", EFFORT_BODY.format(effort=effort).strip())
+
+
 def _emit_response_format(writer: _Writer, response_format: Any, schema: Any) -> None:
     kind = (
         response_format.get("type", response_format) if isinstance(response_format, dict) else response_format
     )
     if kind == "json_object":
-        writer.internal("response-format", RESPONSE_FORMAT_BODY.format(kind=kind))
+        writer.internal("response-format", RESPONSE_FORMAT_BODY.format(kind=kind).strip())
     elif kind == "json_schema":
         suffix = JSON_SCHEMA_SUFFIX.format(schema=_dumps(schema, "response_format", compact=True))
-        writer.internal("response-format", RESPONSE_FORMAT_BODY.format(kind=kind) + suffix)
+        writer.internal("response-format", (RESPONSE_FORMAT_BODY.format(kind=kind) + suffix).strip())
 
 
 class KimiK3Formatter:
@@ -537,7 +627,7 @@ class KimiK3Formatter:
             response_format=request.response_format,
             response_schema=UNSET,
         )
-        text = "".join(segment.text for segment in writer.segments)
+        text = "".join([segment.text for segment in writer.segments])
         return RenderedPrompt(text=text, segments=writer.segments, image_count=writer.image_count)
 
     def _render(
@@ -565,13 +655,13 @@ class KimiK3Formatter:
             writer = _Writer(self.image_token, bool(thinking))
             if tools:
                 declared = _dumps(tools, "tools", compact=True)
-                writer.internal("tool-declare", STATIC_TOOLS_BODY.format(tools=declared), strip=False)
+                writer.internal("tool-declare", STATIC_TOOLS_BODY.format(tools=declared))
             check_effort(thinking, thinking_effort)
             if thinking and thinking_effort is not None:
-                writer.internal("thinking-effort", EFFORT_BODY.format(effort=thinking_effort))
+                _emit_effort(writer, thinking_effort)
             _emit_messages(writer, items)
-            if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_BODIES:
-                writer.internal("tool-choice", TOOL_CHOICE_BODIES[tool_choice])
+            if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_MESSAGES:
+                writer.segments.extend(TOOL_CHOICE_MESSAGES[tool_choice])
             _emit_response_format(writer, response_format, response_schema)
             self._emit_tail(writer, partial, add_generation_prompt)
         except RecursionError as exc:
@@ -584,13 +674,13 @@ class KimiK3Formatter:
 
     def _emit_tail(self, writer: _Writer, partial: _Item | None, add_generation_prompt: bool) -> None:
         if partial is not None:
-            writer.partial(partial)
+            writer.response(partial)
             return
         if not add_generation_prompt:
             return
-        writer.open_tag("message", [("role", "assistant")])
+        writer.segments.extend(MESSAGE_OPENS["assistant"])
         if self.generation_prompt == "reference":
-            writer.open_tag("think" if writer.thinking else "response")
+            writer.segments.extend(THINK_OPEN if writer.thinking else RESPONSE_OPEN)
 
 
 # ----------------------------------------------------------------------------- serving layer

@@ -6,8 +6,10 @@ no validation layer of its own: request bodies are decoded with msgspec into the
 types, exactly once. Plain ``uvicorn`` (h11, no extras) keeps installs small.
 
 Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
-``GET /health`` (readiness: 503 until a model is live) and ``GET /live``. Every response carries
-``x-request-id`` (an incoming one is honoured); every error has OpenAI's body (``errors.py``).
+``GET /health`` (readiness: 503 until a model is live), ``GET /live`` and ``GET /metrics``
+(Prometheus). Every response carries ``x-request-id`` (an incoming one is honoured); every error
+has OpenAI's body (``errors.py``); every request ends with one ``request_finished`` or
+``request_failed`` line (``request_record.py``), which also updates the request metrics.
 
 A chat request is routed before it is rendered: the router picks an instance, and the request is
 preprocessed with that instance's declaration, so each engine of a mixed pool gets its own
@@ -24,7 +26,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import structlog
@@ -39,7 +41,9 @@ from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost, generate_with_migration
 from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
+from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.openai_stream import Completion, sse, visible_text
+from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Pick, Router
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessedRequest
 from dynamo_prep.protocol.openai import (
@@ -82,9 +86,17 @@ def create_app(
     *,
     router: Router | None = None,
     settings: HttpSettings | None = None,
+    metrics: FrontendMetrics | None = None,
 ) -> ASGIApp:
-    """The ASGI app serving ``catalog``'s live models through ``client``."""
-    handlers = _Handlers(catalog, client, router or Router(), settings or HttpSettings())
+    """The ASGI app serving ``catalog``'s live models through ``client``.
+
+    ``metrics`` is the frontend's own registry (shared with its watcher and router); without one
+    the app gets a private registry, never prometheus_client's global one.
+    """
+    metrics = metrics if metrics is not None else FrontendMetrics()
+    handlers = _Handlers(
+        catalog, client, router or Router(metrics=metrics), settings or HttpSettings(), metrics
+    )
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
@@ -92,6 +104,7 @@ def create_app(
             Route("/tokenize", handlers.tokenize, methods=["POST"]),
             Route("/health", handlers.health, methods=["GET"]),
             Route("/live", handlers.live, methods=["GET"]),
+            Route("/metrics", handlers.metrics_text, methods=["GET"]),
         ],
         exception_handlers={
             HTTPException: _http_exception,
@@ -99,29 +112,41 @@ def create_app(
             Exception: _unexpected,
         },
     )
-    return _RequestId(app)
+    return _RequestId(app, metrics)
 
 
 class _Handlers:
     def __init__(
-        self, catalog: ModelCatalog, client: RequestPlaneClient, router: Router, settings: HttpSettings
+        self,
+        catalog: ModelCatalog,
+        client: RequestPlaneClient,
+        router: Router,
+        settings: HttpSettings,
+        metrics: FrontendMetrics,
     ) -> None:
         self.catalog = catalog
         self.client = client
         self.router = router
         self.settings = settings
+        self.metrics = metrics
 
     # -- chat completions --------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _read_body(request, self.settings.max_body_bytes)
         chat = parse_chat_request(body)
+        record: RequestRecord = request.state.record
+        if self.catalog.status(chat.model) != "unknown":
+            record.name_model(chat.model)
         model = self._live_model(chat.model)
+        record.serving(model.name)
         request_id: str = request.state.request_id
         structlog.contextvars.bind_contextvars(model=model.name)
         # Unique on the request plane even when a client reuses its x-request-id.
         plane_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
-        outputs = self._outputs(model, chat, plane_id, large=len(body) > THREAD_ABOVE_BYTES)
+        outputs = _observed(
+            self._outputs(model, chat, plane_id, record, large=len(body) > THREAD_ABOVE_BYTES), record
+        )
         completion = Completion(
             id=f"chatcmpl-{request_id}",
             model=chat.model,
@@ -136,11 +161,16 @@ class _Handlers:
         async with contextlib.aclosing(outputs):
             pieces = visible_text(_prepend(first, outputs), completion)
             await _unless_disconnected(request, _drain(pieces))
-        completion.log_completed()
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
 
     async def _outputs(
-        self, model: LiveModel, chat: ChatCompletionRequest, request_id: str, *, large: bool
+        self,
+        model: LiveModel,
+        chat: ChatCompletionRequest,
+        request_id: str,
+        record: RequestRecord,
+        *,
+        large: bool,
     ) -> AsyncGenerator[Output, None]:
         """The worker's outputs for ``chat``: pick, render for the pick, generate with migration."""
         loop = asyncio.get_running_loop()
@@ -152,13 +182,15 @@ class _Handlers:
             pick = self.router.pick(current, excluded=tried)
             if pick is None:
                 raise OpenAIError(503, f"no live instance of model {model.name!r} can take the request")
+            started = time.perf_counter()
             preprocessed = await self._preprocess(current, pick, chat, large=large)
+            record.preprocessed(preprocessed, time.perf_counter() - started)
             picked_before = len(tried)
             streamed = False
             try:
                 steps = generate_with_migration(
                     self.client,
-                    self._picker(current, pick, tried),
+                    self._picker(current, pick, tried, record),
                     preprocessed,
                     request_id=request_id,
                     timeout_s=max(give_up_at - loop.time(), 0.001),
@@ -175,7 +207,9 @@ class _Handlers:
                     raise
                 log.info("request_rerouted", reason=str(exc), tried=sorted(tried))
 
-    def _picker(self, model: LiveModel, pick: Pick, tried: set[str]) -> Callable[[set[str]], str | None]:
+    def _picker(
+        self, model: LiveModel, pick: Pick, tried: set[str], record: RequestRecord
+    ) -> Callable[[set[str]], str | None]:
         """``pick_endpoint`` for one rendering: ``pick`` first, then same-declaration instances."""
         first: list[str] = [pick.endpoint]
 
@@ -189,6 +223,7 @@ class _Handlers:
                     return None
                 endpoint = again.endpoint
             tried.add(endpoint)
+            record.endpoint = endpoint
             return endpoint
 
         return pick_endpoint
@@ -247,6 +282,11 @@ class _Handlers:
         del request
         return Response(b'{"status":"live"}', media_type=_JSON)
 
+    async def metrics_text(self, request: Request) -> Response:
+        """Prometheus' scrape endpoint: this frontend's registry only."""
+        del request
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
     def _live_model(self, name: str) -> LiveModel:
         """The model if it can serve now; 503 while it (or every model) has no instance; else 404."""
         model = self.catalog.get(name)
@@ -301,6 +341,21 @@ async def _prepend(first: Output, rest: AsyncGenerator[Output, None]) -> AsyncGe
             yield output
 
 
+async def _observed(
+    outputs: AsyncGenerator[Output, None], record: RequestRecord
+) -> AsyncGenerator[Output, None]:
+    """``outputs``, each one shown to ``record`` (timings, usage) and a failure recorded as it passes."""
+    try:
+        async with contextlib.aclosing(outputs):
+            async for output in outputs:
+                record.output(output)
+                yield output
+    except REQUEST_ERRORS as exc:
+        error = as_openai_error(exc)
+        record.fail(error.status, error.message)
+        raise
+
+
 async def _drain(pieces: AsyncGenerator[str, None]) -> None:
     async with contextlib.aclosing(pieces):
         async for _ in pieces:
@@ -331,15 +386,23 @@ async def _disconnected(receive: Receive) -> None:
 
 
 async def _request_error(request: Request, exc: Exception) -> Response:
+    """The error's answer; the ``request_failed`` line is written when the response is over."""
     error = as_openai_error(exc)
-    log_fn = log.warning if error.status >= 500 else log.info
-    log_fn("request_failed", status=error.status, error=error.message, path=request.url.path)
+    _record_failure(request, error)
     return error_response(error)
 
 
 async def _unexpected(request: Request, exc: Exception) -> Response:
     log.error("request_crashed", path=request.url.path, error=repr(exc))
-    return error_response(OpenAIError(500, "internal error"))
+    error = OpenAIError(500, "internal error")
+    _record_failure(request, error)
+    return error_response(error)
+
+
+def _record_failure(request: Request, error: OpenAIError) -> None:
+    record: RequestRecord | None = getattr(request.state, "record", None)
+    if record is not None:
+        record.fail(error.status, error.message)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -347,31 +410,45 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = f"{request.method} {request.url.path}: {exc.detail}"
     headers = dict(exc.headers or {})
-    return error_response(OpenAIError(exc.status_code, message), headers=headers)
+    error = OpenAIError(exc.status_code, message)
+    _record_failure(request, error)
+    return error_response(error, headers=headers)
 
 
 class _RequestId:
     """Pure ASGI middleware: choose the request id, expose it as ``request.state.request_id``,
-    echo it in ``x-request-id``, and unbind the logging context afterwards."""
+    echo it in ``x-request-id``, keep the request's ``RequestRecord`` in ``request.state.record``
+    and close it (log line + metrics) when the response is over; unbind the logging context."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, metrics: FrontendMetrics) -> None:
         self.app = app
+        self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         request_id = _request_id(scope)
-        scope.setdefault("state", {})["request_id"] = request_id
+        record = RequestRecord(request_id, scope.get("path", ""), self.metrics)
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id
+        state["record"] = record
         header = (REQUEST_ID_HEADER.encode(), request_id.encode())
+        response: dict[str, Any] = {"status": None, "complete": False}
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), header]
+                response["status"] = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                response["complete"] = True
             await send(message)
 
         with structlog.contextvars.bound_contextvars(request_id=request_id):
-            await self.app(scope, receive, send_with_id)
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                record.finish(response["status"], body_complete=response["complete"])
 
 
 def _request_id(scope: Scope) -> str:

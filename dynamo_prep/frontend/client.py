@@ -6,6 +6,10 @@ endpoint has a watchdog: when a busy endpoint has been silent for a while it is 
 worker still answers), and after ``stall_timeout_s`` of silence every request on it fails with
 ``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
 instance expires. ``generate_with_migration`` continues a lost stream on another instance.
+
+An endpoint without requests for ``idle_close_s`` is closed by the same watchdog: a worker that
+stopped gracefully is withdrawn, never expired, so nothing else would ever close its socket, its
+two tasks and libzmq's reconnect attempts to its dead port. The next request reopens it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
 log = structlog.get_logger("dynamo_prep.frontend")
 
 DEFAULT_STALL_TIMEOUT_S = 10.0
+DEFAULT_IDLE_CLOSE_S = 30.0
 # Probes per stall timeout: a live worker gets several chances to answer a Ping before it is lost.
 PROBES_PER_STALL = 4
 # How long past its deadline the client waits for the worker's own "deadline" reply.
@@ -67,16 +72,20 @@ _Item = Output | ErrorReply | WorkerLost
 class _Channel:
     """One worker endpoint: its DEALER, receive task, watchdog, and the queues of its requests."""
 
-    def __init__(self, endpoint: str, socket: zmq.asyncio.Socket, stall_timeout_s: float) -> None:
+    def __init__(
+        self, endpoint: str, socket: zmq.asyncio.Socket, stall_timeout_s: float, idle_close_s: float
+    ) -> None:
         self.endpoint = endpoint
         self.socket = socket
         # Cancel and Ping must go out from ``finally`` blocks without awaiting: a sync shadow.
         self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         self.stall_timeout_s = stall_timeout_s
+        self.idle_close_s = idle_close_s
         self.queues: dict[str, asyncio.Queue[_Item]] = {}
         self.closed = False
         self._loop = asyncio.get_running_loop()
         self._heard_at = self._loop.time()
+        self._idle_since = self._loop.time()
         self._pings = itertools.count(1)
         self.tasks: list[asyncio.Task[None]] = []
 
@@ -123,12 +132,22 @@ class _Channel:
             if queue is not None:
                 queue.put_nowait(reply)
 
-    async def watch(self, on_stall: Callable[[str], None]) -> None:
-        """Ping a busy, silent endpoint; declare it lost after ``stall_timeout_s`` of silence."""
-        probe_s = self.stall_timeout_s / PROBES_PER_STALL
+    def finish(self, request_id: str) -> None:
+        """Forget a request; the endpoint's idle time starts with its last request."""
+        self.queues.pop(request_id, None)
+        if not self.queues:
+            self._idle_since = self._loop.time()
+
+    async def watch(self, on_stall: Callable[[str], None], on_idle: Callable[[str], None]) -> None:
+        """Ping a busy, silent endpoint; declare it lost after ``stall_timeout_s`` of silence.
+        Close it after ``idle_close_s`` without requests."""
+        probe_s = min(self.stall_timeout_s / PROBES_PER_STALL, self.idle_close_s)
         while True:
             await asyncio.sleep(probe_s)  # a periodic timer, not a synchronisation
             if not self.queues:
+                if self._loop.time() - self._idle_since >= self.idle_close_s:
+                    on_idle(self.endpoint)
+                    return
                 continue
             silent_s = self._loop.time() - self._heard_at
             if silent_s >= self.stall_timeout_s:
@@ -153,11 +172,13 @@ class RequestPlaneClient:
         context: zmq.asyncio.Context | None = None,
         *,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
+        idle_close_s: float = DEFAULT_IDLE_CLOSE_S,
     ) -> None:
-        if stall_timeout_s <= 0:
-            raise ValueError(f"stall_timeout_s must be positive, got {stall_timeout_s}")
+        if stall_timeout_s <= 0 or idle_close_s <= 0:
+            raise ValueError(f"timeouts must be positive, got {stall_timeout_s} and {idle_close_s}")
         self._context = context or zmq.asyncio.Context.instance()
         self.stall_timeout_s = stall_timeout_s
+        self.idle_close_s = idle_close_s
         self._channels: dict[str, _Channel] = {}
 
     async def generate(
@@ -191,7 +212,7 @@ class RequestPlaneClient:
                 if finished:
                     return
         finally:
-            channel.queues.pop(request_id, None)
+            channel.finish(request_id)
             if not finished:
                 channel.send_nowait(Cancel(request_id=request_id))
                 log.debug("request_cancel_sent", request_id=request_id, endpoint=endpoint)
@@ -203,6 +224,11 @@ class RequestPlaneClient:
         and its in-flight streams still finish.
         """
         self._lose(endpoint, "removed")
+
+    @property
+    def endpoints(self) -> list[str]:
+        """The endpoints with an open channel (socket and tasks) right now."""
+        return sorted(self._channels)
 
     async def close(self) -> None:
         for endpoint in list(self._channels):
@@ -217,6 +243,14 @@ class RequestPlaneClient:
         channel.fail_all(WorkerLost(endpoint, reason))
         channel.close()
 
+    def _close_idle(self, endpoint: str) -> None:
+        channel = self._channels.get(endpoint)
+        if channel is None or channel.queues:  # never close under a request (none can race: no await)
+            return
+        del self._channels[endpoint]
+        log.debug("request_plane_channel_closed", endpoint=endpoint, reason="idle")
+        channel.close()
+
     def _channel(self, endpoint: str) -> _Channel:
         channel = self._channels.get(endpoint)
         if channel is not None:
@@ -224,11 +258,11 @@ class RequestPlaneClient:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(endpoint)
-        channel = _Channel(endpoint, socket, self.stall_timeout_s)
+        channel = _Channel(endpoint, socket, self.stall_timeout_s, self.idle_close_s)
         channel.tasks = [
             asyncio.create_task(channel.receive(), name=f"request-plane-recv-{endpoint}"),
             asyncio.create_task(
-                channel.watch(lambda lost: self._lose(lost, "stalled")),
+                channel.watch(lambda lost: self._lose(lost, "stalled"), self._close_idle),
                 name=f"request-plane-watch-{endpoint}",
             ),
         ]

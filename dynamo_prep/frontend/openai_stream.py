@@ -8,7 +8,6 @@ then closes the worker stream, which cancels the generation on the worker.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
@@ -48,16 +47,6 @@ class Completion:
     completion_tokens: int = 0
     finish_reason: str | None = None
     text: list[str] = field(default_factory=list)
-    started: float = field(default_factory=time.perf_counter)
-
-    def log_completed(self) -> None:
-        log.info(
-            "request_completed",
-            finish_reason=self.finish_reason,
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            duration_ms=round((time.perf_counter() - self.started) * 1000, 1),
-        )
 
     def usage(self) -> Usage:
         return Usage(
@@ -130,7 +119,6 @@ async def sse(
         yield completion.chunk(ChunkDelta(), completion.finish_reason)
         if include_usage:
             yield completion.usage_chunk()
-        completion.log_completed()
     except REQUEST_ERRORS as exc:
         error = as_openai_error(exc)
         log.warning("stream_failed", status=error.status, error=error.message)

@@ -33,6 +33,8 @@ from dynamo_prep.frontend.app import (
 )
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.http_server import HttpServer, bind_http
+from dynamo_prep.frontend.metrics import FrontendMetrics
+from dynamo_prep.frontend.router import Router
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "FrontendConfig", "run_frontend", "serve_frontend"]
@@ -155,7 +157,8 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     catalog = ModelCatalog()
     store = ModelFileStore(config.cache_dir)
     client = RequestPlaneClient(context)
-    watcher = _watcher(config, catalog, store, context, client)
+    metrics = FrontendMetrics()  # this frontend's own registry, handed to every component
+    watcher = _watcher(config, catalog, store, context, client, metrics)
     try:
         watcher.open()
     except (zmq.ZMQError, TrustError, ValueError) as exc:
@@ -167,7 +170,8 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         watcher.close()
         log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
         return EXIT_FAILED
-    http = HttpServer(create_app(catalog, client, settings=config.http), sock)
+    app = create_app(catalog, client, router=Router(metrics=metrics), settings=config.http, metrics=metrics)
+    http = HttpServer(app, sock)
     log.info(
         "frontend_started",
         discovery=watcher.addresses,
@@ -185,12 +189,13 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         await client.close()
 
 
-def _watcher(
+def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collaborator
     config: FrontendConfig,
     catalog: ModelCatalog,
     store: ModelFileStore,
     context: zmq.asyncio.Context,
     client: RequestPlaneClient,
+    metrics: FrontendMetrics,
 ) -> DiscoveryWatcher:
     builder = PreprocessorBuilder(store, local_model_path=config.model_path, context=context)
     return DiscoveryWatcher(
@@ -202,6 +207,7 @@ def _watcher(
         catalog=catalog,
         context=context,
         on_endpoint_lost=client.endpoint_lost,
+        metrics=metrics.discovery,
     )
 
 

@@ -19,6 +19,7 @@ import structlog
 
 from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.formatter import prompt_formatter_for
+from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 
 __all__ = ["ANY_TOKEN", "Pick", "Router"]
@@ -45,7 +46,10 @@ class Pick:
 class Router:
     """Round robin over a model's live instances; per-declaration preprocessors on demand."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, metrics: FrontendMetrics | None = None) -> None:
+        # Counts per-declaration preprocessors built for an unregistered token (a private registry
+        # when the frontend does not pass its own).
+        self.metrics = metrics if metrics is not None else FrontendMetrics()
         self._turns: dict[str, itertools.count[int]] = {}
         self._preprocessors: dict[tuple[str, str | None], OpenAIPreprocessor] = {}
 
@@ -111,6 +115,7 @@ class Router:
         formatter = prompt_formatter_for(card, model.model_dir, image_placeholder_token=image_token)
         built = OpenAIPreprocessor.new_with_parts(card, formatter, canonical.tokenizer)
         self._preprocessors[key] = built
+        self.metrics.discovery.note_unregistered(built.unregistered_image_token)
         log.info(
             "declaration_preprocessor_built",
             model=model.name,

@@ -1,0 +1,136 @@
+"""One HTTP request's account: what it asked for, where it went, how it ended; logged and measured once.
+
+The HTTP middleware opens a record per request and closes it when the response is over, so the
+``request_finished`` / ``request_failed`` line and the request metrics come from one place and
+always agree. Handlers only fill it in (model, routed endpoint, preprocessing, worker outputs,
+failure). A streamed response that already sent its 200 can still fail: the record keeps the
+real outcome (the error's status, or 499 when the client went away) instead of the 200.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.wire import Output
+
+__all__ = ["CLIENT_GONE", "RequestRecord"]
+
+log = structlog.get_logger("dynamo_prep.frontend")
+
+CLIENT_GONE = 499
+# Worker verdicts that end a stream as a failure: (status, message), as openai_stream maps them.
+_FAILED_FINISH = {
+    "deadline": (504, "the request did not finish within the request timeout"),
+    "cancelled": (503, "the worker ended the request early (cancelled)"),
+}
+# Probes and scrapes are not worth a log line each when they succeed.
+QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
+COUNTED_PATHS = frozenset({"/v1/chat/completions"})
+
+
+@dataclass
+class RequestRecord:
+    """Filled in while a request is served; ``finish`` logs it and updates the metrics."""
+
+    request_id: str
+    path: str
+    metrics: FrontendMetrics
+    started: float = field(default_factory=time.perf_counter)
+    model: str = UNKNOWN_MODEL
+    endpoint: str | None = None
+    status: int | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    images: int | None = None
+    ttft_s: float | None = None
+    finish_reason: str | None = None
+    _inflight: bool = False
+    _last_token_at: float | None = None
+
+    def name_model(self, name: str) -> None:
+        """The label for a model the plane knows (live or pending); others stay ``unknown``."""
+        self.model = name
+
+    def serving(self, name: str) -> None:
+        """The model is live and the request is being served: it counts as in flight."""
+        self.model = name
+        if not self._inflight:
+            self._inflight = True
+            self.metrics.inflight.labels(model=name).inc()
+
+    def preprocessed(self, request: PreprocessedRequest, seconds: float) -> None:
+        self.metrics.preprocess_duration.labels(model=self.model).observe(seconds)
+        self.prompt_tokens = len(request.token_ids)
+        self.images = len(request.images)
+
+    def output(self, output: Output) -> None:
+        """One worker step: first-token time, inter-token gaps, usage, and a failing verdict."""
+        now = time.perf_counter()
+        count = len(output.token_ids)
+        if count and self._last_token_at is None:
+            self.ttft_s = now - self.started
+            self.metrics.time_to_first_token.labels(model=self.model).observe(self.ttft_s)
+        elif count and self._last_token_at is not None:
+            gap = (now - self._last_token_at) / count
+            histogram = self.metrics.inter_token_latency.labels(model=self.model)
+            for _ in range(count):
+                histogram.observe(gap)
+        if count:
+            self._last_token_at = now
+        self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = output.completion_tokens
+        if output.finish_reason is not None:
+            self.finish_reason = output.finish_reason
+            if output.finish_reason in _FAILED_FINISH:
+                self.fail(*_FAILED_FINISH[output.finish_reason])
+
+    def fail(self, status: int, error: str) -> None:
+        """The first failure is the request's outcome (later ones are its consequences)."""
+        if self.status is None:
+            self.status, self.error = status, error
+
+    def finish(self, response_status: int | None, *, body_complete: bool) -> None:
+        """The response is over: decide the outcome, measure it, log it (exactly once)."""
+        if self.status is None and not body_complete:
+            self.fail(CLIENT_GONE, "client disconnected")
+        status = self.status or response_status or 500
+        duration_s = time.perf_counter() - self.started
+        if self.path in COUNTED_PATHS:
+            self._measure(status, duration_s)
+        if self.error is None and self.path in QUIET_PATHS and status < 400:
+            return
+        fields = {
+            "request_id": self.request_id,
+            "path": self.path,
+            "model": self.model,
+            "status": status,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "duration_ms": round(duration_s * 1000, 1),
+            "endpoint": self.endpoint,
+        }
+        if self.error is None:
+            log.info("request_finished", finish_reason=self.finish_reason, **fields)
+        elif status >= 500:
+            log.warning("request_failed", error=self.error, **fields)
+        else:
+            log.info("request_failed", error=self.error, **fields)
+
+    def _measure(self, status: int, duration_s: float) -> None:
+        metrics, model = self.metrics, self.model
+        metrics.requests.labels(model=model, status=str(status)).inc()
+        if self._inflight:
+            self._inflight = False
+            metrics.inflight.labels(model=model).dec()
+            metrics.request_duration.labels(model=model).observe(duration_s)
+        if self.images is not None:
+            metrics.image_parts.labels(model=model).observe(self.images)
+            metrics.input_tokens.labels(model=model).observe(self.prompt_tokens)
+        if self.completion_tokens:
+            metrics.output_tokens.labels(model=model).observe(self.completion_tokens)

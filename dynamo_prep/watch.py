@@ -1,0 +1,400 @@
+"""``dynamo-prep watch``: a live view of who announced what on the discovery plane.
+
+It subscribes exactly like a frontend and feeds every message through the frontend's own pure
+``DiscoveryRegistry`` (dedup by seq, TTL expiry, withdraw tombstones, first-card-wins, checksum
+checks), so what it shows is what a frontend on the same plane concludes; it only differs in
+what it does with the result: it never fetches files or builds a model, it shows them. Each
+instance's declaration is read from its own card, so a mixed pool shows each engine's token.
+
+Two outputs: a refreshing table (rich) for people, or ``--json``: one JSON line per change for
+scripts (``instance_added``, ``instance_removed``, ``instance_changed``, ``model_added``,
+``model_removed``, ``legacy_card``, ``runtime_config_conflict``, ``card_checksum_mismatch``,
+``card_rejected``, and a final ``snapshot`` with ``--once-after``).
+
+Reaching the plane: a worker publishes to the address list it was given, so either bind the
+watch's SUB (``--bind``) and add that address to the workers' ``--discovery`` list, or run a
+broker and connect the watch to its XPUB (``--discovery``), like a frontend behind brokers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from types import FrameType
+from typing import Any, TextIO
+
+import structlog
+import zmq
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from dynamo_prep.card import CardDecodeError, CardDecodeResult, decode_card
+from dynamo_prep.discovery.eventlog import CHECKPOINT_DEFAULT, RateLimiter
+from dynamo_prep.discovery.registry import (
+    CardRejected,
+    ChecksumMismatch,
+    DiscoveryRegistry,
+    InstanceAdded,
+    InstanceRemoved,
+    LegacyDowngrade,
+    ModelFirstSeen,
+    ModelRemoved,
+    RegistryEvent,
+    RuntimeConfigConflict,
+)
+from dynamo_prep.protocol.discovery import Announce, DiscoveryDecodeError, decode_message, topic
+
+__all__ = ["Change", "InstanceRow", "PlaneView", "run_watch"]
+
+log = structlog.get_logger("dynamo_prep.watch")
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+PIPE_WIDTH = 200
+POLL_MS = 250  # the table's refresh period and the bound on reacting to a stop signal
+Change = dict[str, Any]
+
+
+@dataclass
+class InstanceRow:
+    """One live instance as the table shows it."""
+
+    instance_id: str
+    model: str
+    endpoint: str
+    mdcsum: str
+    declared: str | None
+    legacy: dict[str, Any]
+    seq: int = -1
+    seen_at: float = 0.0
+
+    @property
+    def image_token(self) -> str:
+        return self.declared if self.declared is not None else CHECKPOINT_DEFAULT
+
+    def identity(self) -> tuple[str, str | None, tuple[str, ...]]:
+        """What an ``instance_changed`` line reports on (heartbeats change only seq and age)."""
+        return (self.endpoint, self.declared, tuple(sorted(self.legacy)))
+
+    def fields(self) -> Change:
+        return {
+            "model": self.model,
+            "instance_id": self.instance_id,
+            "endpoint": self.endpoint,
+            "image_token": self.image_token,
+            "declared_image_token": self.declared,
+            "legacy": self.legacy,
+            "mdcsum": self.mdcsum,
+            "seq": self.seq,
+        }
+
+
+@dataclass
+class PlaneView:
+    """The registry plus a row per live instance; each call returns the changes it caused."""
+
+    namespace: str
+    registry: DiscoveryRegistry = field(default_factory=DiscoveryRegistry)
+    rows: dict[str, InstanceRow] = field(default_factory=dict)
+    counters: Counter[str] = field(default_factory=Counter)
+    _cards: dict[str, tuple[bytes, CardDecodeResult]] = field(default_factory=dict)
+    _limiter: RateLimiter = field(default_factory=RateLimiter)
+    _arrival: tuple[int, float] = (-1, 0.0)  # (seq, time) of the announce being applied
+
+    def on_frames(self, frames: Sequence[bytes], now: float) -> list[Change]:
+        """One received message: decode, apply to the registry, translate what it concluded."""
+        self.counters["messages"] += 1
+        if len(frames) != 2:
+            return self._rejected("frame_count", f"{len(frames)} frames", now)
+        if frames[0] != topic(self.namespace):
+            return []
+        try:
+            message = decode_message(frames[1])
+        except DiscoveryDecodeError as exc:
+            return self._rejected(exc.reason, exc.detail, now)
+        card = None
+        if isinstance(message, Announce):
+            card = self._card(message.instance_id, bytes(message.card))
+            self._arrival = (message.seq, now)
+        dropped = self._dropped()
+        changes = self._translate(self.registry.apply(message, now=now), card)
+        if isinstance(message, Announce) and self._dropped() == dropped:
+            changes.extend(self._heartbeat(message, card, now))
+        return changes
+
+    def expire(self, now: float) -> list[Change]:
+        return self._translate(self.registry.expire(now), None)
+
+    def snapshot(self, now: float) -> Change:
+        rows = sorted(self.rows.values(), key=lambda row: (row.model, row.instance_id))
+        instances = [{**row.fields(), "heartbeat_age_s": round(now - row.seen_at, 3)} for row in rows]
+        return {"event": "snapshot", "models": self.registry.model_names(), "instances": instances}
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _dropped(self) -> int:
+        return self.registry.counters["duplicate"] + self.registry.counters["stale"]
+
+    def _card(self, instance_id: str, raw: bytes) -> CardDecodeResult | None:
+        """The instance's card, decoded only when its bytes change (a heartbeat costs a compare)."""
+        cached = self._cards.get(instance_id)
+        if cached is not None and cached[0] == raw:
+            return cached[1]
+        try:
+            decoded = decode_card(raw)
+        except CardDecodeError:
+            self._cards.pop(instance_id, None)
+            return None
+        self._cards[instance_id] = (raw, decoded)
+        return decoded
+
+    def _rejected(self, reason: str, detail: str, now: float) -> list[Change]:
+        self.counters[f"rejected:{reason}"] += 1
+        suppressed = self._limiter.allow(reason, now)
+        if suppressed is None:
+            return []
+        return [
+            {"event": "card_rejected", "reason": reason, "detail": detail[:300], "suppressed": suppressed}
+        ]
+
+    def _heartbeat(self, message: Announce, card: CardDecodeResult | None, now: float) -> list[Change]:
+        """An accepted announce of a live instance: refresh its row, report a changed declaration."""
+        row = self.rows.get(message.instance_id)
+        if row is None:
+            return []
+        before = row.identity()
+        row.seq, row.seen_at, row.endpoint = message.seq, now, message.endpoint
+        if card is not None:
+            row.declared = card.card.runtime_config.image_placeholder_token
+            row.legacy = dict(card.legacy)
+        if row.identity() == before:
+            return []
+        return [{"event": "instance_changed", **row.fields()}]
+
+    def _translate(self, events: list[RegistryEvent], card: CardDecodeResult | None) -> list[Change]:
+        changes: list[Change] = []
+        for event in events:
+            change = self._change(event, card)
+            if change is not None:
+                changes.append(change)
+        return changes
+
+    def _change(self, event: RegistryEvent, card: CardDecodeResult | None) -> Change | None:
+        match event:
+            case InstanceAdded():
+                row = self._row(event, card)
+                self.rows[event.instance_id] = row
+                return {"event": "instance_added", **row.fields()}
+            case InstanceRemoved():
+                self.rows.pop(event.instance_id, None)
+                fields = {"model": event.model, "instance_id": event.instance_id, "endpoint": event.endpoint}
+                return {"event": "instance_removed", **fields, "reason": event.reason}
+            case ModelFirstSeen():
+                return {"event": "model_added", "model": event.model, "mdcsum": event.mdcsum}
+            case ModelRemoved():
+                return {"event": "model_removed", "model": event.model, "mdcsum": event.mdcsum}
+            case LegacyDowngrade():
+                return {"event": "legacy_card", **_about(event), "legacy": dict(event.legacy)}
+            case RuntimeConfigConflict():
+                return {
+                    "event": "runtime_config_conflict",
+                    **_about(event),
+                    "first_instance_id": event.first_instance_id,
+                    "fields": _pairs(event.fields),
+                }
+            case ChecksumMismatch():
+                return {
+                    "event": "card_checksum_mismatch",
+                    **_about(event),
+                    "canonical_mdcsum": event.canonical_mdcsum,
+                    "mdcsum": event.mdcsum,
+                    "differing_fields": _pairs(event.fields),
+                }
+            case CardRejected():
+                self.counters[f"rejected:{event.reason}"] += 1
+                detail = event.detail[:300]
+                return {
+                    "event": "card_rejected",
+                    "reason": event.reason,
+                    "instance_id": event.instance_id,
+                    "detail": detail,
+                }
+        return None
+
+    def _row(self, event: InstanceAdded, card: CardDecodeResult | None) -> InstanceRow:
+        """A new row; its declaration comes from the card of the message that admitted it."""
+        declared = card.card.runtime_config.image_placeholder_token if card is not None else None
+        legacy = dict(card.legacy) if card is not None else {}
+        seq, seen_at = self._arrival
+        return InstanceRow(
+            event.instance_id, event.model, event.endpoint, event.mdcsum, declared, legacy, seq, seen_at
+        )
+
+
+def _about(event: LegacyDowngrade | RuntimeConfigConflict | ChecksumMismatch) -> Change:
+    return {"model": event.model, "instance_id": event.instance_id}
+
+
+def _pairs(fields: Any) -> dict[str, list[Any]]:
+    return {name: [first, later] for name, (first, later) in fields.items()}
+
+
+# -- rendering -------------------------------------------------------------------------------
+
+
+def render_table(view: PlaneView, now: float) -> Table:
+    """Models and instances, one row per instance, with declaration, legacy flags and liveness."""
+    rejected = sum(count for key, count in view.counters.items() if key.startswith("rejected:"))
+    table = Table(
+        title=f"discovery plane '{view.namespace}': {len(view.registry.model_names())} model(s), "
+        f"{len(view.rows)} instance(s), {view.counters['messages']} message(s), {rejected} rejected",
+    )
+    for column in (
+        "model",
+        "instance",
+        "image token",
+        "legacy",
+        "endpoint",
+        "heartbeat age",
+        "seq",
+        "mdcsum",
+    ):
+        table.add_column(column, overflow="fold")
+    for row in sorted(view.rows.values(), key=lambda row: (row.model, row.instance_id)):
+        legacy = ", ".join(f"{key}={value}" for key, value in row.legacy.items())
+        table.add_row(row.model, row.instance_id[:12], row.image_token, legacy or "-", row.endpoint,
+                      f"{now - row.seen_at:.1f}s", str(row.seq), row.mdcsum[:12])  # fmt: skip
+    return table
+
+
+def _json_line(change: Change, stream: TextIO) -> None:
+    stamped = {"event": change["event"], "timestamp": datetime.now(UTC).isoformat(), **change}
+    stream.write(json.dumps(stamped, default=str) + "\n")
+    stream.flush()
+
+
+# -- the process -----------------------------------------------------------------------------
+
+
+def run_watch(
+    *,
+    discovery: Sequence[str] = (),
+    bind: Sequence[str] = (),
+    namespace: str,
+    json_lines: bool = False,
+    once_after: float | None = None,
+    stream: TextIO | None = None,
+) -> int:
+    """The ``dynamo-prep watch`` process; returns its exit code (0 on SIGTERM/SIGINT or at the end)."""
+    out = stream or sys.stdout
+    if not discovery and not bind:
+        log.error("watch_config_error", error="give --discovery ADDR (brokers) and/or --bind ADDR")
+        return EXIT_ERROR
+    context: zmq.Context[Any] = zmq.Context()
+    try:
+        socket = _subscribe(context, namespace, discovery, bind)
+    except zmq.ZMQError as exc:
+        log.error("watch_start_failed", error=str(exc), discovery=list(discovery), bind=list(bind))
+        context.term()
+        return EXIT_ERROR
+    log.info(
+        "watch_started", discovery=list(discovery), bind=list(bind), namespace=namespace, json=json_lines
+    )
+    view = PlaneView(namespace)
+    try:
+        with _stop_on_signals() as stopped:
+            deadline = None if once_after is None else time.monotonic() + once_after
+            done = lambda: stopped() or _past(deadline)  # noqa: E731
+            _loop(socket, view, done, json_lines=json_lines, once=once_after is not None, out=out)
+    finally:
+        socket.close(linger=0)
+        context.term()
+    log.info("watch_stopped", messages=view.counters["messages"])
+    return EXIT_OK
+
+
+def _subscribe(
+    context: zmq.Context[Any], namespace: str, discovery: Sequence[str], bind: Sequence[str]
+) -> zmq.Socket[Any]:
+    socket: zmq.Socket[Any] = context.socket(zmq.SUB)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.setsockopt(zmq.SUBSCRIBE, topic(namespace))
+        for address in bind:
+            socket.bind(address)
+        for address in discovery:
+            socket.connect(address)
+    except zmq.ZMQError:
+        socket.close(linger=0)
+        raise
+    return socket
+
+
+def _loop(
+    socket: zmq.Socket[Any],
+    view: PlaneView,
+    done: Callable[[], bool],
+    *,
+    json_lines: bool,
+    once: bool,
+    out: TextIO,
+) -> None:
+    """Receive, expire, show; until ``done``. A one-shot table is printed once, at the end."""
+    # Piped output (scripts, CI logs) gets a wide table instead of rich's 80-column fallback.
+    console = Console(file=out, width=None if out.isatty() else PIPE_WIDTH)
+    live = None if json_lines or once else Live(render_table(view, time.monotonic()), console=console)
+    with live if live is not None else contextlib.nullcontext():
+        while not done():
+            changes = _receive(socket, view)
+            changes.extend(view.expire(time.monotonic()))
+            if json_lines:
+                for change in changes:
+                    _json_line(change, out)
+            elif live is not None:
+                live.update(render_table(view, time.monotonic()))
+    if json_lines and once:
+        _json_line(view.snapshot(time.monotonic()), out)
+    elif once:
+        console.print(render_table(view, time.monotonic()))
+
+
+def _receive(socket: zmq.Socket[Any], view: PlaneView) -> list[Change]:
+    """Everything that arrived within one poll period."""
+    changes: list[Change] = []
+    if not socket.poll(POLL_MS, zmq.POLLIN):
+        return changes
+    while True:
+        try:
+            frames = socket.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return changes
+        changes.extend(view.on_frames(frames, time.monotonic()))
+
+
+def _past(deadline: float | None) -> bool:
+    return deadline is not None and time.monotonic() >= deadline
+
+
+@contextlib.contextmanager
+def _stop_on_signals() -> Iterator[Callable[[], bool]]:
+    """SIGTERM / SIGINT end the loop at its next poll (the handlers are restored afterwards)."""
+    stopping: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        del frame
+        stopping.append(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield lambda: bool(stopping)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
