@@ -1,9 +1,10 @@
 """The live model set the HTTP layer reads: only models that can serve a request right now.
 
 A model is listed once it has a built preprocessor AND at least one live instance (Dynamo users
-see models "listed before they are routable" otherwise). Entries are immutable snapshots swapped
-in whole: the watcher writes from the event loop, readers (the HTTP layer, possibly another
-thread) always see a consistent model without locks.
+see models "listed before they are routable" otherwise). The model set is swapped in whole when a
+model is built or removed; a model's instance maps are read-only views the catalog updates in
+place, so a heartbeat-driven join or leave costs O(1) even with thousands of instances. Writers
+and readers share one event loop, so a reader sees a consistent model between two awaits.
 
 Each instance also carries its declared ``image_placeholder_token`` (None: the checkpoint
 default), because a mixed vLLM + SGLang pool must render every request for the instance it is
@@ -76,6 +77,8 @@ class ModelCatalog:
     def __init__(self) -> None:
         self._models: Mapping[str, LiveModel] = MappingProxyType({})
         self._pending: frozenset[str] = frozenset()
+        self._endpoints: dict[str, dict[str, str]] = {}
+        self._tokens: dict[str, dict[str, str | None]] = {}
 
     def get(self, name: str) -> LiveModel | None:
         """The model if it can serve (built and at least one instance), else None."""
@@ -97,27 +100,30 @@ class ModelCatalog:
         self._pending = self._pending | {name}
 
     def publish(self, model: LiveModel) -> None:
-        """Add or replace a built model."""
+        """Add or replace a built model; the catalog owns its instance maps from now on."""
         self._pending = self._pending - {model.name}
-        self._swap(lambda models: models.__setitem__(model.name, model))
+        endpoints = dict(model.instances)
+        tokens = {instance_id: model.image_token_of(instance_id) for instance_id in endpoints}
+        self._endpoints[model.name], self._tokens[model.name] = endpoints, tokens
+        owned = replace(model, instances=MappingProxyType(endpoints), image_tokens=MappingProxyType(tokens))
+        self._swap(lambda models: models.__setitem__(model.name, owned))
 
     def remove(self, name: str) -> None:
         self._pending = self._pending - {name}
+        self._endpoints.pop(name, None)
+        self._tokens.pop(name, None)
         self._swap(lambda models: models.pop(name, None))
 
     def set_instance(self, name: str, instance_id: str, endpoint: str, *, image_token: str | None) -> None:
         """Record a live instance of an already built model (no-op for unbuilt models)."""
-        model = self._models.get(name)
-        if model is not None:
-            self.publish(
-                model.with_instances({**model.instances, instance_id: endpoint}, {instance_id: image_token})
-            )
+        if name in self._endpoints:
+            self._endpoints[name][instance_id] = endpoint
+            self._tokens[name][instance_id] = image_token
 
     def remove_instance(self, name: str, instance_id: str) -> None:
-        model = self._models.get(name)
-        if model is not None and instance_id in model.instances:
-            remaining = {key: value for key, value in model.instances.items() if key != instance_id}
-            self.publish(model.with_instances(remaining))
+        if name in self._endpoints:
+            self._endpoints[name].pop(instance_id, None)
+            self._tokens[name].pop(instance_id, None)
 
     def _swap(self, change: Callable[[dict[str, LiveModel]], object]) -> None:
         """Copy, change, swap: a reader holding the old mapping keeps a consistent view."""

@@ -1,0 +1,75 @@
+"""The package's layers: the data's path is the import graph, and nothing reaches back up it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "dynamo_prep"
+
+# card -> discovery -> (formatter, tokenizer) -> preprocessor -> request plane -> HTTP.
+FLOORS: dict[str, int] = {
+    "dynamo_prep.models": 0,
+    "dynamo_prep.logging": 0,
+    "dynamo_prep.protocol": 0,
+    "dynamo_prep.card": 1,
+    "dynamo_prep.tokenizer": 2,
+    "dynamo_prep.formatter": 2,
+    "dynamo_prep.preprocessor": 3,
+    "dynamo_prep.engines": 4,
+    "dynamo_prep.discovery": 5,
+    "dynamo_prep.worker": 6,
+    "dynamo_prep.worker_generate": 6,
+    "dynamo_prep.worker_metrics": 6,
+    "dynamo_prep.register": 7,
+    "dynamo_prep.frontend": 7,
+    "dynamo_prep.watch": 7,
+    "dynamo_prep._render": 8,
+    "dynamo_prep.cli": 8,
+    "dynamo_prep": 9,
+}
+
+
+def floor_of(module: str) -> int:
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        floor = FLOORS.get(".".join(parts[:end]))
+        if floor is not None:
+            return floor
+    raise AssertionError(f"{module} has no floor in FLOORS")
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {name for name in found if name == "dynamo_prep" or name.startswith("dynamo_prep.")}
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_from_a_higher_floor(path: Path) -> None:
+    name = module_name(path)
+    own = floor_of(name)
+    upward = sorted(target for target in imports(path) if floor_of(target) > own)
+    assert not upward, f"{name} (floor {own}) imports from higher floors: {upward}"
+
+
+def test_every_module_has_a_floor() -> None:
+    for path in MODULES:
+        floor_of(module_name(path))
