@@ -178,6 +178,8 @@ def decode_card(data: bytes | memoryview) -> CardDecodeResult:
         raise CardDecodeError(f"invalid model card: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise CardDecodeError(f"undecodable model card: {exc}") from exc
+    except RecursionError as exc:
+        raise CardDecodeError("undecodable model card: nested too deeply") from exc
     legacy = {
         key: value for key in LEGACY_RUNTIME_KEYS if (value := getattr(probe.runtime_config, key)) is not None
     }

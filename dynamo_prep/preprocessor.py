@@ -193,6 +193,8 @@ def collect_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
             if not isinstance(part, dict):
                 raise PreprocessError(f"{where}: a content part must be an object", param="messages")
             part_type = part.get("type")
+            if not isinstance(part_type, str):
+                raise PreprocessError(f"{where}: a content part needs a string 'type'", param="messages")
             if part_type in IMAGE_PART_TYPES:
                 images.append(_image_ref(part, where))
             elif part_type not in TEXT_PART_TYPES:

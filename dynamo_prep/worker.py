@@ -70,7 +70,7 @@ class RequestDispatcher:
     async def dispatch(self, payload: bytes, reply: Reply) -> None:
         try:
             message = wire.to_worker_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
             log.warning("request_rejected", reason="invalid", error=str(exc)[:200])
             await reply(ErrorReply(request_id="", code=400, message="invalid request"))
             return

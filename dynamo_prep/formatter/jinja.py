@@ -867,18 +867,25 @@ class JinjaFormatter:
         template = self._template
         if tools is not None and self._tool_use_template is not None:
             template = self._tool_use_template
-        variables = (
-            {**self._template_vars, **_plain(chat_template_args)}
-            if chat_template_args
-            else self._template_vars
-        )
-        context = {
-            "messages": _prepare_messages(messages),
-            "tools": _prepare_tools(tools),
-            "documents": _prepare_documents(documents),
-            "add_generation_prompt": add_generation_prompt,
-            **variables,
-        }
+        try:
+            variables = (
+                {**self._template_vars, **_plain(chat_template_args)}
+                if chat_template_args
+                else self._template_vars
+            )
+            context = {
+                "messages": _prepare_messages(messages),
+                "tools": _prepare_tools(tools),
+                "documents": _prepare_documents(documents),
+                "add_generation_prompt": add_generation_prompt,
+                **variables,
+            }
+        except PromptRenderError:
+            raise
+        except RecursionError as exc:
+            raise PromptRenderError("the request is nested too deeply to render") from exc
+        except (TypeError, ValueError) as exc:
+            raise PromptRenderError(f"the request cannot be rendered: {exc}") from exc
         return template, context
 
     def _segments(self, template: jinja2.Template, context: dict[str, Any], text: str) -> list[Segment]:

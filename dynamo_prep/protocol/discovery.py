@@ -8,7 +8,7 @@ a heartbeat costs one small decode.
 from __future__ import annotations
 
 import time
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 
@@ -19,6 +19,7 @@ DEFAULT_TTL_MS = 3000
 DEFAULT_HEARTBEAT_S = 1.0
 MAX_PAYLOAD_BYTES = 1 << 20
 
+_T = TypeVar("_T")
 _NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
@@ -82,20 +83,24 @@ def encode_message(message: DiscoveryMessage) -> bytes:
 
 def decode_message(payload: bytes | memoryview) -> DiscoveryMessage:
     """Typed message, or ``DiscoveryDecodeError`` with reason ``too_large``, ``undecodable``,
-    ``unsupported_version``, ``unknown_kind`` or ``invalid``."""
+    ``too_deep``, ``unsupported_version``, ``unknown_kind`` or ``invalid``."""
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise DiscoveryDecodeError("too_large", f"{len(payload)} bytes > {MAX_PAYLOAD_BYTES}")
-    try:
-        header = _header_decoder.decode(payload)
-    except msgspec.ValidationError as exc:
-        raise DiscoveryDecodeError("invalid", str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise DiscoveryDecodeError("undecodable", str(exc)) from exc
+    header = _decode(_header_decoder, payload)
     if header.v != PROTOCOL_VERSION:
         raise DiscoveryDecodeError("unsupported_version", f"v={header.v}")
     if header.kind not in ("announce", "withdraw"):
         raise DiscoveryDecodeError("unknown_kind", f"kind={header.kind[:64]!r}")
+    return _decode(_message_decoder, payload)
+
+
+def _decode(decoder: msgspec.msgpack.Decoder[_T], payload: bytes | memoryview) -> _T:
+    """One decode; every way it can fail is a ``DiscoveryDecodeError`` with a stable reason."""
     try:
-        return _message_decoder.decode(payload)
+        return decoder.decode(payload)
     except msgspec.ValidationError as exc:
         raise DiscoveryDecodeError("invalid", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise DiscoveryDecodeError("undecodable", str(exc)) from exc
+    except RecursionError as exc:
+        raise DiscoveryDecodeError("too_deep", "nested too deeply") from exc

@@ -74,6 +74,8 @@ def parse_chat_request(request: ChatCompletionRequest | dict[str, Any] | bytes) 
         raise RequestError(f"Invalid request: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise RequestError(f"Request body is not valid JSON: {exc}") from exc
+    except RecursionError as exc:
+        raise RequestError("Invalid request: nested too deeply") from exc
 
 
 # -- responses -------------------------------------------------------------------------------------
