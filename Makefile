@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check dynamo_prep tests scripts
+	$(BIN)/ruff check dynamo_prep tests scripts benchmarks
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -26,14 +26,17 @@ test: lint typecheck unit
 up: $(STAMP)
 	$(BIN)/dynamo-prep up
 
-# Every benchmarks/*.py suite in one run (installs the bench extra: transformers without torch, pyinstrument).
+# Every benchmarks/*.py suite but the 10-minute soak, in one run (installs the bench extra:
+# transformers without torch, pyinstrument).
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): $(STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test,bench]'
 	touch $(BENCH_STAMP)
 
 bench: $(BENCH_STAMP)
-	set -e; for suite in benchmarks/[!_]*.py; do $(BIN)/python -m benchmarks.$$(basename $$suite .py); done
+	set -e; for suite in benchmarks/[!_]*.py; do \
+		name=$$(basename $$suite .py); [ $$name = soak ] || $(BIN)/python -m benchmarks.$$name; \
+	done
 	cat benchmarks/results/README.md
 
 # Mixed traffic with workers restarting, against one frontend (SOAK_MINUTES=2 for a short run).

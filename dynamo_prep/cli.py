@@ -178,6 +178,11 @@ def _add_up(commands: Any) -> None:
     up.add_argument("--discovery-bind", default="tcp://127.0.0.1:7555", help="the frontend's embedded plane")
     up.add_argument("--model", default="kimi-k3-demo", help="demo model directory or name")
     up.add_argument("--log-dir", type=Path, default=None, help="child logs go here (default: a temp dir)")
+    up.add_argument(
+        "--watch-address",
+        default="tcp://127.0.0.1:7557",
+        help="workers also announce here, for `dynamo-prep watch --bind ADDR`",
+    )
     up.set_defaults(handler=_up)
 
 
@@ -318,6 +323,7 @@ def _up(args: argparse.Namespace) -> int:
         model=args.model,
         log_dir=args.log_dir,
         log_level=args.log_level,
+        watch_address=args.watch_address,
     )
 
 

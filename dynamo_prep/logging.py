@@ -28,17 +28,34 @@ def configure_logging(
         if log_format == "json"
         else structlog.dev.ConsoleRenderer(colors=False)
     )
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    numeric_level = logging.getLevelNamesMapping()[level.upper()]
     structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
         logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stdout),
         cache_logger_on_first_use=True,
     )
+    _route_stdlib_logging(stream or sys.stdout, numeric_level, shared, renderer)
     structlog.contextvars.bind_contextvars(**context)
     _configured = True
+
+
+def _route_stdlib_logging(stream: TextIO, level: int, shared: list[Any], renderer: Any) -> None:
+    """Libraries' stdlib log records (uvicorn, asyncio) become the same JSON lines as ours."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level)
+    # asyncio warns about sends to peers that already hung up (client disconnects): noise for ops.
+    logging.getLogger("asyncio").setLevel(logging.ERROR)

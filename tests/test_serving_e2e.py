@@ -216,10 +216,12 @@ def sse_text(body: str) -> str:
 
 def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     port = free_port()
+    watch_address = tcp_endpoint()
     up = start_dynamo(
         "up", "--http-port", str(port), "--discovery-bind", tcp_endpoint(), "--log-dir", str(tmp_path),
-        log_level="info",
+        "--watch-address", watch_address, log_level="info",
     )  # fmt: skip
+    watch: DynamoProcess | None = None
     try:
         curl = wait_for(
             lambda: next((line for line in up.raw if line.startswith("curl ")), None), 30, message="curl"
@@ -236,6 +238,17 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
             assert match is not None and match[2] == "1", out[:400]
             served.add(match[1])
         assert served == {"sglang", "vllm"}
+        assert f"dynamo-prep watch --bind {watch_address}" in "\n".join(up.raw)
+        # The printed watch command shows the running cluster at once: both workers, each its token.
+        watch = start_dynamo("watch", "--bind", watch_address, "--json", log_level="info")
+
+        def both_workers() -> set[str] | None:
+            assert watch is not None
+            found = {event["image_token"] for event in watch.find("instance_added")}
+            return found if len(found) == 2 else None
+
+        tokens = wait_for(both_workers, 20, message="both up workers in watch")
+        assert tokens == {"<|media_pad|>", "checkpoint default"}
         up.signal(signal.SIGTERM)
         assert up.wait(20) == 0
         for pid in children:
@@ -244,3 +257,5 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
         assert (tmp_path / "frontend.log").stat().st_size > 0
     finally:
         up.stop()
+        if watch is not None:
+            watch.stop()

@@ -53,6 +53,9 @@ class _Child:
     log_file: IO[bytes]
 
 
+DEFAULT_WATCH_ADDRESS = "tcp://127.0.0.1:7557"
+
+
 def run_up(
     *,
     http_port: int = 8000,
@@ -60,6 +63,7 @@ def run_up(
     model: str = "kimi-k3-demo",
     log_dir: Path | None = None,
     log_level: str = "info",
+    watch_address: str = DEFAULT_WATCH_ADDRESS,
 ) -> int:
     """Start the cluster, wait until ``model`` is served, print how to use it, run until signalled."""
     stopping = threading.Event()
@@ -79,13 +83,16 @@ def run_up(
             )
         )
         for flavor in FLAVORS:
-            worker = ["worker", "--model-path", model, "--discovery", connect, "--flavor", flavor]
+            # Workers also announce to the watch address: `dynamo-prep watch --bind` there sees them
+            # at once (they re-announce on its subscription); nobody listening there costs nothing.
+            announce_to = f"{connect},{watch_address}"
+            worker = ["worker", "--model-path", model, "--discovery", announce_to, "--flavor", flavor]
             children.append(_start(f"worker-{flavor}", directory, log_level, worker))
         log.info("up_starting", url=base_url, model=model, log_dir=str(directory))
         served_as = _wait_ready(base_url, model, children, stopping)
         if served_as is None:
             return EXIT_OK if stopping.is_set() else EXIT_FAILED
-        _print_banner(base_url, served_as, directory)
+        _print_banner(base_url, served_as, directory, watch_address)
         return _run_until_stopped(children, stopping)
     finally:
         _stop_all(children)
@@ -169,7 +176,7 @@ def _served_models(base_url: str) -> set[str]:
     return {entry["id"] for entry in body.get("data", []) if isinstance(entry, dict) and "id" in entry}
 
 
-def _print_banner(base_url: str, model: str, directory: Path) -> None:
+def _print_banner(base_url: str, model: str, directory: Path, watch_address: str) -> None:
     lines = [
         "",
         f"dynamo-prep is up: {base_url}  (model {model}; mock workers: {', '.join(FLAVORS)})",
@@ -178,6 +185,7 @@ def _print_banner(base_url: str, model: str, directory: Path) -> None:
         "",
         curl_command(base_url, model),
         "",
+        f"Watch the discovery plane live: dynamo-prep watch --bind {watch_address}",
         "Ctrl-C stops everything.",
         "",
     ]
