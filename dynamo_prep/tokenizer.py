@@ -18,13 +18,16 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 import tiktoken
 
 from dynamo_prep.card import TOKENIZER_FILE, ModelCardError, model_files, read_json
 from dynamo_prep.models import resolve_model_dir
+
+if TYPE_CHECKING:  # at run time a Run is told apart as the piece that is not a tuple
+    from dynamo_prep.formatter._prompt import Run
 
 __all__ = ["KNOWN_MODEL_TYPES", "NUM_RESERVED_SPECIAL_TOKENS", "Tokenizer", "TokenizerError"]
 
@@ -122,9 +125,9 @@ class Tokenizer:
         self._num_base_tokens = num_base_tokens
         self._special_names = {token_id: text for text, token_id in special_tokens.items()}
         self._allowed = frozenset(special_tokens)
-        self._special_ids = {text: (token_id,) for text, token_id in special_tokens.items()}
         self._control_cache: dict[str, tuple[int, ...]] = {}
         self._text_cache: dict[str, tuple[int, ...]] = {}
+        self._run_ids: dict[Run, tuple[int, ...]] = {}
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> Tokenizer:
@@ -184,16 +187,31 @@ class Tokenizer:
     def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
         """Concatenated ``encode(text, allow_special=...)`` of each segment, served from caches when short.
 
-        This runs once per request over every segment (hundreds for K3), so the common cases cost
-        one dict lookup: a control segment that is exactly one special, a short text segment seen
-        before. Anything else (other control text, new or long text) goes through ``_miss``.
+        This runs once per request over every segment (hundreds for K3), so the common cases are
+        inlined: a constant ``Run`` among the ``pieces`` of a formatter's ``Segments`` is one lookup
+        for all its ids, a control segment that is exactly one special is its id, a short segment
+        seen before is a dict hit; only new or long text reaches ``_uncached``.
         """
+        pieces: Iterable[tuple[str, bool] | Run] = getattr(segments, "pieces", segments)
         ids: list[int] = []
-        extend = ids.extend
-        special_ids, text_ids, miss = self._special_ids, self._text_cache, self._miss
-        for text, allow_special in segments:
-            hit = special_ids.get(text) if allow_special else text_ids.get(text)
-            extend(hit if hit is not None else miss(text, allow_special))
+        append, extend = ids.append, ids.extend
+        specials, control_cache, text_cache = self._specials, self._control_cache, self._text_cache
+        run_ids = self._run_ids
+        for piece in pieces:
+            if not isinstance(piece, tuple):  # a Run
+                hit = run_ids.get(piece)
+                extend(hit if hit is not None else self._run(piece))
+                continue
+            text, allow_special = piece
+            if allow_special:
+                special_id = specials.get(text)
+                if special_id is not None:
+                    append(special_id)
+                    continue
+                hit = control_cache.get(text)
+            else:
+                hit = text_cache.get(text)
+            extend(hit if hit is not None else self._uncached(text, allow_special))
         return ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -237,19 +255,23 @@ class Tokenizer:
             ids = self._encoding.encode_ordinary(text)
         return ids
 
-    def _miss(self, text: str, allow_special: bool) -> Sequence[int]:
-        if allow_special:
-            return self._cached(text, self._control_cache, allow_special=True)
-        return self._cached(text, self._text_cache, allow_special=False)
+    def _run(self, run: Run) -> tuple[int, ...]:
+        """A run's ids, kept: runs are a formatter's constants (bounded all the same)."""
+        ids = tuple(self.encode_segments(run.segments))
+        if len(self._run_ids) >= SEGMENT_CACHE_MAX_ENTRIES:
+            self._run_ids.clear()
+        self._run_ids[run] = ids
+        return ids
 
-    def _cached(self, text: str, cache: dict[str, tuple[int, ...]], *, allow_special: bool) -> Sequence[int]:
-        """Short segments repeat on every request (tags, roles, quotes): encode each once."""
+    def _uncached(self, text: str, allow_special: bool) -> Sequence[int]:
+        """A segment the caches do not hold: short ones are encoded once and kept (tags, roles,
+        quotes repeat on every request), longer ones go straight to the encoder."""
         if len(text) > SEGMENT_CACHE_MAX_CHARS:
-            return self.encode(text, allow_special=allow_special)
-        hit = cache.get(text)
-        if hit is not None:
-            return hit
+            if allow_special or len(text) > MAX_RUN_CHARS:
+                return self.encode(text, allow_special=allow_special)
+            return self._encoding.encode_ordinary(text)  # new prose: the common miss
         ids = tuple(self._encode_run(text, allow_special))
+        cache = self._control_cache if allow_special else self._text_cache
         if len(cache) >= SEGMENT_CACHE_MAX_ENTRIES:
             cache.clear()  # bounded under adversarial input; hot entries refill at once
         cache[text] = ids

@@ -62,17 +62,7 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 # (exception type, innermost dynamo_prep function) -> reproducer test in tests/test_fuzz.py.
 # A hit is counted as "known:<key>" instead of failing, so the seeded slice keeps passing
 # until the owner fixes the bug; the strict-xfail reproducer then XPASSes and this entry goes.
-KNOWN_BUGS: dict[tuple[str, str], str] = {
-    ("RecursionError", "_served_messages"): "k3_repr_outside_try@_served_messages",
-    ("RecursionError", "_thinking_from"): "k3_repr_outside_try@_thinking_from",
-    ("RecursionError", "check_effort"): "k3_repr_outside_try@check_effort",
-}
-
-
-# Python refuses str()/repr() of ints over 4300 digits (ValueError); any f-string that formats a
-# client-sent int outside a try block is then a crash. Reachable only through the dict API (JSON
-# bodies cap integers at 64 bits), so it is one known bug whatever the call site.
-HUGE_INT_TO_STR = "huge_int_to_str"
+KNOWN_BUGS: dict[tuple[str, str], str] = {}
 
 
 def _project_frames(exc: BaseException) -> list[traceback.FrameSummary]:
@@ -89,8 +79,6 @@ def known_bug(exc: BaseException) -> str | None:
     frames = _project_frames(exc)
     if not frames:
         return None
-    if isinstance(exc, ValueError) and "integer string conversion" in str(exc):
-        return f"{HUGE_INT_TO_STR}@{frames[-1].name}"
     return KNOWN_BUGS.get((type(exc).__name__, frames[-1].name))
 
 

@@ -192,12 +192,6 @@ _K3_REPR_CASES: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=(ValueError, RecursionError),
-    reason="kimi_k3 render(): _served_messages/_thinking_from/check_effort format client values with !r "
-    "outside _render's try (dict API only: JSON bodies cap ints at 64 bits and nesting fails earlier)",
-)
 @pytest.mark.parametrize("case", sorted(_K3_REPR_CASES))
 def test_repro_k3_repr_of_client_value_outside_try(case: str) -> None:
     request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **_K3_REPR_CASES[case]}

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple, final
 
 import msgspec
 
@@ -20,6 +21,46 @@ class Segment(NamedTuple):
 
     text: str
     allow_special: bool
+
+
+@final
+class Run:
+    """Segments a formatter always emits together, such as the seven of
+    ``<|open|>message role="user"<|sep|>``.
+
+    A formatter builds its runs once, as constants, and lists them whole in ``Segments.pieces``;
+    a tokenizer then keeps each run's ids and serves it with one lookup instead of one per
+    segment. Runs compare and hash by identity: a run is a constant, not a value.
+    """
+
+    __slots__ = ("segments", "text")
+
+    def __init__(self, segments: Iterable[Segment]) -> None:
+        self.segments = tuple(segments)
+        self.text = "".join(segment.text for segment in self.segments)
+
+    def __repr__(self) -> str:
+        return f"Run({list(self.segments)!r})"
+
+
+class Segments(list[Segment]):
+    """A prompt's segments, flat, remembering the ``pieces`` they were emitted as.
+
+    ``pieces`` holds the same segments in order, constant stretches as ``Run`` objects and every
+    other segment on its own; joining the pieces' texts gives the prompt text.
+    """
+
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[Run | Segment]) -> None:
+        super().__init__()
+        self.pieces = pieces
+        append, extend = self.append, self.extend
+        for piece in pieces:
+            if type(piece) is Run:
+                extend(piece.segments)
+            else:
+                append(piece)
 
 
 class RenderedPrompt(msgspec.Struct, frozen=True):

@@ -25,7 +25,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, Final, Literal, NamedTuple
 
-from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Segment
+from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Run, Segment, Segments
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 OPEN: Final = "<|open|>"
@@ -83,11 +83,18 @@ class _Args(NamedTuple):
     raw: str | None
 
 
-class _Item(NamedTuple):
-    """A message with its position in the request, so errors name what the client sent."""
+_Item = tuple[int, Any]
+"""A message with its position in the request (``enumerate``'s pairs), so errors name what the
+client sent."""
 
-    at: int
-    message: Any
+
+def _show(value: object, limit: int = 80) -> str:
+    """A client value for an error message: short, and never itself an error (huge ints, deep nesting)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        return f"<{_type_name(value)}>"
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def _type_name(value: object) -> str:
@@ -166,20 +173,20 @@ def _sorted_run(run: list[_Item], calls: dict[str, tuple[int, Any]]) -> list[_It
     """Results in call order when every one matches a call; otherwise exactly as they came."""
     matches: list[tuple[int, int, _Item, Any]] = []
     for offset, item in enumerate(run):
-        call_id = item.message.get("tool_call_id")
+        call_id = item[1].get("tool_call_id")
         if call_id is None:
-            call_id = item.message.get("id")
+            call_id = item[1].get("id")
         match = calls.get(str(call_id)) if call_id is not None else None
         if match is None:
             return run
         matches.append((match[0], offset, item, match[1]))
     matches.sort(key=lambda entry: (entry[0], entry[1]))
     out = []
-    for _, _, item, name in matches:
-        message = {**item.message, "tool": name}
+    for _, _, (at, original), name in matches:
+        message = {**original, "tool": name}
         if "name" in message:
             message["name"] = name
-        out.append(_Item(item.at, message))
+        out.append((at, message))
     return out
 
 
@@ -189,15 +196,18 @@ def _resort_tool_results(items: list[_Item]) -> list[_Item]:
     run: list[_Item] = []
     calls: dict[str, tuple[int, Any]] = {}
     for item in items:
-        if _role(item.message) == "tool":
+        role = _role(item[1])
+        if role == "tool":
             run.append(item)
             continue
-        out.extend(_sorted_run(run, calls))
-        run = []
-        if _role(item.message) == "assistant":
-            calls = _call_index(item.message.get("tool_calls"))
+        if run:
+            out.extend(_sorted_run(run, calls))
+            run = []
+        if role == "assistant":
+            calls = _call_index(item[1].get("tool_calls"))
         out.append(item)
-    out.extend(_sorted_run(run, calls))
+    if run:
+        out.extend(_sorted_run(run, calls))
     return out
 
 
@@ -236,7 +246,7 @@ def _normalize_call(call: Any, where: str) -> dict[str, Any]:
 
 def _normalize_message(item: _Item) -> _Item:
     """Deep-sorts message tools and parses tool-call arguments, on a copy (when there is any)."""
-    message = item.message
+    at, message = item
     if not isinstance(message, dict):
         return item
     tool_calls = message.get("tool_calls")
@@ -244,17 +254,16 @@ def _normalize_message(item: _Item) -> _Item:
         return item  # nothing to normalize: rendering never mutates a message
     message = dict(message)
     if message.get("tools") is not None:
-        message["tools"] = _deep_sort(message["tools"], f"messages[{item.at}].tools")
+        message["tools"] = _deep_sort(message["tools"], f"messages[{at}].tools")
     if tool_calls:
         if not isinstance(tool_calls, list):
             raise PromptRenderError(
-                f"messages[{item.at}].tool_calls: expected a list, got {_type_name(tool_calls)}"
+                f"messages[{at}].tool_calls: expected a list, got {_type_name(tool_calls)}"
             )
         message["tool_calls"] = [
-            _normalize_call(call, f"messages[{item.at}]: tool call {k}")
-            for k, call in enumerate(tool_calls, 1)
+            _normalize_call(call, f"messages[{at}]: tool call {k}") for k, call in enumerate(tool_calls, 1)
         ]
-    return _Item(item.at, message)
+    return at, message
 
 
 def _schema_from(response_format: Any) -> Any:
@@ -269,18 +278,17 @@ def _schema_from(response_format: Any) -> Any:
 
 def _split_partial(items: list[_Item]) -> tuple[list[_Item], _Item | None]:
     """Kimi partial mode: a final assistant message with ``"partial": true`` stays open."""
-    partial = [
-        item for item in items if isinstance(item.message, dict) and item.message.get("partial") is True
-    ]
+    partial = [item for item in items if isinstance(item[1], dict) and item[1].get("partial") is True]
     if not partial:
         return items, None
     item = partial[0]
-    where = f"messages[{item.at}]"
+    at, message = item
+    where = f"messages[{at}]"
     if item is not items[-1]:
         raise PromptRenderError(f"{where}: only the final message can be partial")
-    if _role(item.message) != "assistant":
+    if _role(message) != "assistant":
         raise PromptRenderError(f"{where}: only an assistant message can be partial")
-    if item.message.get("tool_calls"):
+    if message.get("tool_calls"):
         raise PromptRenderError(f"{where}: a partial assistant message cannot carry tool_calls")
     return items[:-1], item
 
@@ -288,15 +296,17 @@ def _split_partial(items: list[_Item]) -> tuple[list[_Item], _Item | None]:
 def check_effort(thinking: Any, effort: Any, field: str = "thinking_effort") -> None:
     """The reference asserts the effort only while thinking; ``medium`` is advertised but rejected."""
     if thinking and effort is not None and effort not in VALID_EFFORTS:
-        raise PromptRenderError(f"{field} {effort!r} is not supported; use one of {', '.join(VALID_EFFORTS)}")
+        raise PromptRenderError(
+            f"{field} {_show(effort)} is not supported; use one of {', '.join(VALID_EFFORTS)}"
+        )
 
 
-# ----------------------------------------------------------------------------- segment runs
+# ----------------------------------------------------------------------------- constant runs
 #
 # Almost every segment of a K3 prompt is structure that never changes: markers, tag names,
 # attribute names and quotes, whole frames such as ``<|open|>message role="user"<|sep|>`` (seven
-# segments). They are built once here, as shared Segment objects grouped in tuples, and a render
-# only extends its list with them; the reference's segment boundaries are kept exactly.
+# segments). They are built once here as ``Run`` constants; a render lists them whole among its
+# pieces, and the tokenizer serves each with one lookup. Segment boundaries stay the reference's.
 
 OPEN_SEGMENT: Final = Segment(OPEN, True)
 CLOSE_SEGMENT: Final = Segment(CLOSE, True)
@@ -304,69 +314,68 @@ SEP_SEGMENT: Final = Segment(SEP, True)
 END_OF_MSG_SEGMENT: Final = Segment(END_OF_MSG, True)
 QUOTE_OPEN: Final = Segment('="', False)
 QUOTE_CLOSE: Final = Segment('"', False)
-NAME_KEY: Final = Segment(" name", False)
-TOOL_KEY: Final = Segment(" tool", False)
-INDEX_KEY: Final = Segment(" index", False)
-ARGUMENT_KEY: Final = Segment(" key", False)
-
-Run = tuple[Segment, ...]
+# ``_new_segment(Segment, (text, flag))`` is ``Segment(text, flag)`` without NamedTuple's
+# Python-level ``__new__``: every text segment of every request is built this way.
+_new_segment: Final = tuple.__new__
 
 
-def _attr_run(key: str, value: str) -> Run:
+def _attr(key: str, value: str) -> tuple[Segment, ...]:
     """`` key="value"`` as the reference writes it: four text segments, three for an empty value."""
     escaped = _escape(value)
     value_segments = (Segment(escaped, False),) if escaped else ()
     return (Segment(" " + key, False), QUOTE_OPEN, *value_segments, QUOTE_CLOSE)
 
 
-def _open_run(tag: str, *attrs: tuple[str, str], sep: bool = True) -> Run:
+def _open(tag: str, *attrs: tuple[str, str], sep: bool = True) -> tuple[Segment, ...]:
     """``<|open|>tag key="value"...<|sep|>``; with ``sep=False`` the head of a frame that goes on."""
-    run = [OPEN_SEGMENT, Segment(tag, False)]
+    segments = [OPEN_SEGMENT, Segment(tag, False)]
     for key, value in attrs:
-        run.extend(_attr_run(key, value))
+        segments.extend(_attr(key, value))
     if sep:
-        run.append(SEP_SEGMENT)
-    return tuple(run)
+        segments.append(SEP_SEGMENT)
+    return tuple(segments)
 
 
-def _close_run(tag: str) -> Run:
+def _close(tag: str) -> tuple[Segment, ...]:
     return (CLOSE_SEGMENT, Segment(tag, False), SEP_SEGMENT)
 
 
-def _body_run(body: str) -> Run:
-    return (Segment(body, False),) if body else ()
+def _internal_message(kind: str, body: str) -> Run:
+    """A whole internal system message whose body is constant."""
+    body_segments = (Segment(body, False),) if body else ()
+    return Run((*INTERNAL_OPENS[kind].segments, *body_segments, *MESSAGE_CLOSE.segments))
 
 
-MESSAGE_CLOSE: Final = (*_close_run("message"), END_OF_MSG_SEGMENT)
-MESSAGE_HEADS: Final = {
-    role: _open_run("message", ("role", role), sep=False) for role in ("system", "user", "assistant", "tool")
-}
-MESSAGE_OPENS: Final = {role: (*head, SEP_SEGMENT) for role, head in MESSAGE_HEADS.items()}
+def _attr_open(key: str) -> Run:
+    """`` key="`` of an attribute whose value varies."""
+    return Run((Segment(" " + key, False), QUOTE_OPEN))
+
+
+MESSAGE_CLOSE: Final = Run((*_close("message"), END_OF_MSG_SEGMENT))
+_ROLES: Final = ("system", "user", "assistant", "tool")
+MESSAGE_HEADS: Final = {role: Run(_open("message", ("role", role), sep=False)) for role in _ROLES}
+MESSAGE_OPENS: Final = {role: Run(_open("message", ("role", role))) for role in _ROLES}
 INTERNAL_OPENS: Final = {
-    kind: _open_run("message", ("role", "system"), ("type", kind))
+    kind: Run(_open("message", ("role", "system"), ("type", kind)))
     for kind in ("tool-declare", "thinking-effort", "tool-choice", "response-format")
 }
-THINK_OPEN, THINK_CLOSE = _open_run("think"), _close_run("think")
-RESPONSE_OPEN, RESPONSE_CLOSE = _open_run("response"), _close_run("response")
-TOOLS_OPEN, TOOLS_CLOSE = _open_run("tools"), _close_run("tools")
-CALL_HEAD, CALL_CLOSE = _open_run("call", sep=False), _close_run("call")
-ARGUMENT_HEAD, ARGUMENT_CLOSE = _open_run("argument", sep=False), _close_run("argument")
+NAME_OPEN, TOOL_OPEN, INDEX_OPEN, KEY_OPEN = (_attr_open(key) for key in ("name", "tool", "index", "key"))
+THINK_OPEN, THINK_CLOSE = Run(_open("think")), Run(_close("think"))
+RESPONSE_OPEN, RESPONSE_CLOSE = Run(_open("response")), Run(_close("response"))
+TOOLS_OPEN, TOOLS_CLOSE = Run(_open("tools")), Run(_close("tools"))
+CALL_HEAD, CALL_CLOSE = Run(_open("call", sep=False)), Run(_close("call"))
+ARGUMENT_HEAD, ARGUMENT_CLOSE = Run(_open("argument", sep=False)), Run(_close("argument"))
 ARGUMENT_TYPE_TAILS: Final = {
-    kind: (*_attr_run("type", kind), SEP_SEGMENT)
+    kind: Run((*_attr("type", kind), SEP_SEGMENT))
     for kind in ("boolean", "null", "number", "string", "object", "array")
 }
-RAW_ARGUMENTS_OPEN, RAW_ARGUMENTS_CLOSE = _open_run("json", ("type", "object")), _close_run("json")
+RAW_ARGUMENTS_OPEN, RAW_ARGUMENTS_CLOSE = Run(_open("json", ("type", "object"))), Run(_close("json"))
 EFFORT_MESSAGES: Final = {
-    effort: (
-        *INTERNAL_OPENS["thinking-effort"],
-        *_body_run(EFFORT_BODY.format(effort=effort).strip()),
-        *MESSAGE_CLOSE,
-    )
+    effort: _internal_message("thinking-effort", EFFORT_BODY.format(effort=effort).strip())
     for effort in VALID_EFFORTS
 }
 TOOL_CHOICE_MESSAGES: Final = {
-    choice: (*INTERNAL_OPENS["tool-choice"], *_body_run(body.strip()), *MESSAGE_CLOSE)
-    for choice, body in TOOL_CHOICE_BODIES.items()
+    choice: _internal_message("tool-choice", body.strip()) for choice, body in TOOL_CHOICE_BODIES.items()
 }
 
 
@@ -374,40 +383,44 @@ TOOL_CHOICE_MESSAGES: Final = {
 
 
 class _Writer:
-    """Collects segments; only structural markers and the image token are ever control segments."""
+    """Collects the prompt's pieces: constant runs and single segments, in order.
+
+    Only structural markers and the image token are ever control segments.
+    """
 
     def __init__(self, image_token: str, thinking: bool) -> None:
         self.image_segment = Segment(image_token, True)
         self.thinking = thinking
-        self.segments: list[Segment] = []
+        self.pieces: list[Run | Segment] = []
+        self.emit = self.pieces.append
         self.image_count = 0
 
     def text(self, value: Any) -> None:
         text = str(value)
         if text:
-            self.segments.append(Segment(text, False))
+            self.emit(_new_segment(Segment, (text, False)))
 
-    def attr(self, key: Segment, value: Any) -> None:
+    def attr(self, key_open: Run, value: Any) -> None:
         """A variable attribute: `` key="value"`` with the value escaped (an empty one is dropped)."""
+        self.emit(key_open)
         escaped = _escape(str(value))
         if escaped:
-            self.segments.extend((key, QUOTE_OPEN, Segment(escaped, False), QUOTE_CLOSE))
-        else:
-            self.segments.extend((key, QUOTE_OPEN, QUOTE_CLOSE))
+            self.emit(_new_segment(Segment, (escaped, False)))
+        self.emit(QUOTE_CLOSE)
 
     def message_open(self, role: str, message: dict[str, Any]) -> None:
         name = message.get("name")
         if not name:
-            self.segments.extend(MESSAGE_OPENS[role])
+            self.emit(MESSAGE_OPENS[role])
             return
-        self.segments.extend(MESSAGE_HEADS[role])
-        self.attr(NAME_KEY, name)
-        self.segments.append(SEP_SEGMENT)
+        self.emit(MESSAGE_HEADS[role])
+        self.attr(NAME_OPEN, name)
+        self.emit(SEP_SEGMENT)
 
     def internal(self, kind: str, body: str) -> None:
-        self.segments.extend(INTERNAL_OPENS[kind])
+        self.emit(INTERNAL_OPENS[kind])
         self.text(body)
-        self.segments.extend(MESSAGE_CLOSE)
+        self.emit(MESSAGE_CLOSE)
 
     def content(self, content: Any, at: int) -> None:
         if content is None:
@@ -426,7 +439,7 @@ class _Writer:
     def part(self, part: Any, at: int, j: int) -> None:
         if isinstance(part, dict) and "type" in part:
             if part["type"] in IMAGE_PART_TYPES:
-                self.segments.append(self.image_segment)
+                self.emit(self.image_segment)
                 self.image_count += 1
                 return
             if "text" in part:
@@ -437,79 +450,80 @@ class _Writer:
             raise PromptRenderError(f"{where}: expected a content part object, got {_type_name(part)}")
         if "type" not in part:
             raise PromptRenderError(f"{where}: content part has no 'type'")
-        raise PromptRenderError(f"{where}: content part of type {part['type']!r} has no 'text'")
+        raise PromptRenderError(f"{where}: content part of type {_show(part['type'])} has no 'text'")
 
-    def plain(self, item: _Item, role: str) -> None:
-        self.message_open(role, item.message)
-        self.content(item.message.get("content"), item.at)
-        self.segments.extend(MESSAGE_CLOSE)
+    def plain(self, at: int, message: dict[str, Any], role: str) -> None:
+        self.message_open(role, message)
+        self.content(message.get("content"), at)
+        self.emit(MESSAGE_CLOSE)
 
     def think(self, message: dict[str, Any]) -> None:
         reasoning = message.get("reasoning_content") or message.get("reasoning")
-        self.segments.extend(THINK_OPEN)
+        self.emit(THINK_OPEN)
         if reasoning is not None:
             text = str(reasoning)
             if text.strip():
-                self.segments.append(Segment(text, False))
-        self.segments.extend(THINK_CLOSE)
+                self.emit(_new_segment(Segment, (text, False)))
+        self.emit(THINK_CLOSE)
 
-    def response(self, item: _Item) -> None:
+    def response(self, at: int, message: dict[str, Any]) -> None:
         """The assistant frame, reasoning and response channel, left open (partial mode's tail)."""
-        self.message_open("assistant", item.message)
+        self.message_open("assistant", message)
         if self.thinking:
-            self.think(item.message)
-        self.segments.extend(RESPONSE_OPEN)
-        self.content(item.message.get("content"), item.at)
+            self.think(message)
+        self.emit(RESPONSE_OPEN)
+        self.content(message.get("content"), at)
 
-    def assistant(self, item: _Item) -> None:
-        self.response(item)
-        self.segments.extend(RESPONSE_CLOSE)
-        tool_calls = item.message.get("tool_calls")
+    def assistant(self, at: int, message: dict[str, Any]) -> None:
+        self.response(at, message)
+        self.emit(RESPONSE_CLOSE)
+        tool_calls = message.get("tool_calls")
         if tool_calls:
-            self.tool_calls(item.at, tool_calls)
-        self.segments.extend(MESSAGE_CLOSE)
+            self.tool_calls(at, tool_calls)
+        self.emit(MESSAGE_CLOSE)
 
     def tool_calls(self, at: int, calls: list[dict[str, Any]]) -> None:
-        self.segments.extend(TOOLS_OPEN)
+        self.emit(TOOLS_OPEN)
         for k, call in enumerate(calls, 1):
             function = _function(call)
             if "name" not in function:
                 raise PromptRenderError(f"messages[{at}]: tool call {k} has no function name")
-            self.segments.extend(CALL_HEAD)
-            self.attr(TOOL_KEY, function["name"])
-            self.attr(INDEX_KEY, k)
-            self.segments.append(SEP_SEGMENT)
+            self.emit(CALL_HEAD)
+            self.attr(TOOL_OPEN, function["name"])
+            self.attr(INDEX_OPEN, k)
+            self.emit(SEP_SEGMENT)
             self.arguments(function["arguments"], at, k)
-            self.segments.extend(CALL_CLOSE)
-        self.segments.extend(TOOLS_CLOSE)
+            self.emit(CALL_CLOSE)
+        self.emit(TOOLS_CLOSE)
 
     def arguments(self, args: _Args, at: int, k: int) -> None:
         if args.raw is not None:
-            self.segments.extend(RAW_ARGUMENTS_OPEN)
+            self.emit(RAW_ARGUMENTS_OPEN)
             self.text(args.raw)
-            self.segments.extend(RAW_ARGUMENTS_CLOSE)
+            self.emit(RAW_ARGUMENTS_CLOSE)
             return
         for key, value in args.values.items():
-            self.segments.extend(ARGUMENT_HEAD)
-            self.attr(ARGUMENT_KEY, key)
-            self.segments.extend(ARGUMENT_TYPE_TAILS[_xtml_type(value)])
+            self.emit(ARGUMENT_HEAD)
+            self.attr(KEY_OPEN, key)
+            self.emit(ARGUMENT_TYPE_TAILS[_xtml_type(value)])
             if isinstance(value, str):
                 self.text(value)
             else:
-                self.text(_dumps(value, f"messages[{at}]: tool call {k} argument {key!r}", compact=False))
-            self.segments.extend(ARGUMENT_CLOSE)
+                self.text(
+                    _dumps(value, f"messages[{at}]: tool call {k} argument {_show(key)}", compact=False)
+                )
+            self.emit(ARGUMENT_CLOSE)
 
-    def tool_result(self, item: _Item, position: int, last_calls: Any) -> None:
-        message = item.message
+    def tool_result(self, at: int, message: dict[str, Any], position: int, last_calls: Any) -> None:
         name = message.get("tool", message.get("name"))
         if name is None:
-            name = _name_by_order(item.at, position, last_calls)
-        self.segments.extend(MESSAGE_HEADS["tool"])
-        self.attr(TOOL_KEY, name)
-        self.attr(INDEX_KEY, position)
-        self.segments.append(SEP_SEGMENT)
-        self.content(message.get("content"), item.at)
-        self.segments.extend(MESSAGE_CLOSE)
+            name = _name_by_order(at, position, last_calls)
+        self.emit(MESSAGE_HEADS["tool"])
+        self.attr(TOOL_OPEN, name)
+        self.attr(INDEX_OPEN, position)
+        self.emit(SEP_SEGMENT)
+        self.content(message.get("content"), at)
+        self.emit(MESSAGE_CLOSE)
 
 
 def _name_by_order(index: int, position: int, last_calls: Any) -> Any:
@@ -527,32 +541,31 @@ def _name_by_order(index: int, position: int, last_calls: Any) -> Any:
 def _emit_messages(writer: _Writer, items: list[_Item]) -> None:
     position = 0
     last_calls: Any = None
-    for item in items:
-        message = item.message
+    for at, message in items:
         if not isinstance(message, dict):
             continue
         if "role" not in message:
-            raise PromptRenderError(f"messages[{item.at}]: missing 'role'")
+            raise PromptRenderError(f"messages[{at}]: missing 'role'")
         role = message["role"]
         if role == "system" and message.get("tools"):
-            tools = _dumps(message["tools"], f"messages[{item.at}].tools", compact=True)
+            tools = _dumps(message["tools"], f"messages[{at}].tools", compact=True)
             writer.internal("tool-declare", DYNAMIC_TOOLS_BODY.format(tools=tools))
         elif role == "user":
-            writer.plain(item, "user")
+            writer.plain(at, message, "user")
         elif role == "system":
-            writer.plain(item, "system")
+            writer.plain(at, message, "system")
         elif role == "assistant":
             position, last_calls = 0, message.get("tool_calls")
-            writer.assistant(item)
+            writer.assistant(at, message)
         elif role == "tool":
             position += 1
-            writer.tool_result(item, position, last_calls)
+            writer.tool_result(at, message, position, last_calls)
 
 
 def _emit_effort(writer: _Writer, effort: Any) -> None:
     """The thinking-effort message; ``check_effort`` has already held ``effort`` to VALID_EFFORTS."""
     if type(effort) is str:
-        writer.segments.extend(EFFORT_MESSAGES[effort])
+        writer.emit(EFFORT_MESSAGES[effort])
     else:
         writer.internal("thinking-effort", EFFORT_BODY.format(effort=effort).strip())
 
@@ -600,7 +613,7 @@ class KimiK3Formatter:
         response_schema: Any = UNSET,
     ) -> list[Segment]:
         """The reference ``build_chat_segments`` output, image parts rendered as ``image_token``."""
-        return self._render(
+        writer = self._render(
             messages,
             tools,
             add_generation_prompt=add_generation_prompt,
@@ -609,7 +622,8 @@ class KimiK3Formatter:
             tool_choice=tool_choice,
             response_format=response_format,
             response_schema=response_schema,
-        ).segments
+        )
+        return Segments(writer.pieces)
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         """Shapes the request as a serving layer does (section 1.13), then renders it."""
@@ -627,8 +641,9 @@ class KimiK3Formatter:
             response_format=request.response_format,
             response_schema=UNSET,
         )
-        text = "".join([segment.text for segment in writer.segments])
-        return RenderedPrompt(text=text, segments=writer.segments, image_count=writer.image_count)
+        pieces = writer.pieces
+        text = "".join([piece.text for piece in pieces])
+        return RenderedPrompt(text=text, segments=Segments(pieces), image_count=writer.image_count)
 
     def _render(
         self,
@@ -645,7 +660,7 @@ class KimiK3Formatter:
         if not isinstance(messages, list | tuple):
             raise PromptRenderError(f"messages: expected a list of messages, got {_type_name(messages)}")
         try:
-            items = _resort_tool_results([_Item(i, message) for i, message in enumerate(messages)])
+            items = _resort_tool_results(list(enumerate(messages)))
             items = [_normalize_message(item) for item in items]
             tools = _deep_sort(tools, "tools")
             if response_schema is UNSET:
@@ -661,7 +676,7 @@ class KimiK3Formatter:
                 _emit_effort(writer, thinking_effort)
             _emit_messages(writer, items)
             if isinstance(tool_choice, str) and tool_choice in TOOL_CHOICE_MESSAGES:
-                writer.segments.extend(TOOL_CHOICE_MESSAGES[tool_choice])
+                writer.emit(TOOL_CHOICE_MESSAGES[tool_choice])
             _emit_response_format(writer, response_format, response_schema)
             self._emit_tail(writer, partial, add_generation_prompt)
         except RecursionError as exc:
@@ -674,13 +689,13 @@ class KimiK3Formatter:
 
     def _emit_tail(self, writer: _Writer, partial: _Item | None, add_generation_prompt: bool) -> None:
         if partial is not None:
-            writer.response(partial)
+            writer.response(*partial)
             return
         if not add_generation_prompt:
             return
-        writer.segments.extend(MESSAGE_OPENS["assistant"])
+        writer.emit(MESSAGE_OPENS["assistant"])
         if self.generation_prompt == "reference":
-            writer.segments.extend(THINK_OPEN if writer.thinking else RESPONSE_OPEN)
+            writer.emit(THINK_OPEN if writer.thinking else RESPONSE_OPEN)
 
 
 # ----------------------------------------------------------------------------- serving layer
@@ -699,7 +714,7 @@ def _served_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         role = message["role"]
         if role not in SERVED_ROLES:
             raise PromptRenderError(
-                f"messages[{i}].role: {role!r} is not supported; use one of {', '.join(SERVED_ROLES)}"
+                f"messages[{i}].role: {_show(role)} is not supported; use one of {', '.join(SERVED_ROLES)}"
             )
         out.append({**message, "role": "system"} if role == "developer" else message)
     return out
@@ -712,7 +727,7 @@ def _thinking_from(args: dict[str, Any], reasoning_effort: str | None) -> Any:
         if value is None:
             continue
         if not isinstance(value, bool):
-            raise PromptRenderError(f"chat_template_args.{key} must be true or false, got {value!r}")
+            raise PromptRenderError(f"chat_template_args.{key} must be true or false, got {_show(value)}")
         return value
     return reasoning_effort != "none"
 
