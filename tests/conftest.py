@@ -5,10 +5,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support.plane import DynamoProcess, SubCollector
 
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.tokenizer import Tokenizer
@@ -86,3 +88,25 @@ def k3_demo_tokenizer() -> Tokenizer:
 @pytest.fixture(scope="session")
 def qwen_demo_tokenizer() -> Tokenizer:
     return Tokenizer.from_model_dir("qwen-vl-demo")
+
+
+@pytest.fixture
+def procs() -> Iterator[list[DynamoProcess]]:
+    """``dynamo-prep`` processes a test starts; all stopped (newest first) and reaped at the end."""
+    started: list[DynamoProcess] = []
+    try:
+        yield started
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+@pytest.fixture
+def collectors() -> Iterator[list[SubCollector]]:
+    """SUB collectors a test opens; all closed at the end."""
+    opened: list[SubCollector] = []
+    try:
+        yield opened
+    finally:
+        for collector in opened:
+            collector.close()

@@ -4,35 +4,21 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint, wait_for, write_model_dir
+from support.plane import (
+    DynamoProcess,
+    SubCollector,
+    announces,
+    start_dynamo,
+    tcp_endpoint,
+    wait_for,
+    write_model_dir,
+)
 
-from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage
+from dynamo_prep.protocol.discovery import Announce
 
 LONG_HEARTBEAT = "30"
-
-
-@pytest.fixture
-def procs() -> Iterator[list[DynamoProcess]]:
-    started: list[DynamoProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
-@pytest.fixture
-def collectors() -> Iterator[list[SubCollector]]:
-    opened: list[SubCollector] = []
-    yield opened
-    for collector in opened:
-        collector.close()
-
-
-def announces(message: DiscoveryMessage) -> bool:
-    return isinstance(message, Announce)
 
 
 def start_broker(procs: list[DynamoProcess], xsub: str, xpub: str) -> DynamoProcess:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +27,6 @@ MEDIA_PAD = "<|media_pad|>"
 KIMI_DEFAULT = "<|kimi_image_placeholder|>"
 
 Start = Callable[..., DynamoProcess]
-
-
-@pytest.fixture
-def procs() -> Iterator[list[DynamoProcess]]:
-    started: list[DynamoProcess] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop()
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +31,6 @@ async def context() -> AsyncIterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def collectors() -> Iterator[list[SubCollector]]:
-    opened: list[SubCollector] = []
-    yield opened
-    for collector in opened:
-        collector.close()
 
 
 def bound(collectors: list[SubCollector], endpoint: str) -> SubCollector:

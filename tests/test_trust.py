@@ -6,7 +6,6 @@ import json
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +21,6 @@ from dynamo_prep.discovery.trust import (
     start_authenticator,
 )
 from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage
-
-
-@pytest.fixture
-def procs() -> Iterator[list[DynamoProcess]]:
-    started: list[DynamoProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def public_key(path: Path) -> str:

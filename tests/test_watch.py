@@ -3,23 +3,10 @@ real brokers; joins, per-worker declarations, legacy flags, expiry after kill -9
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from support.plane import DynamoProcess, start_dynamo, tcp_endpoint, wait_for
 
 DEMO = "kimi-k3-demo"
 FAST = ("--heartbeat", "0.2", "--ttl-ms", "1000")
-
-
-@pytest.fixture
-def procs() -> Iterator[list[DynamoProcess]]:
-    started: list[DynamoProcess] = []
-    try:
-        yield started
-    finally:
-        for proc in reversed(started):
-            proc.stop()
 
 
 def launch(procs: list[DynamoProcess], *args: str) -> DynamoProcess:

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 import zmq
-from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint, write_model_dir
+from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, tcp_endpoint, write_model_dir
 
 from dynamo_prep.card import ModelDeploymentCard, decode_card
 from dynamo_prep.discovery.files import FileFetchError, ModelFileStore, fetch_file
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage, Withdraw
+from dynamo_prep.protocol.discovery import Announce, Withdraw
 from dynamo_prep.protocol.wire import ErrorReply, FetchFile
 
 DEMO = "kimi-k3-demo"
@@ -35,18 +35,6 @@ def model_path(tmp_path: Path) -> str:
     if resolve_model_dir(DEMO).is_dir():
         return DEMO
     return str(write_model_dir(tmp_path / DEMO))
-
-
-@pytest.fixture
-def procs() -> Iterator[list[DynamoProcess]]:
-    started: list[DynamoProcess] = []
-    yield started
-    for proc in started:
-        proc.stop()
-
-
-def announces(message: DiscoveryMessage) -> bool:
-    return isinstance(message, Announce)
 
 
 def test_worker_announces_the_declared_token_and_withdraws_on_sigterm(

@@ -110,35 +110,10 @@ class FrontendConfig:
         )
 
 
-def run_frontend(
-    *,
-    discovery_bind: str | None = None,
-    discovery: Sequence[str] | None = None,
-    namespace: str = DEFAULT_NAMESPACE,
-    model_path: str | Path | None = None,
-    cache_dir: Path | None = None,
-    curve_secret_key: Path | None = None,
-    curve_allow_dir: Path | None = None,
-    http_host: str = DEFAULT_HTTP_HOST,
-    http_port: int = DEFAULT_HTTP_PORT,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-) -> int:
-    """Blocking entry point of ``dynamo-prep frontend``; returns the process exit code."""
+def run_frontend(**options: Any) -> int:
+    """Blocking entry point of ``dynamo-prep frontend``; ``options`` are ``FrontendConfig.from_options``'s."""
     try:
-        config = FrontendConfig.from_options(
-            discovery_bind=discovery_bind,
-            discovery=discovery,
-            namespace=namespace,
-            model_path=model_path,
-            cache_dir=cache_dir,
-            curve_secret_key=curve_secret_key,
-            curve_allow_dir=curve_allow_dir,
-            http_host=http_host,
-            http_port=http_port,
-            max_body_bytes=max_body_bytes,
-            request_timeout_s=request_timeout_s,
-        )
+        config = FrontendConfig.from_options(**options)
     except (TrustError, ValueError) as exc:
         log.error("frontend_config_error", error=str(exc))
         return EXIT_CONFIG

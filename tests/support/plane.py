@@ -31,7 +31,13 @@ from typing import Any, TypeVar
 import zmq
 
 from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE, DiscoveryMessage, decode_message, topic
+from dynamo_prep.protocol.discovery import (
+    DEFAULT_NAMESPACE,
+    Announce,
+    DiscoveryMessage,
+    decode_message,
+    topic,
+)
 
 T = TypeVar("T")
 
@@ -368,3 +374,8 @@ def write_model_dir(path: Path, *, chat_template: str | None = None, **config: A
     if chat_template is not None:
         (path / "chat_template.jinja").write_text(chat_template)
     return path
+
+
+def announces(message: DiscoveryMessage) -> bool:
+    """A ``SubCollector`` filter: announcements only."""
+    return isinstance(message, Announce)
