@@ -38,7 +38,7 @@ from benchmarks._report import Suite
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter import KimiK3Formatter, Segment
 from dynamo_prep.models import DEMO_MODELS_DIR
-from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.preprocessor import OpenAIPreprocessor, TokenizedPrompt
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 CL100K_SHA256 = "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"
@@ -285,6 +285,21 @@ def ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> fl
     return statistics.median(a / b for a, b in zip(times[numerator], times[denominator], strict=True))
 
 
+def describe(
+    suite: Suite, key: str, prompt: TokenizedPrompt, times: dict[str, list[float]]
+) -> tuple[int, int, int]:
+    """Record the prompt's size and the medians under ``key``; returns (bytes, tokens, segments)."""
+    size, tokens = len(prompt.rendered.text.encode()), len(prompt.token_ids)
+    segments = len(prompt.rendered.segments or [])
+    suite.details[key] = {
+        "text_bytes": size,
+        "tokens": tokens,
+        "segments": segments,
+        "median_us": {name: micros(times, name) for name in times},
+    }
+    return size, tokens, segments
+
+
 def micros(times: dict[str, list[float]], name: str) -> float:
     return statistics.median(times[name]) * 1e6
 
@@ -335,17 +350,7 @@ def bench_k3(suite: Suite, model_dir: Path, *, rounds: int, number: int) -> None
         new_pool=pool.refill,
     )
     vs_floor, vs_engine = ratio(times, "ours", "floor"), ratio(times, "engine", "ours")
-    size, tokens, segments = (
-        len(prompt.rendered.text.encode()),
-        len(prompt.token_ids),
-        len(prompt.rendered.segments or []),
-    )
-    suite.details["k3"] = {
-        "text_bytes": size,
-        "tokens": tokens,
-        "segments": segments,
-        "median_us": {n: micros(times, n) for n in times},
-    }
+    size, tokens, segments = describe(suite, "k3", prompt, times)
     suite.record(
         "K3 preprocess / tiktoken floor",
         vs_floor,
@@ -427,17 +432,7 @@ def bench_jinja(suite: Suite, model_dir: Path, *, rounds: int, number: int) -> N
         candidates["transformers"] = transformers_path
     times = interleaved(candidates, number, rounds=rounds, new_pool=pool.refill)
     vs_floor = ratio(times, "ours", "floor")
-    size, tokens, segments = (
-        len(prompt.rendered.text.encode()),
-        len(prompt.token_ids),
-        len(prompt.rendered.segments or []),
-    )
-    suite.details["jinja"] = {
-        "text_bytes": size,
-        "tokens": tokens,
-        "segments": segments,
-        "median_us": {n: micros(times, n) for n in times},
-    }
+    size, tokens, _ = describe(suite, "jinja", prompt, times)
     suite.record(
         "Jinja preprocess / tiktoken floor",
         vs_floor,
