@@ -409,8 +409,10 @@ def test_bad_inputs_are_prompt_render_errors() -> None:
         formatter.render_text(["hello"])  # type: ignore[list-item]
     with pytest.raises(PromptRenderError, match="Tools should be"):
         formatter.render_text(USER, ["get_weather"])  # type: ignore[list-item]
-    with pytest.raises(PromptRenderError, match="messages"):
-        formatter.render_text(USER, messages=[])
+    request = ChatCompletionRequest(model="m", messages=USER, chat_template_args={"messages": []})
+    with pytest.raises(PromptRenderError, match="cannot set messages"):
+        formatter.render(request)
+    assert formatter.render_text(messages=USER) == formatter.render_text(USER)
 
 
 def test_unset_special_tokens_are_undefined_not_none() -> None:

@@ -794,7 +794,6 @@ class JinjaFormatter:
     def render_text(
         self,
         messages: Sequence[Mapping[str, Any]],
-        /,
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = False,
@@ -814,7 +813,6 @@ class JinjaFormatter:
     def render_segments(
         self,
         messages: Sequence[Mapping[str, Any]],
-        /,
         tools: Sequence[Mapping[str, Any]] | None = None,
         *,
         add_generation_prompt: bool = False,
