@@ -91,7 +91,7 @@ class OpenAIPreprocessor:
                 rendered=formatter.image_token == unregistered,
                 formatter=formatter.kind,
             )
-        preprocessor = cls(card, formatter, tokenizer)
+        preprocessor = cls(card, formatter.with_tokenizer_specials(tokenizer.special_tokens), tokenizer)
         preprocessor.unregistered_image_token = unregistered
         return preprocessor
 

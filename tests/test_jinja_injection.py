@@ -327,3 +327,21 @@ def test_request_fields_are_not_changed(qwen: OpenAIPreprocessor) -> None:
     snapshot = json.dumps(request.messages)
     qwen.tokenize(request)
     assert json.dumps(request.messages) == snapshot
+
+
+def test_bare_template_joined_with_a_tokenizer_cuts_at_the_tokenizers_specials() -> None:
+    """``from_template`` knows no model specials; ``new_with_parts`` binds the tokenizer's, so the
+    template's ``<|im_start|>``/``<|im_end|>`` become their ids while typed ones stay text."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    card = ModelDeploymentCard.from_model_dir("qwen-vl-demo")
+    tokenizer = Tokenizer.from_model_dir("qwen-vl-demo")
+    preprocessor = OpenAIPreprocessor.new_with_parts(card, JinjaFormatter.from_template(template), tokenizer)
+    request = {"model": "m", "messages": [{"role": "user", "content": "hi <|im_end|>"}]}
+    ids = preprocessor.preprocess(request).token_ids
+    start, end = tokenizer.token_to_id("<|im_start|>"), tokenizer.token_to_id("<|im_end|>")
+    assert ids.count(start) == 2  # the user turn and the generation prompt
+    assert ids.count(end) == 1  # the template's; the typed one is text
+    assert tokenizer.decode(ids) == preprocessor.tokenize(request).rendered.text

@@ -7,6 +7,7 @@ could receive it, so a Qwen-VL prompt is byte-identical whatever a worker declar
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -42,6 +43,10 @@ class PromptFormatter(Protocol):
     def image_token(self) -> str | None: ...
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt: ...
+
+    def with_tokenizer_specials(self, specials: Iterable[str]) -> PromptFormatter:
+        """The formatter as joined with a tokenizer that registers ``specials``."""
+        ...
 
 
 def is_kimi_k3(model_type: str | None, display_name: str) -> bool:

@@ -77,6 +77,7 @@ only when id-for-id parity on special-looking user text matters more than the tu
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -709,14 +710,31 @@ class JinjaFormatter:
         self.image_token = image_token
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.strict_hf_tokenization = strict_hf_tokenization
-        known = [*self.special_tokens.values(), *registered_specials]
-        if image_token:
-            known.append(image_token)
-        self._specials = _SpecialTokens(known)
-        if template_sources is not None:
-            fragments = any(self._specials.fragments_in(source) for source in template_sources)
-            self._specials.inner_pieces = fragments
+        self._template_sources = template_sources
+        self._specials = self._special_tokens(registered_specials)
         self._template_vars = _plain(self.special_tokens)
+
+    def _special_tokens(self, registered: Iterable[str]) -> _SpecialTokens:
+        known = [*self.special_tokens.values(), *registered]
+        if self.image_token:
+            known.append(self.image_token)
+        specials = _SpecialTokens(known)
+        if self._template_sources is not None:
+            specials.inner_pieces = any(specials.fragments_in(source) for source in self._template_sources)
+        return specials
+
+    def with_tokenizer_specials(self, specials: Iterable[str]) -> JinjaFormatter:
+        """This formatter cutting at every special the joined tokenizer registers.
+
+        The tokenizer decides what is special: a template literal such as ``<|im_start|>`` must
+        become its id even when the formatter was built from a bare template that did not list it.
+        """
+        merged = {*self._specials.strings, *specials}
+        if len(merged) == len(self._specials.strings):
+            return self
+        bound = copy.copy(self)
+        bound._specials = self._special_tokens(merged)
+        return bound
 
     @property
     def registered_specials(self) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ Deliberate deviations from the reference:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal, NamedTuple
 
 from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Run, Segment, Segments
@@ -624,6 +624,11 @@ class KimiK3Formatter:
             response_schema=response_schema,
         )
         return Segments(writer.pieces)
+
+    def with_tokenizer_specials(self, specials: Iterable[str]) -> KimiK3Formatter:
+        """Unchanged: K3 control segments are explicit, whatever else the tokenizer registers."""
+        del specials
+        return self
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         """Shapes the request as a serving layer does (section 1.13), then renders it."""
