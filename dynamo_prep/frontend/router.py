@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import itertools
-from collections.abc import Callable, Set
+from collections.abc import Set
 from dataclasses import dataclass
 
 import msgspec
@@ -76,20 +76,6 @@ class Router:
             return None
         turn = next(self._turns.setdefault(model.name, itertools.count()))
         return candidates[turn % len(candidates)]
-
-    def endpoint_picker(
-        self, model: LiveModel, image_token: str | None, tried: set[str]
-    ) -> Callable[[set[str]], str | None]:
-        """``pick_endpoint`` for migration: same declaration only; records what it hands out."""
-
-        def pick_endpoint(excluded: set[str]) -> str | None:
-            pick = self.pick(model, excluded=excluded | tried, image_token=image_token)
-            if pick is None:
-                return None
-            tried.add(pick.endpoint)
-            return pick.endpoint
-
-        return pick_endpoint
 
     def preprocessor(self, model: LiveModel, image_token: str | None) -> OpenAIPreprocessor:
         """The preprocessor rendering ``image_token`` for ``model`` (built once, then cached).
