@@ -73,6 +73,8 @@ MAX_DRAIN_PER_WAKE = 512
 MAX_POLL_S = 1.0
 # After a drain, wait this long before the next poll (bounds the wake rate, adds at most this latency).
 COALESCE_S = 0.005
+STALL_TOLERANCE_S = 0.5
+STALL_GRACE_S = 0.5
 RECV_HWM = 10_000
 # Frames above this are refused by libzmq (the peer is disconnected): a memory bound, far above
 # the 1 MiB payload limit so that oversize payloads still arrive and are counted as too_large.
@@ -132,6 +134,8 @@ class DiscoveryWatcher:
         self._builder = builder
         self._context = context or zmq.asyncio.Context.instance()
         self._clock = clock
+        self._tick: float | None = None  # real time of the last wake, to notice this process stalling
+        self._expire_after = 0.0  # after a stall, no expiry before this (clock time)
         self._max_drain = max_drain
         self._topic = topic(namespace)
         self._log = DiscoveryLog(namespace)
@@ -188,16 +192,29 @@ class DiscoveryWatcher:
         socket = self._socket
         if socket is None:
             raise RuntimeError("open() the watcher first")
-        if await socket.poll(self._poll_timeout_ms()):  # flags default to POLLIN
+        timeout_ms = self._poll_timeout_ms()
+        if await socket.poll(timeout_ms):  # flags default to POLLIN
             drained = self._drain()
             # Under a flood, only yield (builds and other tasks run). Otherwise let the next messages
             # gather for a moment: a first message is handled at once, but steady heartbeats cost one
             # wake per batch instead of one per message (half the CPU at 1,000/s; benchmarks/scale.py).
             await asyncio.sleep(0 if drained >= self._max_drain else COALESCE_S)
-        # News before expiry: after a stall (starved CPU, GC, SIGSTOP) the poll can time out, or the
-        # sleep overrun, with fresh announcements waiting; expiring first would drop every instance.
+        self._notice_stall(timeout_ms / 1000 + COALESCE_S)
+        # News before expiry: after a stall the poll can time out, or the sleep overrun, with fresh
+        # announcements waiting; expiring first would drop every instance.
         self._drain()
-        self._handle(self.registry.expire(self._clock()))
+        if self._clock() >= self._expire_after:
+            self._handle(self.registry.expire(self._clock()))
+
+    def _notice_stall(self, planned_s: float) -> None:
+        """A wake far later than planned means this process was frozen or starved (SIGSTOP, swap, CPU
+        starvation): announcements may still sit in the kernel's buffers, not yet read by ZeroMQ's I/O
+        thread, so expiry waits ``STALL_GRACE_S`` for them instead of dropping every instance."""
+        now = time.monotonic()  # a freeze is measured in real time, whatever clock the TTLs use
+        if self._tick is not None and now - self._tick - planned_s > STALL_TOLERANCE_S:
+            self._expire_after = self._clock() + STALL_GRACE_S
+            self._pool_log.warning("discovery_watcher_stalled", stalled_s=round(now - self._tick, 3))
+        self._tick = now
 
     def close(self) -> None:
         """Cancel builds, close the socket (LINGER 0) and stop the authenticator."""
@@ -217,6 +234,8 @@ class DiscoveryWatcher:
 
     def _poll_timeout_ms(self) -> int:
         deadline = self.registry.next_deadline()
+        if deadline is not None:
+            deadline = max(deadline, self._expire_after)
         wait_s = MAX_POLL_S if deadline is None else min(MAX_POLL_S, max(0.0, deadline - self._clock()))
         return math.ceil(wait_s * 1000)
 
