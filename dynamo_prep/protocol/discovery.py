@@ -33,8 +33,24 @@ class DiscoveryDecodeError(ValueError):
         self.detail = detail
 
 
+class KvEventsEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """Where an instance's engine publishes its KV-cache events (the vLLM wire, ``kv_events.py``).
+
+    Addresses are connectable (``tcp://host:port``), as the worker advertises them; ``replay_endpoint``
+    is the engine's replay ROUTER (None: no replay, a gap drops the instance's blocks instead).
+    """
+
+    endpoint: _NonEmpty
+    replay_endpoint: _NonEmpty | None = None
+    topic: Annotated[str, msgspec.Meta(max_length=256)] = ""
+
+
 class Announce(msgspec.Struct, kw_only=True, tag="announce", tag_field="kind"):
-    """A worker instance is alive and serves ``card`` at ``endpoint`` (re-sent every heartbeat)."""
+    """A worker instance is alive and serves ``card`` at ``endpoint`` (re-sent every heartbeat).
+
+    ``kv_events`` is optional and left out of the payload when unset, so a worker without KV events
+    sends exactly what wire v1 always had and older frontends ignore the key.
+    """
 
     v: int = PROTOCOL_VERSION
     instance_id: _NonEmpty
@@ -43,6 +59,7 @@ class Announce(msgspec.Struct, kw_only=True, tag="announce", tag_field="kind"):
     ttl_ms: Annotated[int, msgspec.Meta(ge=100, le=600_000)] = DEFAULT_TTL_MS
     endpoint: _NonEmpty
     card: msgspec.Raw
+    kv_events: KvEventsEndpoint | msgspec.UnsetType = msgspec.UNSET
 
 
 class Withdraw(msgspec.Struct, kw_only=True, tag="withdraw", tag_field="kind"):
@@ -55,6 +72,20 @@ class Withdraw(msgspec.Struct, kw_only=True, tag="withdraw", tag_field="kind"):
 
 
 DiscoveryMessage = Announce | Withdraw
+
+
+class Instance(msgspec.Struct, kw_only=True, frozen=True):
+    """One live worker instance as the frontend knows it: the record every layer carries.
+
+    ``declared_token`` is what the worker declared in its card (``image_placeholder_token``;
+    None means it renders the checkpoint default). It is never the token a formatter writes:
+    that is the formatter's ``rendered_token``.
+    """
+
+    instance_id: str
+    endpoint: str
+    declared_token: str | None = None
+    kv_events: KvEventsEndpoint | None = None
 
 
 class _Header(msgspec.Struct):

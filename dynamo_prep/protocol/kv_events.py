@@ -1,0 +1,331 @@
+"""The engines' KV-cache event wire: vLLM's ``vllm/distributed/kv_events.py`` (SGLang copies it).
+
+Live frames are ``[topic, seq, payload]``: ``seq`` a u64 big-endian counter from 0 per publisher,
+``payload`` a MessagePack ``KVEventBatch`` ``[ts, events, data_parallel_rank]`` (``ts`` is the
+engine's ``time.monotonic()``, not wall time). Events are tagged structs: maps with a ``"type"``
+key in current vLLM, positional arrays with the tag first before vLLM PR #42892. Both decode to
+the same classes below; block hashes are ``int`` or ``bytes`` (opaque to us).
+
+Replay: a DEALER sends ``[b"", start_seq]`` to the publisher's ROUTER, which answers
+``[b"", topic, seq, payload]`` for each buffered batch with ``seq >= start_seq`` (older vLLM:
+``[b"", seq, payload]``), then ``[b"", b"", END_SEQ, b""]`` (older: ``[b"", END_SEQ, b""]``).
+
+Everything is validated here, once: a consumer gets typed events whose block arithmetic holds
+(``len(token_ids) == len(block_hashes) * block_size``) or a ``KvEventDecodeError`` whose
+``reason`` is a stable label for metrics and logs. An event of an unknown type is skipped and
+reported, not fatal to its batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, Literal
+
+import msgspec
+
+__all__ = [
+    "END_SEQ",
+    "MAX_BATCH_BYTES",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "DecodedBatch",
+    "KVEvent",
+    "KVEventBatch",
+    "KvEventDecodeError",
+    "ReplayFrame",
+    "decode_batch",
+    "decode_seq",
+    "encode_batch",
+    "encode_seq",
+    "parse_live",
+    "parse_replay",
+    "replay_request",
+]
+
+BlockHash = int | bytes
+MAX_BATCH_BYTES: Final = 16 << 20
+MAX_HASH_BYTES: Final = 64
+SEQ_BYTES: Final = 8
+END_SEQ: Final = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+class KvEventDecodeError(ValueError):
+    """A KV-event frame or payload that cannot be used; ``reason`` is a stable snake_case label.
+
+    Reasons: ``frame_count``, ``bad_seq``, ``too_large``, ``undecodable``, ``too_deep``,
+    ``invalid``, ``unknown_event``.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    """Full blocks entered the engine's prefix cache, chained to ``parent_block_hash``.
+
+    ``token_ids`` holds every token of the stored blocks, concatenated; ``extra_keys`` has one
+    entry per block (LoRA name, ``(mm identifier, offset in block)`` pairs, cache salt) or is None.
+    Field order is vLLM's (it is the positional order of the old array form).
+    """
+
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: Any = None
+    ownership: Any = None
+    session_id: Any = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    """Blocks left the engine's cache (evicted)."""
+
+    block_hashes: list[BlockHash]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: Any = None
+    ownership: Any = None
+
+
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
+    """The engine dropped its whole prefix cache (e.g. ``reset_prefix_cache``)."""
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One published step: ``[ts, events, data_parallel_rank]``."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class DecodedBatch(msgspec.Struct, frozen=True):
+    """A decoded batch and the events it skipped (one ``KvEventDecodeError`` per skipped event)."""
+
+    batch: KVEventBatch
+    skipped: list[KvEventDecodeError]
+
+
+class ReplayFrame(msgspec.Struct, frozen=True):
+    """One reply of the replay ROUTER: a batch (``payload``), or the end marker (``end``)."""
+
+    seq: int
+    payload: bytes
+    end: bool = False
+
+
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _RawBatchMap(msgspec.Struct):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _Tag(msgspec.Struct):
+    type: str = ""
+
+
+# Fields the old positional form always carried (vLLM's required ones, through ``medium``).
+_OLD_FIELDS: Final[dict[type[KVEvent], int]] = {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0}
+_EVENT_TYPES: Final[dict[str, type[KVEvent]]] = {
+    str(cls.__struct_config__.tag): cls for cls in _OLD_FIELDS
+}
+_encoder = msgspec.msgpack.Encoder()
+_batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
+_batch_map_decoder = msgspec.msgpack.Decoder(_RawBatchMap)
+_event_decoder = msgspec.msgpack.Decoder(KVEvent)
+_array_decoder = msgspec.msgpack.Decoder(list[Any])
+_tag_decoder = msgspec.msgpack.Decoder(_Tag)
+
+
+# -- frames ------------------------------------------------------------------------------------
+
+
+def encode_seq(seq: int) -> bytes:
+    return seq.to_bytes(SEQ_BYTES, "big")
+
+
+def decode_seq(frame: bytes) -> int:
+    """A u64 big-endian sequence number; anything else is ``bad_seq``."""
+    if len(frame) != SEQ_BYTES:
+        raise KvEventDecodeError("bad_seq", f"sequence frame of {len(frame)} bytes, expected {SEQ_BYTES}")
+    return int.from_bytes(frame, "big")
+
+
+def parse_live(frames: list[bytes]) -> tuple[bytes, int, bytes]:
+    """``[topic, seq, payload]`` of a live message (payload still encoded)."""
+    if len(frames) != 3:
+        raise KvEventDecodeError("frame_count", f"{len(frames)} frames, expected [topic, seq, payload]")
+    topic, seq, payload = frames
+    return topic, decode_seq(seq), payload
+
+
+def replay_request(start_seq: int) -> list[bytes]:
+    """What a DEALER sends the replay ROUTER to get every buffered batch from ``start_seq`` on."""
+    return [b"", encode_seq(start_seq)]
+
+
+def parse_replay(frames: list[bytes]) -> ReplayFrame:
+    """One reply as a DEALER receives it: ``[b"", topic, seq, payload]`` or the older
+    ``[b"", seq, payload]``; ``seq == END_SEQ`` ends the replay."""
+    if len(frames) not in (3, 4) or frames[0] != b"":
+        raise KvEventDecodeError(
+            "frame_count", f"{len(frames)} frames, expected [b'', topic, seq, payload] or [b'', seq, payload]"
+        )
+    seq_frame, payload = frames[-2], frames[-1]
+    if seq_frame == END_SEQ:
+        return ReplayFrame(seq=-1, payload=b"", end=True)
+    return ReplayFrame(seq=decode_seq(seq_frame), payload=payload)
+
+
+# -- payloads ----------------------------------------------------------------------------------
+
+
+def encode_batch(batch: KVEventBatch, *, shape: Literal["map", "array"] = "map") -> bytes:
+    """A batch as current vLLM sends it (events as maps), or as vLLM did before PR #42892."""
+    if shape == "map":
+        return _encoder.encode(batch)
+    events = [_positional(event) for event in batch.events]
+    return _encoder.encode([batch.ts, events, batch.data_parallel_rank])
+
+
+def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
+    """Typed, checked events of one batch; a bad batch raises, a bad event is skipped."""
+    if len(payload) > MAX_BATCH_BYTES:
+        raise KvEventDecodeError("too_large", f"{len(payload)} bytes > {MAX_BATCH_BYTES}")
+    raw = _decode_raw_batch(payload)
+    events: list[KVEvent] = []
+    skipped: list[KvEventDecodeError] = []
+    for item in raw.events:
+        try:
+            events.append(_decode_event(item))
+        except KvEventDecodeError as exc:
+            skipped.append(exc)
+    batch = KVEventBatch(ts=raw.ts, events=events, data_parallel_rank=raw.data_parallel_rank)
+    return DecodedBatch(batch=batch, skipped=skipped)
+
+
+def _decode_raw_batch(payload: bytes | memoryview) -> _RawBatch | _RawBatchMap:
+    first = bytes(payload[:1])
+    decoder = _batch_map_decoder if first and _is_map(first[0]) else _batch_decoder
+    batch: _RawBatch | _RawBatchMap = _guarded(decoder, payload)
+    return batch
+
+
+def _decode_event(raw: msgspec.Raw) -> KVEvent:
+    data = memoryview(raw)
+    if not data or not (_is_map(data[0]) or _is_array(data[0])):
+        raise KvEventDecodeError("invalid", "an event must be a map or an array")
+    event = _decode_map_event(raw) if _is_map(data[0]) else _decode_array_event(raw)
+    _check(event)
+    return event
+
+
+def _decode_map_event(raw: msgspec.Raw) -> KVEvent:
+    try:
+        return _event_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        tag = _guarded(_tag_decoder, raw).type
+        if tag not in _EVENT_TYPES:
+            raise KvEventDecodeError("unknown_event", f"type={tag[:64]!r}") from exc
+        raise KvEventDecodeError("invalid", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise KvEventDecodeError("undecodable", str(exc)) from exc
+    except RecursionError as exc:
+        raise KvEventDecodeError("too_deep", "nested too deeply") from exc
+
+
+def _decode_array_event(raw: msgspec.Raw) -> KVEvent:
+    items = _guarded(_array_decoder, raw)
+    tag = items[0] if items else None
+    cls = _EVENT_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise KvEventDecodeError("unknown_event", f"type={str(tag)[:64]!r}")
+    fields = cls.__struct_fields__
+    if len(items) - 1 > len(fields):
+        raise KvEventDecodeError("invalid", f"{tag} has {len(items) - 1} fields, at most {len(fields)} known")
+    try:
+        event: KVEvent = msgspec.convert(dict(zip(fields, items[1:], strict=False)), cls)
+    except msgspec.ValidationError as exc:
+        raise KvEventDecodeError("invalid", str(exc)) from exc
+    return event
+
+
+def _check(event: KVEvent) -> None:
+    """Block arithmetic and hash sizes: what a typed decode cannot state."""
+    if isinstance(event, AllBlocksCleared):
+        return
+    for block_hash in event.block_hashes:
+        _check_hash(block_hash)
+    if not isinstance(event, BlockStored):
+        return
+    if event.parent_block_hash is not None:
+        _check_hash(event.parent_block_hash)
+    if event.block_size < 1:
+        raise KvEventDecodeError("invalid", f"block_size {event.block_size} < 1")
+    blocks = len(event.block_hashes)
+    if len(event.token_ids) != blocks * event.block_size:
+        raise KvEventDecodeError(
+            "invalid",
+            f"{len(event.token_ids)} token ids for {blocks} block(s) of {event.block_size}: "
+            "not a whole number of blocks",
+        )
+    if event.extra_keys is not None and len(event.extra_keys) != blocks:
+        raise KvEventDecodeError(
+            "invalid", f"{len(event.extra_keys)} extra_keys entries for {blocks} block(s)"
+        )
+
+
+def _check_hash(block_hash: BlockHash) -> None:
+    if isinstance(block_hash, bytes) and not 0 < len(block_hash) <= MAX_HASH_BYTES:
+        raise KvEventDecodeError("invalid", f"a block hash of {len(block_hash)} bytes")
+
+
+def _positional(event: KVEvent) -> list[Any]:
+    """``[tag, field, ...]`` as vLLM sent it before PR #42892: its fields up to ``medium`` always,
+    later ones only up to the last that is not at its default."""
+    cls = type(event)
+    values = list(msgspec.structs.astuple(event))
+    defaults = cls.__struct_defaults__
+    first_default = len(values) - len(defaults)
+    while len(values) > _OLD_FIELDS[cls] and values[-1] == defaults[len(values) - 1 - first_default]:
+        values.pop()
+    return [cls.__struct_config__.tag, *values]
+
+
+def _guarded(decoder: msgspec.msgpack.Decoder[Any], payload: Any) -> Any:
+    try:
+        return decoder.decode(payload)
+    except msgspec.ValidationError as exc:
+        raise KvEventDecodeError("invalid", str(exc)) from exc
+    except msgspec.DecodeError as exc:
+        raise KvEventDecodeError("undecodable", str(exc)) from exc
+    except RecursionError as exc:
+        raise KvEventDecodeError("too_deep", "nested too deeply") from exc
+
+
+def _is_map(byte: int) -> bool:
+    return 0x80 <= byte <= 0x8F or byte in (0xDE, 0xDF)
+
+
+def _is_array(byte: int) -> bool:
+    return 0x90 <= byte <= 0x9F or byte in (0xDC, 0xDD)
