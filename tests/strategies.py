@@ -1141,11 +1141,14 @@ def _replay(events: list[RegistryEvent], live: dict[str, str], models: set[str])
     """Apply events to a shadow state; each event must be consistent with it."""
     for event in events:
         if isinstance(event, InstanceAdded):
-            assert event.instance_id not in live, f"{event} for a live instance"
+            instance_id = event.instance.instance_id
+            # again for a live instance only as its changed record, in the same model
+            assert live.get(instance_id, event.model) == event.model, f"{event} moved between models"
             assert event.model in models, f"{event} before its model"
-            live[event.instance_id] = event.model
+            live[instance_id] = event.model
         elif isinstance(event, InstanceRemoved):
-            assert live.pop(event.instance_id, None) == event.model, f"{event} for an instance not live there"
+            instance_id = event.instance.instance_id
+            assert live.pop(instance_id, None) == event.model, f"{event} for an instance not live there"
         elif isinstance(event, ModelFirstSeen):
             assert event.model not in models, f"{event} for a known model"
             models.add(event.model)

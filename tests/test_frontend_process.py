@@ -87,8 +87,8 @@ def test_workers_before_and_after_a_late_frontend_converge_at_once(
     assert added["model"] == DEMO
     assert added["instance_id"] == instance_id(early)
     declared = early.wait_event("worker_started")["image_placeholder_token"]  # depends on --flavor
-    assert added["image_placeholder_token"] == declared
-    assert added["image_token"] == (declared or KIMI_DEFAULT)
+    assert added["declared_token"] == declared
+    assert added["rendered_token"] == (declared or KIMI_DEFAULT)
     assert added["formatter"] == "kimi_k3"
     assert added["mdcsum"] == early.wait_event("worker_started")["mdcsum"]
     late = worker()

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError
+from dynamo_prep.discovery.catalog import declared_label
 from dynamo_prep.discovery.registry import (
     ChecksumMismatch,
     InstanceAdded,
@@ -25,10 +26,9 @@ from dynamo_prep.discovery.registry import (
     RuntimeConfigConflict,
 )
 
-__all__ = ["CHECKPOINT_DEFAULT", "DiscoveryLog", "RateLimiter"]
+__all__ = ["DiscoveryLog", "RateLimiter"]
 
 DETAIL_CHARS = 300
-CHECKPOINT_DEFAULT = "checkpoint default"
 DRAIN_HINT = (
     "drain all old workers of this model before deploying a new version, or serve it under a new name"
 )
@@ -94,11 +94,14 @@ class DiscoveryLog:
             )
 
     def instance_added(self, event: InstanceAdded, *, instances: int) -> None:
+        instance = event.instance
         self._log.info(
             "instance_added",
             model=event.model,
-            instance_id=event.instance_id,
-            endpoint=event.endpoint,
+            instance_id=instance.instance_id,
+            endpoint=instance.endpoint,
+            declared_token=instance.declared_token,
+            kv_events=instance.kv_events.endpoint if instance.kv_events is not None else None,
             mdcsum=event.mdcsum,
             instances=instances,
         )
@@ -107,8 +110,8 @@ class DiscoveryLog:
         self._log.info(
             "instance_removed",
             model=event.model,
-            instance_id=event.instance_id,
-            endpoint=event.endpoint,
+            instance_id=event.instance.instance_id,
+            endpoint=event.instance.endpoint,
             reason=event.reason,
         )
 
@@ -142,9 +145,7 @@ class DiscoveryLog:
 
     def legacy_downgrade(self, event: LegacyDowngrade, built: BuiltModel | None) -> None:
         """One line per legacy key: what the old worker meant, and what is rendered instead."""
-        rendered = event.rendered_instead
-        if rendered is None and built is not None:
-            rendered = built.image_token
+        rendered = built.checkpoint_token() if built is not None else None
         for key, value in event.legacy.items():
             self._log.warning(
                 "legacy_card_silent_downgrade",
@@ -152,7 +153,7 @@ class DiscoveryLog:
                 instance_id=event.instance_id,
                 legacy_key=key,
                 legacy_value=value,
-                rendered_instead=rendered or CHECKPOINT_DEFAULT,
+                rendered_instead=declared_label(rendered),
                 hint=LEGACY_HINT,
             )
 
@@ -164,8 +165,8 @@ class DiscoveryLog:
             model=name,
             mdcsum=mdcsum,
             instance_id=instance_id,
-            image_placeholder_token=built.preprocessor.card.runtime_config.image_placeholder_token,
-            image_token=built.image_token,
+            declared_token=built.declared_token,
+            rendered_token=built.rendered_token,
             formatter=built.formatter_kind,
             model_dir=str(built.model_dir),
             instances=instances,

@@ -145,7 +145,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         watcher.close()
         log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
         return EXIT_FAILED
-    app = create_app(catalog, client, router=Router(metrics=metrics), settings=config.http, metrics=metrics)
+    app = create_app(catalog, client, router=Router(), settings=config.http, metrics=metrics)
     http = HttpServer(app, sock)
     log.info(
         "frontend_started",

@@ -146,9 +146,7 @@ class _Tag(msgspec.Struct):
 
 # Fields the old positional form always carried (vLLM's required ones, through ``medium``).
 _OLD_FIELDS: Final[dict[type[KVEvent], int]] = {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0}
-_EVENT_TYPES: Final[dict[str, type[KVEvent]]] = {
-    str(cls.__struct_config__.tag): cls for cls in _OLD_FIELDS
-}
+_EVENT_TYPES: Final[dict[str, type[KVEvent]]] = {str(cls.__struct_config__.tag): cls for cls in _OLD_FIELDS}
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
 _batch_map_decoder = msgspec.msgpack.Decoder(_RawBatchMap)
