@@ -24,10 +24,9 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import FrameType
 from typing import Any, TextIO
 
 import structlog
@@ -36,8 +35,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dynamo_prep.discovery.catalog import declared_label
-from dynamo_prep.discovery.eventlog import RateLimiter
 from dynamo_prep.discovery.registry import (
     CardRejected,
     ChecksumMismatch,
@@ -50,14 +47,21 @@ from dynamo_prep.discovery.registry import (
     RegistryEvent,
     RuntimeConfigConflict,
 )
-from dynamo_prep.protocol.discovery import Announce, DiscoveryDecodeError, Instance, decode_message, topic
+from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
+from dynamo_prep.logging import RateLimiter
+from dynamo_prep.protocol.discovery import (
+    Announce,
+    DiscoveryDecodeError,
+    Instance,
+    declared_label,
+    decode_message,
+    topic,
+)
 
 __all__ = ["Change", "InstanceRow", "PlaneView", "run_watch"]
 
 log = structlog.get_logger("dynamo_prep.watch")
 
-EXIT_OK = 0
-EXIT_ERROR = 1
 PIPE_WIDTH = 200
 POLL_MS = 250  # the table's refresh period and the bound on reacting to a stop signal
 Change = dict[str, Any]
@@ -275,22 +279,23 @@ def run_watch(
     out = stream or sys.stdout
     if not discovery and not bind:
         log.error("watch_config_error", error="give --discovery ADDR (brokers) and/or --bind ADDR")
-        return EXIT_ERROR
+        return EXIT_FAILED
     context: zmq.Context[Any] = zmq.Context()
     try:
         socket = _subscribe(context, namespace, discovery, bind)
     except zmq.ZMQError as exc:
         log.error("watch_start_failed", error=str(exc), discovery=list(discovery), bind=list(bind))
         context.term()
-        return EXIT_ERROR
+        return EXIT_FAILED
     log.info(
         "watch_started", discovery=list(discovery), bind=list(bind), namespace=namespace, json=json_lines
     )
     view = PlaneView(namespace)
     try:
-        with _stop_on_signals() as stopped:
+        stopping: list[signal.Signals] = []
+        with on_stop_signals(stopping.append):
             deadline = None if once_after is None else time.monotonic() + once_after
-            done = lambda: stopped() or _past(deadline)  # noqa: E731
+            done = lambda: bool(stopping) or _past(deadline)  # noqa: E731
             _loop(socket, view, done, json_lines=json_lines, once=once_after is not None, out=out)
     finally:
         socket.close(linger=0)
@@ -359,20 +364,3 @@ def _receive(socket: zmq.Socket[Any], view: PlaneView) -> list[Change]:
 
 def _past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[Callable[[], bool]]:
-    """SIGTERM / SIGINT end the loop at its next poll (the handlers are restored afterwards)."""
-    stopping: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        del frame
-        stopping.append(signum)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield lambda: bool(stopping)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

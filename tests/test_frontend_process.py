@@ -18,9 +18,9 @@ import pytest
 import zmq
 from support.plane import DynamoProcess, start_dynamo, tcp_endpoint, wait_for
 
-from dynamo_prep.discovery.watcher import DEFAULT_BIND
-from dynamo_prep.frontend import FrontendConfig, serve_frontend
-from dynamo_prep.protocol.discovery import topic
+from dynamo_prep.frontend.config import FrontendConfig
+from dynamo_prep.frontend.process import serve_frontend
+from dynamo_prep.protocol.discovery import DEFAULT_BIND, topic
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"

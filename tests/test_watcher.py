@@ -23,10 +23,10 @@ from structlog.testing import LogCapture
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError, PreprocessorBuilder
-from dynamo_prep.discovery.eventlog import RateLimiter
 from dynamo_prep.discovery.files import ModelFileStore
 from dynamo_prep.discovery.trust import ClientCurve, ServerCurve, apply_client_curve, generate_keys
 from dynamo_prep.discovery.watcher import DiscoveryWatcher
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.discovery import Announce, Instance, Withdraw, encode_message, topic

@@ -20,18 +20,11 @@ from typing import Literal
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.preprocessor import OpenAIPreprocessor
-from dynamo_prep.protocol.discovery import Instance
+from dynamo_prep.protocol.discovery import Instance, declared_label
 
-__all__ = ["CHECKPOINT_DEFAULT", "LiveModel", "ModelCatalog", "ModelStatus", "declared_label"]
+__all__ = ["LiveModel", "ModelCatalog", "ModelStatus"]
 
-# How logs, metrics and the watch table show an instance that declares no token.
-CHECKPOINT_DEFAULT = "checkpoint default"
 ModelStatus = Literal["live", "pending", "unknown"]
-
-
-def declared_label(declared_token: str | None) -> str:
-    """A declaration as people read it: the token, or ``checkpoint default`` for None."""
-    return CHECKPOINT_DEFAULT if declared_token is None else declared_token
 
 
 @dataclass(frozen=True, slots=True)

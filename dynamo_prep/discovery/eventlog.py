@@ -8,14 +8,12 @@ suppressed.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
 
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError
-from dynamo_prep.discovery.catalog import declared_label
 from dynamo_prep.discovery.registry import (
     ChecksumMismatch,
     InstanceAdded,
@@ -25,8 +23,10 @@ from dynamo_prep.discovery.registry import (
     ModelRemoved,
     RuntimeConfigConflict,
 )
+from dynamo_prep.logging import RateLimiter
+from dynamo_prep.protocol.discovery import declared_label
 
-__all__ = ["DiscoveryLog", "RateLimiter"]
+__all__ = ["DiscoveryLog"]
 
 DETAIL_CHARS = 300
 DRAIN_HINT = (
@@ -36,24 +36,6 @@ LEGACY_HINT = "upgrade this worker so it declares runtime_config.image_placehold
 OPEN_HINT = "any process that reaches these addresses can announce models; configure CURVE keys"
 FIRST_WINS = "first card wins: this model keeps the first value"
 PER_INSTANCE_TOKEN = "each request is rendered with the token of the instance it is routed to"
-
-
-class RateLimiter:
-    """At most one line per key per interval; reports how many were suppressed in between."""
-
-    def __init__(self, interval_s: float = 1.0) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
-
-    def allow(self, key: str, now: float) -> int | None:
-        """None: stay quiet. Else the number of lines suppressed since the last one for ``key``."""
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
-            self._suppressed[key] += 1
-            return None
-        self._last[key] = now
-        return self._suppressed.pop(key, 0)
 
 
 class DiscoveryLog:

@@ -35,7 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuilder
-from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog, declared_label
+from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.discovery.eventlog import DiscoveryLog
 from dynamo_prep.discovery.metrics import DiscoveryMetrics
 from dynamo_prep.discovery.registry import (
@@ -61,13 +61,12 @@ from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     Announce,
     DiscoveryDecodeError,
+    declared_label,
     decode_message,
     topic,
 )
 
-__all__ = ["DEFAULT_BIND", "DiscoveryWatcher"]
-
-DEFAULT_BIND = "tcp://0.0.0.0:7555"
+__all__ = ["DiscoveryWatcher"]
 MAX_DRAIN_PER_WAKE = 512
 MAX_POLL_S = 1.0
 # After a drain, wait this long before the next poll (bounds the wake rate, adds at most this latency).

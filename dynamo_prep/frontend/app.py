@@ -23,7 +23,6 @@ import re
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -37,6 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient
+from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
@@ -45,21 +45,21 @@ from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.openai_stream import Completion, sse, visible_text
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
+from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ModelEntry,
     ModelList,
+    RequestError,
     TokenizeRequest,
     TokenizeResponse,
     parse_chat_request,
 )
 from dynamo_prep.protocol.wire import Output
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_REQUEST_TIMEOUT_S", "HttpSettings", "create_app"]
+__all__ = ["create_app"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 
-DEFAULT_MAX_BODY_BYTES = 16 << 20
-DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # Preprocessing is sub-millisecond for ordinary prompts; bodies above this render in a thread so
 # one huge prompt cannot stall every other stream on the loop.
 THREAD_ABOVE_BYTES = 256 << 10
@@ -68,14 +68,6 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
 _JSON = "application/json"
 _T = TypeVar("_T")
 _encoder = msgspec.json.Encoder()
-
-
-@dataclass(frozen=True, slots=True)
-class HttpSettings:
-    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``)."""
-
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
 
 
 def create_app(
@@ -177,10 +169,8 @@ class _Handlers:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``, rendered with the model's canonical declaration."""
         body = await _read_body(request, self.settings.max_body_bytes)
-        try:
+        with decoding(RequestError.of):
             tokenize = msgspec.json.decode(body, type=TokenizeRequest)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise OpenAIError(400, f"Invalid request: {exc}") from exc
         model = self._live_model(tokenize.model)
         preprocessor = model.preprocessor
         if tokenize.messages is not None:

@@ -20,7 +20,6 @@ import contextlib
 import itertools
 from collections.abc import AsyncGenerator, Callable
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -122,9 +121,11 @@ class _Channel:
             payload = await self.socket.recv()
             self._heard_at = self._loop.time()
             try:
-                reply = wire.from_worker_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("reply_rejected", endpoint=self.endpoint, error=str(exc)[:200])
+                reply = wire.decode_from_worker(payload)
+            except wire.WireDecodeError as exc:
+                log.warning(
+                    "reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200]
+                )
                 continue
             if isinstance(reply, Pong | wire.FileData):
                 continue
