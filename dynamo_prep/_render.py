@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, read_json
 from dynamo_prep.formatter import prompt_formatter_for
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
@@ -27,14 +27,17 @@ def render_request(
         served_name=served_name,
         runtime_config=ModelRuntimeConfig(image_placeholder_token=image_token),
     )
+    config = read_json(model_dir / "config.json")
     formatter = prompt_formatter_for(
         card,
         model_dir,
+        config=config,
         image_placeholder_token=image_token,
         generation_prompt="hosted" if hosted else "reference",
         strict_hf_tokenization=strict_hf_tokenization,
     )
-    preprocessor = OpenAIPreprocessor.new_with_parts(card, formatter, Tokenizer.from_model_dir(model_dir))
+    tokenizer = Tokenizer.from_model_dir(model_dir, config=config)
+    preprocessor = OpenAIPreprocessor.new_with_parts(card, formatter, tokenizer)
     prompt = preprocessor.tokenize(request)
     segments = prompt.rendered.segments
     return {

@@ -669,18 +669,19 @@ def _check_chat_on(chat: ChatInput, name: str, image_token: str | None) -> Outco
     else:
         controls = frozenset(tokenizer.special_tokens)
         image = "<|image_pad|>"
-    if rendered.segments is not None:
-        assert rendered.text == "".join(s.text for s in rendered.segments)
-        check_segments(rendered.segments, tokenizer, controls)
+    segments = rendered.segments
+    if segments is not None:
+        assert rendered.text == "".join(s.text for s in segments)
+        check_segments(segments, tokenizer, controls)
         control_ids = [
             i
-            for text, allow in rendered.segments
+            for text, allow in segments
             if allow
             for i in tokenizer.encode(text, allow_special=True)
             if i in specials
         ]
         assert [i for i in result.token_ids if i in specials] == control_ids, "special id not from a control"
-        assert sum(1 for s in rendered.segments if s.allow_special and s.text == image) == images
+        assert sum(1 for s in segments if s.allow_special and s.text == image) == images
     if tokenizer.is_special_token(image):
         count = result.token_ids.count(tokenizer.special_tokens[image])
         assert count == images, f"{count} {image} ids for {images} image parts"
@@ -770,9 +771,10 @@ def _check_render_request(data: RenderInput, formatter: KimiK3Formatter) -> None
     except Exception as exc:
         _classify(exc, (PromptRenderError, RequestError))
         return
-    assert rendered.segments is not None
-    assert rendered.text == "".join(s.text for s in rendered.segments)
-    check_segments(rendered.segments, tokenizer(K3), k3_controls(formatter.image_token))
+    segments = rendered.segments
+    assert segments is not None
+    assert rendered.text == "".join(s.text for s in segments)
+    check_segments(segments, tokenizer(K3), k3_controls(formatter.image_token))
 
 
 # ============================================================================ cards

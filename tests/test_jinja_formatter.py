@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from dynamo_prep.card import ModelCardError
-from dynamo_prep.formatter._prompt import PromptRenderError
 from dynamo_prep.formatter.jinja import ChatTemplateError, JinjaFormatter, special_tokens_from_config
 from dynamo_prep.models import DEMO_MODELS_DIR
+from dynamo_prep.prompt import PromptRenderError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.formatter.kimi_k3 import KimiK3Formatter
+from dynamo_prep.prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 T, F = True, False
