@@ -105,7 +105,13 @@ def _add_render(commands: Any) -> None:
     render = commands.add_parser("render", help="render and tokenize one chat request, print JSON")
     render.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
     render.add_argument("--served-name", default=None, help="model name (default: the directory name)")
-    render.add_argument("--image-token", default=None, help="the per-image token a worker would declare")
+    render.add_argument(
+        "--declared-token",
+        "--image-token",
+        dest="declared_token",
+        default=None,
+        help="the per-image token a worker would declare (default: none, the checkpoint default)",
+    )
     render.add_argument("--hosted", action="store_true", help="Kimi-K3: stop before the channel opener")
     render.add_argument(
         "--jinja-tokenization",
@@ -351,7 +357,7 @@ def _render(args: argparse.Namespace) -> int:
             _read_request(args.request),
             model_path=args.model_path,
             served_name=args.served_name,
-            image_token=args.image_token,
+            declared_token=args.declared_token,
             hosted=args.hosted,
             strict_hf_tokenization=args.jinja_tokenization == "hf",
         )

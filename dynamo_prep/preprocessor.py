@@ -95,7 +95,7 @@ class OpenAIPreprocessor:
                 model=card.display_name,
                 token=unregistered,
                 ids=tokenizer.encode(unregistered, allow_special=True),
-                rendered=formatter.image_token == unregistered,
+                rendered=formatter.rendered_token == unregistered,
                 formatter=formatter.kind,
             )
         preprocessor = cls(card, formatter.with_tokenizer_specials(tokenizer.special_tokens), tokenizer)

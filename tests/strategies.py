@@ -662,7 +662,7 @@ def _check_chat_on(chat: ChatInput, name: str, image_token: str | None) -> Outco
     tokenizer = pp.tokenizer
     specials = _special_ids(tokenizer)
     rendered = prompt.rendered
-    image = pp.formatter.image_token
+    image = pp.formatter.rendered_token
     if pp.formatter.kind == "kimi_k3":
         assert image is not None
         controls = k3_controls(image)
@@ -753,7 +753,7 @@ def check_render(data: RenderInput) -> Outcome:
         )
     except Exception as exc:
         return _classify(exc, (PromptRenderError,))
-    check_segments(segments, tokenizer(K3), k3_controls(formatter.image_token))
+    check_segments(segments, tokenizer(K3), k3_controls(formatter.rendered_token))
     _check_render_request(data, formatter)
     return "ok"
 
@@ -774,7 +774,7 @@ def _check_render_request(data: RenderInput, formatter: KimiK3Formatter) -> None
     segments = rendered.segments
     assert segments is not None
     assert rendered.text == "".join(s.text for s in segments)
-    check_segments(segments, tokenizer(K3), k3_controls(formatter.image_token))
+    check_segments(segments, tokenizer(K3), k3_controls(formatter.rendered_token))
 
 
 # ============================================================================ cards

@@ -69,7 +69,7 @@ def qwen() -> OpenAIPreprocessor:
 def test_new_builds_k3_and_jinja_formatters(k3: OpenAIPreprocessor, qwen: OpenAIPreprocessor) -> None:
     assert isinstance(k3.formatter, KimiK3Formatter)
     assert isinstance(qwen.formatter, JinjaFormatter)
-    assert k3.formatter.image_token == "<|kimi_image_placeholder|>"
+    assert k3.formatter.rendered_token == "<|kimi_image_placeholder|>"
 
 
 def test_unregistered_declared_token_warns_once_per_preprocessor_not_per_request() -> None:
@@ -204,7 +204,7 @@ def test_kimi_k3_formatter_for_detection() -> None:
     assert kimi_k3_formatter_for(None, "qwen", "<|media_pad|>") is None
     formatter = kimi_k3_formatter_for("kimi_k3", "m", "<|media_pad|>")
     assert formatter is not None
-    assert formatter.image_token == "<|media_pad|>"
+    assert formatter.rendered_token == "<|media_pad|>"
 
 
 def test_is_kimi_k3_model_type_first_then_the_served_name() -> None:
@@ -235,8 +235,8 @@ def test_prompt_formatter_for_uses_the_config_it_is_given() -> None:
     card = ModelDeploymentCard.from_model_dir("kimi-k3-demo")
     config = {"model_type": "kimi_k3", "image_placeholder": "<|media_pad|>"}  # not the file's value
     formatter = prompt_formatter_for(card, "kimi-k3-demo", config=config)
-    assert formatter.image_token == "<|media_pad|>"
-    assert prompt_formatter_for(card, "kimi-k3-demo").image_token == "<|kimi_image_placeholder|>"
+    assert formatter.rendered_token == "<|media_pad|>"
+    assert prompt_formatter_for(card, "kimi-k3-demo").rendered_token == "<|kimi_image_placeholder|>"
 
 
 def test_k3_by_served_name_alone_renders_the_k3_default() -> None:
@@ -244,7 +244,7 @@ def test_k3_by_served_name_alone_renders_the_k3_default() -> None:
     card.model_type = None
     formatter = prompt_formatter_for(card, "kimi-k3-demo", config={})
     assert isinstance(formatter, KimiK3Formatter)
-    assert formatter.image_token == "<|kimi_image_placeholder|>"
+    assert formatter.rendered_token == "<|kimi_image_placeholder|>"
 
 
 def test_stop_strings() -> None:
@@ -403,6 +403,7 @@ def test_cli_render_demo_request() -> None:
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
     assert output["formatter"] == "kimi_k3"
+    assert output["declared_token"] == output["rendered_token"] == "<|media_pad|>"
     assert ["<|media_pad|>", True] in output["segments"]
     assert "".join(text for text, _ in output["segments"]) == output["text"]
     tokenizer = Tokenizer.from_model_dir("kimi-k3-demo")

@@ -55,14 +55,14 @@ class BuiltModel:
     @property
     def rendered_token(self) -> str | None:
         """What the canonical formatter writes per image (None: the template places images itself)."""
-        return self.preprocessor.formatter.image_token
+        return self.preprocessor.formatter.rendered_token
 
     def checkpoint_token(self) -> str | None:
         """What is rendered for an instance that declares nothing (a legacy card, a vLLM worker)."""
         if self.declared_token is None:
             return self.rendered_token
         card = self.preprocessor.card
-        return prompt_formatter_for(card, self.model_dir, image_placeholder_token=None).image_token
+        return prompt_formatter_for(card, self.model_dir, image_placeholder_token=None).rendered_token
 
 
 ModelBuilder = Callable[[ModelDeploymentCard, str], BuiltModel]

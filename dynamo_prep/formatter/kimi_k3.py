@@ -621,7 +621,7 @@ class KimiK3Formatter:
             raise ValueError(f"generation_prompt must be 'reference' or 'hosted', got {generation_prompt!r}")
         if not (image_placeholder_token or default_image_placeholder):
             raise ValueError("an image placeholder token is needed: declare one or keep the default")
-        self.image_token: str = image_placeholder_token or default_image_placeholder
+        self.rendered_token: str = image_placeholder_token or default_image_placeholder
         self.generation_prompt = generation_prompt
 
     def render_segments(
@@ -696,7 +696,7 @@ class KimiK3Formatter:
                 response_schema = _schema_from(response_format)
             response_schema = _deep_sort(response_schema, "response_format")
             items, partial = _split_partial(items)
-            writer = _Writer(self.image_token, bool(thinking))
+            writer = _Writer(self.rendered_token, bool(thinking))
             if tools:
                 declared = _dumps(tools, "tools", compact=True)
                 writer.internal("tool-declare", STATIC_TOOLS_BODY.format(tools=declared))

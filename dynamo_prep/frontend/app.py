@@ -45,6 +45,7 @@ from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.openai_stream import Completion, sse, visible_text
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
+from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ModelEntry,
@@ -143,7 +144,7 @@ class _Handlers:
             id=f"chatcmpl-{request_id}",
             model=chat.model,
             created=int(time.time()),
-            detokenizer=Detokenizer(model.preprocessor.tokenizer, _stops(chat.stop)),
+            detokenizer=Detokenizer(model.preprocessor.tokenizer, stop_strings(chat.stop)),
         )
         first = await _first(outputs)  # errors before the first token keep their HTTP status
         if chat.stream:
@@ -229,12 +230,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _stops(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
 
 
 async def _first(outputs: AsyncGenerator[Output, None]) -> Output:

@@ -54,7 +54,7 @@ class DeclarationPreprocessors:
             "declaration_preprocessor_built",
             model=model.name,
             declared_token=declared_token,
-            rendered_token=formatter.image_token,
+            rendered_token=formatter.rendered_token,
             formatter=formatter.kind,
         )
         return built

@@ -59,7 +59,7 @@ class JinjaFormatter:
         self._template = template
         self._tool_use_template = tool_use_template
         self.special_tokens = dict(special_tokens)
-        self.image_token = image_token
+        self.rendered_token = image_token
         self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
         self.strict_hf_tokenization = strict_hf_tokenization
         self._template_sources = template_sources
@@ -68,8 +68,8 @@ class JinjaFormatter:
 
     def _special_tokens(self, registered: Iterable[str]) -> SpecialTokens:
         known = [*self.special_tokens.values(), *registered]
-        if self.image_token:
-            known.append(self.image_token)
+        if self.rendered_token:
+            known.append(self.rendered_token)
         specials = SpecialTokens(known)
         if self._template_sources is not None:
             specials.inner_pieces = any(specials.fragments_in(source) for source in self._template_sources)
@@ -205,11 +205,11 @@ class JinjaFormatter:
         )
         text = render_template(template, context)
         if self.strict_hf_tokenization:
-            image_count = text.count(self.image_token) if self.image_token else 0
+            image_count = text.count(self.rendered_token) if self.rendered_token else 0
             return RenderedPrompt(text=text, pieces=None, image_count=image_count)
         segments = injection_safe_segments(template, context, text, self._specials)
         # only the template's image tokens count: a typed one is text, not an image slot
-        image_count = sum(1 for s in segments if s.allow_special and s.text == self.image_token)
+        image_count = sum(1 for s in segments if s.allow_special and s.text == self.rendered_token)
         return RenderedPrompt(text=text, pieces=segments, image_count=image_count)
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
