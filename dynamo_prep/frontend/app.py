@@ -1,11 +1,6 @@
 """The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
 
-Why Starlette (on uvicorn): it is a small ASGI toolkit whose handlers are plain async functions,
-it streams responses from async generators (SSE) and notices client disconnects, and it brings
-no validation layer of its own: request bodies are decoded with msgspec into the project's own
-types, exactly once. Plain ``uvicorn`` (h11, no extras) keeps installs small.
-
-Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
+Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
 ``GET /health`` (readiness: 503 until a model is live), ``GET /live`` and ``GET /metrics``
 (Prometheus). Every response carries ``x-request-id`` (an incoming one is honoured); every error
 has OpenAI's body (``errors.py``); every request ends with one ``request_finished`` or
