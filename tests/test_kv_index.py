@@ -1,0 +1,202 @@
+"""KvIndex: events from the mock engine's cache and by hand, several instances, refusals."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+
+import pytest
+from structlog.testing import capture_logs
+
+from dynamo_prep.discovery.eventlog import RateLimiter
+from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    ImageSpan,
+    KVEvent,
+    KVEventBatch,
+    decode_batch,
+    encode_batch,
+)
+from dynamo_prep.routing.hashing import request_block_hashes
+from dynamo_prep.routing.index import KvIndex
+
+BS = 4
+PROMPT = list(range(100, 140))  # 10 blocks
+IMAGES = [ImageSpan("img-1", 6, 5)]
+
+
+def stored(hashes: list[object], parent: object, tokens: list[int], **fields: object) -> BlockStored:
+    return BlockStored(
+        block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, **fields
+    )  # type: ignore[arg-type]
+
+
+def wire(events: list[KVEvent], shape: str = "map") -> list[KVEvent]:
+    """The events as a subscriber hands them over: encoded by the engine, decoded by the frontend."""
+    decoded = decode_batch(encode_batch(KVEventBatch(ts=1.0, events=events), shape=shape))  # type: ignore[arg-type]
+    assert not decoded.skipped
+    return decoded.batch.events
+
+
+def own(tokens: list[int], images: list[ImageSpan] | None = None) -> list[int]:
+    return request_block_hashes(tokens, BS, images or [])
+
+
+def test_two_instances_with_different_engine_hash_kinds_holding_the_same_prefix_both_match() -> None:
+    index = KvIndex(BS)
+    as_int = PagedPrefixCache(BS, 64, hash_kind="int")
+    as_bytes = PagedPrefixCache(BS, 64, hash_kind="bytes", seed=b"another engine")
+    as_int.admit("r", PROMPT, IMAGES)
+    as_bytes.admit("r", PROMPT[:24], IMAGES)
+    index.apply("w-int", wire(as_int.take_events(), "array"))
+    index.apply("w-bytes", wire(as_bytes.take_events(), "map"))
+    assert index.match(own(PROMPT, IMAGES)) == {"w-int": 10, "w-bytes": 6}
+    assert index.match(own(PROMPT)) == {"w-int": 1, "w-bytes": 1}  # the image starts in block 1
+    assert index.blocks_held("w-int") == 10 and index.blocks_held("w-bytes") == 6
+    assert len(index) == 10  # six blocks are shared
+    assert index.counters.stored_blocks == 16
+
+
+def test_stores_chain_to_known_parents_and_extend_the_prefix() -> None:
+    index = KvIndex(BS)
+    index.apply("a", [stored([b"h0", b"h1"], None, PROMPT[:8])])
+    index.apply("a", [stored([b"h2"], b"h1", PROMPT[8:12]), stored([b"h3", b"h4"], b"h2", PROMPT[12:20])])
+    assert index.match(own(PROMPT)) == {"a": 5}
+    assert index.match(own(PROMPT[:10])) == {"a": 2}  # a partial block is never matched
+    assert index.match(own([1, 2, 3, 4, *PROMPT])) == {}
+    assert index.match([]) == {}
+
+
+def test_an_unknown_parent_is_refused_and_never_touches_another_instance() -> None:
+    index = KvIndex(BS)
+    index.apply("b", [stored([7, 8], None, PROMPT[:8])])
+    # instance "a" names b's engine hash 8 as its parent: engine hashes mean nothing across instances
+    index.apply("a", [stored([9], 8, PROMPT[8:12]), stored([10], 9, PROMPT[12:16])])
+    assert index.counters.unknown_parent_blocks == 2
+    assert index.blocks_held("a") == 0
+    assert index.match(own(PROMPT)) == {"b": 2}
+    index.apply("b", [stored([11], 8, PROMPT[8:12])])
+    assert index.match(own(PROMPT)) == {"b": 3}
+
+
+def test_removals_cut_the_prefix_and_unknown_removals_are_counted() -> None:
+    index = KvIndex(BS)
+    index.apply("a", [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    index.apply("b", [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    index.apply("a", [BlockRemoved(block_hashes=[3, 99])])
+    assert index.match(own(PROMPT)) == {"a": 2, "b": 4}
+    assert index.blocks_held("a") == 3
+    assert index.counters.removed_blocks == 1 and index.counters.unknown_removed_blocks == 1
+    index.apply("b", [BlockRemoved(block_hashes=[1])])
+    assert index.match(own(PROMPT)) == {"a": 2}
+
+
+def test_all_blocks_cleared_and_reset_forget_one_instance_only() -> None:
+    index = KvIndex(BS)
+    for name in ("a", "b", "c"):
+        index.apply(name, [stored([1, 2], None, PROMPT[:8])])
+    index.apply("a", [AllBlocksCleared()])
+    index.reset("b")
+    assert index.match(own(PROMPT)) == {"c": 2}
+    assert index.counters.cleared == 1 and index.counters.resets == 1
+    assert [index.blocks_held(name) for name in ("a", "b", "c")] == [0, 0, 2]
+    assert sorted(index.instances()) == ["a", "c"]
+    # a new instance takes b's freed bit and inherits nothing from it
+    index.apply("d", [stored([5], None, PROMPT[:4])])
+    assert index.match(own(PROMPT)) == {"c": 2, "d": 1}
+    index.apply("a", [stored([1, 2], None, PROMPT[:8])])  # a cleared instance refills from scratch
+    assert index.match(own(PROMPT)) == {"a": 2, "c": 2, "d": 1}
+    index.reset("never-seen")
+
+
+def test_match_stops_consuming_once_no_instance_matches() -> None:
+    index = KvIndex(BS)
+    index.apply("a", [stored([1, 2], None, PROMPT[:8])])
+    consumed: list[int] = []
+
+    def lazy() -> Iterator[int]:
+        for value in own(PROMPT):
+            consumed.append(value)
+            yield value
+
+    assert index.match(lazy()) == {"a": 2}
+    assert len(consumed) == 3
+
+
+def test_invalid_events_are_counted_and_leave_state_intact() -> None:
+    index = KvIndex(BS)
+    index.apply("a", [stored([1], None, PROMPT[:4])])
+    index.apply(
+        "a",
+        [
+            BlockStored(block_hashes=[2], parent_block_hash=1, token_ids=PROMPT[4:12], block_size=8),
+            stored([2], 1, PROMPT[4:7]),  # not a whole block
+            stored([2], 1, PROMPT[4:8], extra_keys=[[object()]]),  # an extra key that cannot be hashed
+            BlockRemoved(block_hashes=[[1]]),  # type: ignore[list-item]  # unhashable
+        ],
+    )
+    assert index.counters.invalid_events == 4
+    assert index.match(own(PROMPT)) == {"a": 1}
+
+
+def test_an_engine_hash_reused_for_other_content_moves_the_block() -> None:
+    index = KvIndex(BS)
+    index.apply("a", [stored([1, 2], None, PROMPT[:8])])
+    index.apply("a", [stored([2], 1, [0, 0, 0, 0])])  # hash 2 now stands for other tokens
+    assert index.match(own(PROMPT)) == {"a": 1}
+    assert index.match(own([*PROMPT[:4], 0, 0, 0, 0])) == {"a": 2}
+    assert index.blocks_held("a") == 2
+    index.apply("a", [stored([1, 2], None, PROMPT[:8])] * 2)  # replayed twice: idempotent
+    assert index.blocks_held("a") == 2 and index.match(own(PROMPT)) == {"a": 2}
+
+
+def test_two_engine_hashes_for_one_block_keep_it_until_both_are_removed() -> None:
+    index = KvIndex(BS)
+    index.apply("a", [stored([1], None, PROMPT[:4]), stored([b"x"], None, PROMPT[:4])])
+    assert index.blocks_held("a") == 1
+    index.apply("a", [BlockRemoved(block_hashes=[1])])
+    assert index.match(own(PROMPT)) == {"a": 1}
+    index.apply("a", [BlockRemoved(block_hashes=[b"x"])])
+    assert index.match(own(PROMPT)) == {} and len(index) == 0
+
+
+def test_the_index_follows_a_busy_cache_exactly() -> None:
+    """Random traffic with eviction: after every step the index holds what the cache holds, and a
+    prompt's match is what the cache would reuse."""
+    rng = random.Random(7)
+    cache = PagedPrefixCache(BS, 40, hash_kind="int")
+    index = KvIndex(BS)
+    preambles = [[rng.randrange(50_000) for _ in range(12)] for _ in range(3)]
+    running: list[tuple[str, list[int]]] = []
+    for step in range(300):
+        if running and (len(running) > 3 or rng.random() < 0.5):
+            request_id, _ = running.pop(rng.randrange(len(running)))
+            cache.release(request_id, [rng.randrange(50_000) for _ in range(rng.randrange(10))])
+        else:
+            prompt = rng.choice(preambles) + [rng.randrange(50_000) for _ in range(rng.randrange(30))]
+            images = [ImageSpan(f"img{rng.randrange(2)}", 10, 6)] if rng.random() < 0.3 else []
+            expected = index.match(own(prompt, images)).get("w", 0)
+            assert cache.admit(f"r{step}", prompt, images) == min(expected, (len(prompt) - 1) // BS) * BS
+            running.append((f"r{step}", prompt))
+        index.apply("w", wire(cache.take_events()))
+        assert index.blocks_held("w") == len(cache)
+    assert index.counters.removed_blocks > 0
+    assert index.counters.unknown_parent_blocks == index.counters.unknown_removed_blocks == 0
+
+
+def test_refusals_are_logged_rate_limited() -> None:
+    index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+    with capture_logs() as logs:
+        for _ in range(5):
+            index.apply("a", [stored([2], 1, PROMPT[:4])])
+    assert [entry["event"] for entry in logs] == ["kv_event_refused"]
+    assert logs[0]["reason"] == "unknown_parent" and logs[0]["instance_id"] == "a"
+    assert index.counters.unknown_parent_blocks == 5
+
+
+def test_block_size_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        KvIndex(0)
