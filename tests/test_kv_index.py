@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
 
 import pytest
 from structlog.testing import capture_logs
@@ -86,12 +85,29 @@ def test_removals_cut_the_prefix_and_unknown_removals_are_counted() -> None:
     index = KvIndex(BS)
     index.apply("a", [stored([1, 2, 3, 4], None, PROMPT[:16])])
     index.apply("b", [stored([1, 2, 3, 4], None, PROMPT[:16])])
-    index.apply("a", [BlockRemoved(block_hashes=[3, 99])])
+    index.apply("a", [BlockRemoved(block_hashes=[4, 3, 99])])  # tail first, as engines evict
     assert index.match(own(PROMPT)) == {"a": 2, "b": 4}
-    assert index.blocks_held("a") == 3
-    assert index.counters.removed_blocks == 1 and index.counters.unknown_removed_blocks == 1
-    index.apply("b", [BlockRemoved(block_hashes=[1])])
+    assert index.blocks_held("a") == 2
+    assert index.counters.removed_blocks == 2 and index.counters.unknown_removed_blocks == 1
+    index.apply("b", [BlockRemoved(block_hashes=[4, 3, 2, 1])])
     assert index.match(own(PROMPT)) == {"a": 2}
+    assert index.counters.orphaned_blocks == 0
+
+
+def test_a_block_removed_before_its_descendants_takes_them_along() -> None:
+    """No engine evicts a parent before its children; if one did, the children could never be
+    reached by a prefix match again, so the index drops them (and forgets their engine hashes)."""
+    index = KvIndex(BS)
+    index.apply("a", [stored([1, 2, 3, 4], None, PROMPT[:16]), stored([5], 2, [0, 0, 0, 0])])
+    index.apply("b", [stored([1, 2, 3, 4], None, PROMPT[:16])])
+    index.apply("a", [BlockRemoved(block_hashes=[2])])
+    assert index.counters.orphaned_blocks == 3 and index.blocks_held("a") == 1
+    assert index.match(own(PROMPT)) == {"a": 1, "b": 4}
+    index.apply("a", [BlockRemoved(block_hashes=[3]), stored([6], 4, PROMPT[16:20])])
+    assert index.counters.unknown_removed_blocks == 1 and index.counters.unknown_parent_blocks == 1
+    index.apply("a", [stored([2, 3], 1, PROMPT[4:12])])  # stored again, it chains as before
+    assert index.match(own(PROMPT)) == {"a": 3, "b": 4}
+    assert len(index) == 4
 
 
 def test_all_blocks_cleared_and_reset_forget_one_instance_only() -> None:
@@ -112,18 +128,48 @@ def test_all_blocks_cleared_and_reset_forget_one_instance_only() -> None:
     index.reset("never-seen")
 
 
-def test_match_stops_consuming_once_no_instance_matches() -> None:
+class Counted(list[int]):
+    """A request's hashes that count how many the index looks at."""
+
+    looked = 0
+
+    def __getitem__(self, index: object) -> int:  # type: ignore[override]
+        self.looked += 1
+        return super().__getitem__(index)  # type: ignore[index,no-any-return]
+
+
+def test_match_looks_at_a_few_blocks_not_all_of_them() -> None:
     index = KvIndex(BS)
-    index.apply("a", [stored([1, 2], None, PROMPT[:8])])
-    consumed: list[int] = []
+    prompt = list(range(1024 * BS))
+    index.apply("a", [stored(list(range(700)), None, prompt[: 700 * BS])])
+    index.apply("b", [stored(list(range(300)), None, prompt[: 300 * BS])])
+    index.apply("c", [stored(list(range(1024)), None, prompt)])
+    hashes = Counted(own(prompt))
+    assert index.match(hashes) == {"a": 700, "b": 300, "c": 1024}
+    assert hashes.looked <= 2 + 2 * 10  # the ends, then about log2(1024) per run ending inside
+    nobody = Counted(own([7, *prompt]))
+    assert index.match(nobody) == {} and nobody.looked == 1
+    assert index.match(Counted()) == {}
 
-    def lazy() -> Iterator[int]:
-        for value in own(PROMPT):
-            consumed.append(value)
-            yield value
 
-    assert index.match(lazy()) == {"a": 2}
-    assert len(consumed) == 3
+@pytest.mark.parametrize("seed", range(5))
+def test_match_agrees_with_a_walk_block_by_block(seed: int) -> None:
+    rng = random.Random(seed)
+    index = KvIndex(BS)
+    prompt = [rng.randrange(1000) for _ in range(200 * BS)]
+    for number in range(10):
+        held = rng.randrange(200)
+        if held:
+            index.apply(f"w{number}", [stored(list(range(held)), None, prompt[: held * BS])])
+    hashes = own(prompt)
+    walked = {}
+    for name in index.instances():
+        depth = 0
+        while depth < len(hashes) and index.match(hashes[: depth + 1]).get(name) == depth + 1:
+            depth += 1
+        if depth:
+            walked[name] = depth
+    assert index.match(hashes) == walked
 
 
 def test_invalid_events_are_counted_and_leave_state_intact() -> None:

@@ -2,8 +2,8 @@
 
 A block's own hash is ``hash((parent, tokens))``, or ``hash((parent, tokens, extra))`` when the
 block has extra keys, where ``parent`` is the own hash of the block before it (``ROOT_HASH`` for a
-sequence's first block), ``tokens`` the block's token ids as a tuple and ``extra`` one int standing
-for the block's extra-key entry. It is computed identically from a request (token ids and
+sequence's first block), ``tokens`` the hash of the block's token ids as a tuple and ``extra`` one
+int standing for the block's extra-key entry. It is computed identically from a request (token ids and
 ``ImageSpan``s, extra keys by ``mm_extra_keys``) and from an engine's ``BlockStored`` event (its
 parent's own hash, token ids and ``extra_keys`` as sent), so the same tokens and images give the
 same hashes on both sides whatever hash function the engine uses.
@@ -14,8 +14,8 @@ CPython 3.8 the tuple hash is an xxHash-style mix with fixed primes. Strings and
 first turned into ints by a BLAKE2b digest. The tests pin known answers and compare
 processes started with different hash seeds.
 
-Not a cryptographic hash: a client who could craft colliding token blocks only misroutes its own
-requests (the index decides where a request goes, never what it computes).
+Not a cryptographic hash: crafted colliding blocks can only misroute requests, a matter of speed
+(the index decides where a request goes, never what it computes).
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ from dynamo_prep.protocol.kv_events import BlockStored, ImageSpan, mm_extra_keys
 __all__ = [
     "ROOT_HASH",
     "extra_key_id",
-    "iter_request_block_hashes",
     "request_block_hashes",
     "stored_block_hashes",
 ]
 
-ROOT_HASH: Final = 0x6B76_696E_6465_78  # the parent of a sequence's first block ("kvindex")
+ROOT_HASH: Final = int.from_bytes(b"kvindex", "big")  # the parent of a sequence's first block
 _DIGEST_BYTES: Final = 8
 _TEXT: Final = b"s"  # domain prefixes: a string and an encoded non-int value never share a digest
 _OTHER: Final = b"o"
 _LORA: Final = 0x6C6F_7261  # ("lora") tags the extra of every block of a LoRA event
 _ID_CACHE_SIZE: Final = 4096
+_ID_CACHE_CHARS: Final = 256  # longer strings (a peer's, not an image id) are not cached
 _encoder = msgspec.msgpack.Encoder()
 
 
@@ -56,21 +56,9 @@ def request_block_hashes(
     return _chain(ROOT_HASH, token_ids, block_size, _image_extras(images, block_size, len(token_ids)))
 
 
-def iter_request_block_hashes(
-    token_ids: Sequence[int], block_size: int, images: Sequence[ImageSpan] = ()
-) -> Iterator[int]:
-    """``request_block_hashes`` one block at a time, for a consumer that may stop early."""
-    extras = _image_extras(images, block_size, len(token_ids))
-    parent = ROOT_HASH
-    for index, block in enumerate(zip(*[iter(token_ids)] * block_size, strict=False)):
-        extra = extras.get(index)
-        parent = hash((parent, block)) if extra is None else hash((parent, block, extra))
-        yield parent
-
-
 def stored_block_hashes(parent: int | None, event: BlockStored) -> list[int]:
-    """Own hashes of the blocks of ``event``; ``parent`` is the own hash of its parent block (None:
-    the event's first block starts a sequence).
+    """Own hashes of the blocks of ``event``; ``parent`` is the own hash of its parent block (None
+    or ``ROOT_HASH``: the event's first block starts a sequence).
 
     The event's ``extra_keys`` entries count as sent (an empty or None entry is no extra), and a
     LoRA event (``lora_name`` or ``lora_id`` set) tags every block, so an adapter's blocks never
@@ -81,10 +69,18 @@ def stored_block_hashes(parent: int | None, event: BlockStored) -> list[int]:
     return _chain(root, event.token_ids, event.block_size, _event_extras(event))
 
 
-@functools.lru_cache(maxsize=_ID_CACHE_SIZE)
 def _text_id(text: str) -> int:
-    data = _TEXT + text.encode("utf-8", "surrogatepass")
-    return int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest(), "little")
+    return _cached_text_id(text) if len(text) <= _ID_CACHE_CHARS else _digest(_TEXT, text)
+
+
+@functools.lru_cache(maxsize=_ID_CACHE_SIZE)
+def _cached_text_id(text: str) -> int:
+    return _digest(_TEXT, text)
+
+
+def _digest(domain: bytes, value: str | bytes) -> int:
+    data = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else value
+    return int.from_bytes(hashlib.blake2b(domain + data, digest_size=_DIGEST_BYTES).digest(), "little")
 
 
 def _canonical(value: Any) -> Any:
@@ -96,10 +92,9 @@ def _canonical(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return tuple(_canonical(item) for item in value)
     try:
-        data = _OTHER + _encoder.encode(value)
+        return _digest(_OTHER, _encoder.encode(value))
     except (TypeError, msgspec.EncodeError) as exc:
         raise ValueError(f"an extra key of type {type(value).__name__} cannot be hashed") from exc
-    return int.from_bytes(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest(), "little")
 
 
 def extra_key_id(entry: Any) -> int | None:
@@ -140,17 +135,22 @@ def _event_extras(event: BlockStored) -> dict[int, int]:
     return {index: hash((tag, extra_key_id(entry) or 0)) for index, entry in enumerate(entries)}
 
 
+def _block_ids(token_ids: Sequence[int], block_size: int) -> Iterator[int]:
+    """``hash(tuple(block))`` of every full block, all in C: ``zip`` reuses its result tuple when
+    ``hash`` has released it, so no tuple is allocated per block."""
+    return map(hash, zip(*[iter(token_ids)] * block_size, strict=False))
+
+
 def _chain(parent: int, token_ids: Sequence[int], block_size: int, extras: dict[int, int]) -> list[int]:
-    """The chained hashes of every full block; the hot path (one tuple hash per block)."""
+    """The chained hashes of every full block: the hot path (one small tuple hash per block)."""
     hashes: list[int] = []
     append = hashes.append
-    blocks = zip(*[iter(token_ids)] * block_size, strict=False)
     if not extras:
-        for block in blocks:
+        for block in _block_ids(token_ids, block_size):
             parent = hash((parent, block))
             append(parent)
         return hashes
-    for index, block in enumerate(blocks):
+    for index, block in enumerate(_block_ids(token_ids, block_size)):
         extra = extras.get(index)
         parent = hash((parent, block)) if extra is None else hash((parent, block, extra))
         append(parent)

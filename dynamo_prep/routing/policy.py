@@ -87,27 +87,31 @@ def choose(
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     ordered = sorted(set(candidates))
-    start = turn % len(ordered)
-
-    def cost(instance_id: str) -> float:
-        missing = prompt_blocks - overlaps.get(instance_id, 0)
-        return overlap_score_weight * missing + active_blocks.get(instance_id, 0)
-
-    def tie(position: int) -> tuple[int, int]:
-        return blocks_held.get(ordered[position], 0), (position - start) % len(ordered)
-
-    best_overlap = max(overlaps.get(instance_id, 0) for instance_id in ordered)
-    if not best_overlap or 2 * best_overlap < prompt_blocks:
-        index = min(range(len(ordered)), key=lambda i: (active_blocks.get(ordered[i], 0), *tie(i)))
-        reason: Reason = "balance"
-    elif temperature > 0:
-        index = _sample([cost(instance_id) for instance_id in ordered], temperature, rng or random.Random())
-        reason = "overlap"
+    best_overlap = max([overlaps.get(instance_id, 0) for instance_id in ordered])
+    balance = not best_overlap or 2 * best_overlap < prompt_blocks
+    costs = [
+        overlap_score_weight * (prompt_blocks - overlaps.get(instance_id, 0))
+        + active_blocks.get(instance_id, 0)
+        for instance_id in ordered
+    ]
+    if not balance and temperature > 0:
+        index = _sample(costs, temperature, rng or random.Random())
     else:
-        index = min(range(len(ordered)), key=lambda i: (cost(ordered[i]), *tie(i)))
-        reason = "overlap"
+        primary = [active_blocks.get(instance_id, 0) for instance_id in ordered] if balance else costs
+        index = _least(primary, ordered, blocks_held, turn)
     chosen = ordered[index]
-    return Decision(chosen, overlaps.get(chosen, 0), prompt_blocks, cost(chosen), reason)
+    reason: Reason = "balance" if balance else "overlap"
+    return Decision(chosen, overlaps.get(chosen, 0), prompt_blocks, costs[index], reason)
+
+
+def _least(primary: Sequence[float], ordered: list[str], blocks_held: Mapping[str, int], turn: int) -> int:
+    """Index of the least ``primary``; ties to fewer blocks held, then to the round-robin turn."""
+    lowest = min(primary)
+    if primary.count(lowest) == 1:
+        return primary.index(lowest)
+    start = turn % len(ordered)
+    tied = [i for i, value in enumerate(primary) if value == lowest]
+    return min(tied, key=lambda i: (blocks_held.get(ordered[i], 0), (i - start) % len(ordered)))
 
 
 def _sample(costs: list[float], temperature: float, rng: random.Random) -> int:
@@ -158,9 +162,9 @@ class LoadTracker:
     def active_blocks(self, instance_id: str) -> int:
         return self._active.get(instance_id, 0)
 
-    def active(self) -> dict[str, int]:
-        """Active blocks of every instance that has any."""
-        return dict(self._active)
+    def active(self) -> Mapping[str, int]:
+        """Active blocks of every instance that has any (a live view: read it, do not keep it)."""
+        return self._active
 
 
 class KvRouter:
@@ -197,7 +201,7 @@ class KvRouter:
             candidates,
             overlaps,
             count_blocks(len(token_ids), block_size),
-            {instance_id: self.load.active_blocks(instance_id) for instance_id in candidates},
+            self.load.active(),
             {instance_id: self.index.blocks_held(instance_id) for instance_id in candidates},
             overlap_score_weight=self.overlap_score_weight,
             temperature=self.temperature,
