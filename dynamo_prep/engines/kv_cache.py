@@ -75,9 +75,6 @@ class PagedPrefixCache:
         """Blocks cached (referenced or not)."""
         return len(self._refs)
 
-    def __contains__(self, block_hash: object) -> bool:
-        return block_hash in self._refs
-
     def admit(self, request_id: str, token_ids: Sequence[int], images: Sequence[ImageSpan] = ()) -> int:
         """Start a request: reuse its longest cached prefix, cache its new full blocks, reference all.
 

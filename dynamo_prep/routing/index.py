@@ -188,17 +188,34 @@ class KvIndex:
             if event.block_size != self.block_size or len(event.token_ids) != blocks * self.block_size:
                 raise ValueError("block size")
             parent = _ROOT if known is None else known
-            owns = stored_block_hashes(parent, event)
-            for placed, (engine, own) in enumerate(zip(event.block_hashes, owns, strict=True)):
-                if not self._link(holder, engine, own, parent):
-                    self.counters.unknown_parent_blocks += blocks - placed
-                    self._refused(instance_id, "unknown_parent", blocks - placed)
-                    return
-                self.counters.stored_blocks += 1
-                parent = own
+            placed = self._place(holder, event.block_hashes, stored_block_hashes(parent, event), parent)
         except (TypeError, ValueError, RecursionError):
             self.counters.invalid_events += 1
             self._refused(instance_id, "invalid", blocks)
+            return
+        self.counters.stored_blocks += placed
+        if placed < blocks:
+            self.counters.unknown_parent_blocks += blocks - placed
+            self._refused(instance_id, "unknown_parent", blocks - placed)
+
+    def _place(self, holder: _Holder, engines: list[BlockHash], owns: list[int], parent: int) -> int:
+        """Link each engine hash to its own hash, chained from ``parent``; returns how many were
+        placed (fewer only if relinking a reused engine hash dropped the parent). The hot path of
+        ingestion: a new engine hash for a block the instance did not hold is handled inline."""
+        own_of, refs, holders, bit = holder.own_of, holder.refs, self._holders, holder.bit
+        parents, children = holder.parent, holder.children
+        for placed, (engine, own) in enumerate(zip(engines, owns, strict=True)):
+            if engine in own_of or own in refs:
+                if not self._link(holder, engine, own, parent):
+                    return placed
+            else:
+                own_of[engine] = own
+                refs[own] = 1
+                holders[own] = holders.get(own, 0) | bit
+                parents[own] = parent
+                children[parent] = children.get(parent, 0) + 1
+            parent = own
+        return len(owns)
 
     def _link(self, holder: _Holder, engine: BlockHash, own: int, parent: int) -> bool:
         """``engine`` now stands for ``own`` (child of ``parent``); False if the parent is gone."""
