@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from dynamo_prep.discovery.eventlog import RateLimiter
 from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -246,3 +248,52 @@ def test_refusals_are_logged_rate_limited() -> None:
 def test_block_size_must_be_positive() -> None:
     with pytest.raises(ValueError, match="block_size"):
         KvIndex(0)
+
+
+ENGINE_HASHES = st.sampled_from([0, 1, 2, 3, 2**64 - 1, b"a", b"b", b"\x00" * 32])
+GARBAGE = st.one_of(
+    st.builds(
+        lambda hashes, parent, token, block_size, keys: BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=[token] * (len(hashes) * block_size),
+            block_size=block_size,
+            extra_keys=keys,
+        ),
+        st.lists(ENGINE_HASHES, min_size=1, max_size=3),
+        st.one_of(st.none(), ENGINE_HASHES),
+        st.integers(0, 3),
+        st.sampled_from([BS, BS, 2]),
+        st.one_of(st.none(), st.just([["img", 0]] * 3), st.just([[]])),
+    ),
+    st.builds(lambda hashes: BlockRemoved(block_hashes=hashes), st.lists(ENGINE_HASHES, max_size=3)),
+    st.just(AllBlocksCleared()),
+)
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(garbage=st.lists(st.lists(GARBAGE, max_size=4), max_size=12), seed=st.integers(0, 3))
+def test_garbage_on_one_instance_never_changes_another(garbage: list[list[KVEvent]], seed: int) -> None:
+    """Instance "bad" sends arbitrary stores (unknown parents, reused hashes, other block sizes),
+    removals and clears, interleaved with instance "good"'s real events: "good" matches exactly as
+    in an index that never saw "bad"."""
+    rng = random.Random(seed)
+    cache = PagedPrefixCache(BS, 12, hash_kind="int")
+    mixed, alone = KvIndex(BS), KvIndex(BS)
+    prompts = [[rng.randrange(4) for _ in range(rng.randrange(4, 24))] for _ in range(len(garbage))]
+    for number, (events, prompt) in enumerate(zip(garbage, prompts, strict=True)):
+        cache.admit(str(number), prompt)
+        cache.release(str(number), [1, 2, 3])
+        good = cache.take_events()
+        mixed.apply("bad", events)
+        mixed.apply("good", good)
+        alone.apply("good", good)
+    for prompt in prompts:
+        hashes = own(prompt)
+        assert mixed.match(hashes).get("good") == alone.match(hashes).get("good")
+        depth = mixed.match(hashes).get("bad", 0)
+        assert all(mixed.match(hashes[: d + 1]).get("bad") == d + 1 for d in range(depth))
+    assert mixed.blocks_held("good") == alone.blocks_held("good") == len(cache)
+    mixed.reset("good")
+    mixed.reset("bad")
+    assert len(mixed) == 0

@@ -24,19 +24,16 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
 
 import structlog
 
-from dynamo_prep.discovery.eventlog import RateLimiter
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from dynamo_prep.routing.hashing import ROOT_HASH, stored_block_hashes
 
 __all__ = ["IndexCounters", "KvIndex"]
 
 log = structlog.get_logger("dynamo_prep.routing")
-
-_ROOT: Final = ROOT_HASH  # the parent recorded for a sequence's first block
 
 
 @dataclass(slots=True)
@@ -65,10 +62,11 @@ class IndexCounters:
 class _Holder:
     """One instance: its bit, its blocks by engine hash, and the tree of the blocks it holds."""
 
+    instance_id: str
     bit: int
     own_of: dict[BlockHash, int] = field(default_factory=dict)
     refs: dict[int, int] = field(default_factory=dict)  # own hash -> engine hashes standing for it
-    parent: dict[int, int] = field(default_factory=dict)  # own hash -> its parent's (or _ROOT)
+    parent: dict[int, int] = field(default_factory=dict)  # own hash -> its parent's (or ROOT_HASH)
     children: dict[int, int] = field(default_factory=dict)  # own hash -> children held
 
 
@@ -165,7 +163,7 @@ class KvIndex:
             slot = len(self._slots)
             self._slots.append(None)
         self._slots[slot] = instance_id
-        holder = self._instances[instance_id] = _Holder(bit=1 << slot)
+        holder = self._instances[instance_id] = _Holder(instance_id, 1 << slot)
         return holder
 
     def _credit(self, mask: int, depth: int, found: dict[str, int]) -> None:
@@ -187,7 +185,7 @@ class KvIndex:
                 return
             if event.block_size != self.block_size or len(event.token_ids) != blocks * self.block_size:
                 raise ValueError("block size")
-            parent = _ROOT if known is None else known
+            parent = ROOT_HASH if known is None else known
             placed = self._place(holder, event.block_hashes, stored_block_hashes(parent, event), parent)
         except (TypeError, ValueError, RecursionError):
             self.counters.invalid_events += 1
@@ -225,7 +223,7 @@ class KvIndex:
         if previous is not None:  # the engine reused a hash for other content: the old block is gone
             del holder.own_of[engine]
             self._unlink(holder, previous)
-            if parent != _ROOT and parent not in holder.refs:
+            if parent != ROOT_HASH and parent not in holder.refs:
                 return False
         holder.own_of[engine] = own
         count = holder.refs.get(own, 0)
@@ -295,7 +293,7 @@ class KvIndex:
         for block in reversed(doomed):  # deepest first: a block leaves after its children
             self._drop(holder, block)
         self.counters.orphaned_blocks += len(doomed)
-        log.warning("kv_blocks_orphaned", blocks=len(doomed))
+        self._warn("kv_blocks_orphaned", holder.instance_id, "removed_before_descendants", len(doomed))
 
     def _clear(self, holder: _Holder) -> None:
         holders, keep = self._holders, ~holder.bit
@@ -311,10 +309,14 @@ class KvIndex:
         holder.children.clear()
 
     def _refused(self, instance_id: str, reason: str, blocks: int) -> None:
+        self._warn("kv_event_refused", instance_id, reason, blocks)
+
+    def _warn(self, event: str, instance_id: str, reason: str, blocks: int) -> None:
+        """One line per (reason, instance) per interval at most: a peer decides how often."""
         suppressed = self._limiter.allow(f"{reason}:{instance_id}", time.monotonic())
         if suppressed is not None:
             log.warning(
-                "kv_event_refused",
+                event,
                 reason=reason,
                 instance_id=instance_id,
                 blocks=blocks,
