@@ -213,8 +213,8 @@ def timed_decisions(
             t2 = clock()
             overlaps = index.match(hashes)
             t3 = clock()
-            held = {name: index.blocks_held(name) for name in candidates}
-            choose(candidates, overlaps, count_blocks(len(prompt), BLOCK_SIZE), router.load.active(), held)
+            blocks = count_blocks(len(prompt), BLOCK_SIZE)
+            choose(candidates, overlaps, blocks, router.load.active(), index.held())
             t4 = clock()
             for stage, elapsed in zip(STAGES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 best[stage][number] = min(best[stage][number], elapsed / 1000)

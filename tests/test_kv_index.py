@@ -121,6 +121,7 @@ def test_all_blocks_cleared_and_reset_forget_one_instance_only() -> None:
     assert index.match(own(PROMPT)) == {"c": 2}
     assert index.counters.cleared == 1 and index.counters.resets == 1
     assert [index.blocks_held(name) for name in ("a", "b", "c")] == [0, 0, 2]
+    assert index.held() == {"a": 0, "c": 2} and index.held().get("b", 0) == 0
     assert sorted(index.instances()) == ["a", "c"]
     # a new instance takes b's freed bit and inherits nothing from it
     index.apply("d", [stored([5], None, PROMPT[:4])])

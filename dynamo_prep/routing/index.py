@@ -22,7 +22,7 @@ instance's blocks.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -68,6 +68,22 @@ class _Holder:
     refs: dict[int, int] = field(default_factory=dict)  # own hash -> engine hashes standing for it
     parent: dict[int, int] = field(default_factory=dict)  # own hash -> its parent's (or ROOT_HASH)
     children: dict[int, int] = field(default_factory=dict)  # own hash -> children held
+
+
+class _Held(Mapping[str, int]):
+    """Blocks held per instance, read on demand (the policy only looks on a tie)."""
+
+    def __init__(self, instances: dict[str, _Holder]) -> None:
+        self._instances = instances
+
+    def __getitem__(self, instance_id: str) -> int:
+        return len(self._instances[instance_id].refs)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._instances)
+
+    def __len__(self) -> int:
+        return len(self._instances)
 
 
 class KvIndex:
@@ -145,6 +161,10 @@ class KvIndex:
         """Distinct blocks (own hashes) the instance holds."""
         holder = self._instances.get(instance_id)
         return 0 if holder is None else len(holder.refs)
+
+    def held(self) -> Mapping[str, int]:
+        """``blocks_held`` of every instance as a live read-only mapping (computed on access)."""
+        return _Held(self._instances)
 
     def instances(self) -> list[str]:
         """Instances that sent events since they were created or last reset."""

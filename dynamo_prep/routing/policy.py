@@ -202,7 +202,7 @@ class KvRouter:
             overlaps,
             count_blocks(len(token_ids), block_size),
             self.load.active(),
-            {instance_id: self.index.blocks_held(instance_id) for instance_id in candidates},
+            self.index.held(),
             overlap_score_weight=self.overlap_score_weight,
             temperature=self.temperature,
             rng=self._rng,
