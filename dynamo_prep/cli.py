@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS
 from dynamo_prep.logging import configure_logging
 from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
 
@@ -103,13 +104,25 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument("--ttl-ms", type=int, default=DEFAULT_TTL_MS)
     worker.add_argument("--engine", default="mock", choices=["mock"], help="the engine behind the worker")
     worker.add_argument(
-        "--flavor",
-        default="sglang",
-        choices=["sglang", "vllm"],
-        help="whose image contract the mock enforces",
+        "--flavor", default="sglang", choices=FLAVORS, help="whose image contract the mock enforces"
     )
     worker.add_argument(
         "--token-delay", type=float, default=0.02, metavar="SECONDS", help="mock engine delay per token"
+    )
+    worker.add_argument(
+        "--replies",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='mock engine: scripted replies, JSON Lines {"when": SUBSTRING, ...} with one of segments, '
+        "text or token_ids; the first whose when occurs in the last user message is streamed",
+    )
+    worker.add_argument(
+        "--reply-format",
+        default="echo",
+        choices=REPLY_FORMATS,
+        help="mock engine, when no scripted reply matches: the echo as plain text, or in the model's "
+        "own answer format (think channel, response, a call of the first tool)",
     )
     worker.add_argument(
         "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
@@ -290,6 +303,8 @@ def _worker(args: argparse.Namespace) -> int:
         engine=args.engine,
         flavor=args.flavor,
         token_delay_s=args.token_delay,
+        replies=args.replies,
+        reply_format=args.reply_format,
         migration_limit=args.migration_limit,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,

@@ -13,10 +13,12 @@ from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, 
 
 from dynamo_prep.card import ModelDeploymentCard, decode_card
 from dynamo_prep.discovery.files import FileFetchError, ModelFileStore, fetch_file
-from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.discovery.trust import TrustError
+from dynamo_prep.models import DEMO_MODELS_DIR, resolve_model_dir
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Announce, Withdraw
 from dynamo_prep.protocol.wire import ErrorReply, FetchFile
+from dynamo_prep.worker import WorkerConfig
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -130,3 +132,48 @@ def test_request_plane_refuses_garbage_and_unknown_files(
         context.term()
     with pytest.raises(FileFetchError, match="404"):
         fetch_file(None, endpoint, "0" * 64, timeout_s=5)
+
+
+# --- WorkerConfig: every option checked once, before anything starts ------------------------------
+
+
+def test_worker_config_defaults_and_resolution() -> None:
+    config = WorkerConfig.from_options(model_path=DEMO, discovery=["tcp://127.0.0.1:7555"])
+    assert config.model_dir == DEMO_MODELS_DIR / DEMO
+    assert config.discovery == ("tcp://127.0.0.1:7555",)
+    assert (config.engine, config.flavor, config.reply_format) == ("mock", "sglang", "echo")
+    assert config.replies is None and config.curve is None
+    replies = WorkerConfig.from_options(
+        model_path=DEMO, discovery=["tcp://a:1"], replies="r.jsonl", reply_format="model", flavor="vllm"
+    )
+    assert (replies.replies, replies.reply_format, replies.flavor) == (Path("r.jsonl"), "model", "vllm")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"discovery": []}, "--discovery needs at least one address"),
+        ({"declared_image_token": MEDIA_PAD, "legacy_expands_image_pad_token": True}, "exclude each other"),
+        ({"declared_image_token": ""}, "--declare-image-token must not be empty"),
+        ({"engine": "sglang"}, "unknown --engine 'sglang' (known: mock)"),
+        ({"flavor": "trtllm"}, "unknown --flavor 'trtllm' (known: sglang, vllm)"),
+        ({"reply_format": "xml"}, "unknown --reply-format 'xml' (known: echo, model)"),
+        ({"heartbeat_s": 0}, "--heartbeat must be > 0, got 0"),
+        ({"ttl_ms": -5}, "--ttl-ms must be > 0, got -5"),
+        ({"token_delay_s": -0.1}, "--token-delay must be >= 0, got -0.1"),
+        ({"migration_limit": -1}, "--migration-limit must be >= 0, got -1"),
+        ({"drain_timeout_s": float("nan")}, "--drain-timeout must be >= 0, got nan"),
+        ({"metrics_port": 70000}, "--metrics-port must be in 0..65535, got 70000"),
+    ],
+)
+def test_worker_config_names_the_bad_option(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as raised:
+        WorkerConfig.from_options(**{"model_path": DEMO, "discovery": ["tcp://a:1"], **options})
+    assert message in str(raised.value)
+
+
+def test_worker_config_needs_both_curve_keys(tmp_path: Path) -> None:
+    with pytest.raises(TrustError, match="CURVE needs both"):
+        WorkerConfig.from_options(
+            model_path=DEMO, discovery=["tcp://a:1"], curve_secret_key=tmp_path / "worker.key_secret"
+        )
