@@ -2,13 +2,19 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-stamp
+RUN_STAMP := $(VENV)/.run-stamp
+STAMP := $(VENV)/.test-stamp
 
 .PHONY: test lint typecheck unit up demo-models bench soak clean
 
-$(STAMP): pyproject.toml
+# What running needs (make up); the test extra comes on top, for make test.
+$(RUN_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e .
+	touch $(RUN_STAMP)
+
+$(STAMP): $(RUN_STAMP)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -23,7 +29,7 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
-up: $(STAMP)
+up: $(RUN_STAMP)
 	$(BIN)/dynamo-prep up
 
 # Every benchmarks/*.py suite but the 10-minute soak, in one run (installs the bench extra:
@@ -44,7 +50,7 @@ SOAK_MINUTES ?= 10
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak --minutes $(SOAK_MINUTES)
 
-demo-models: $(STAMP)
+demo-models: $(RUN_STAMP)
 	$(BIN)/python scripts/make_demo_models.py
 
 clean:

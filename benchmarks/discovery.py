@@ -47,6 +47,7 @@ from dynamo_prep.discovery.files import ModelFileStore
 from dynamo_prep.discovery.watcher import DiscoveryWatcher
 from dynamo_prep.logging import configure_logging
 from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.protocol.discovery import Instance
 
 ANNOUNCE_TARGET_MS = 50.0
 KILL_TTL_MS = 1000
@@ -67,9 +68,9 @@ class TimedCatalog(ModelCatalog):
         super().publish(model)
         self.published.setdefault(model.name, time.monotonic())
 
-    def set_instance(self, name: str, instance_id: str, endpoint: str, *, image_token: str | None) -> None:
-        super().set_instance(name, instance_id, endpoint, image_token=image_token)
-        self.added.setdefault(instance_id, time.monotonic())
+    def set_instance(self, name: str, instance: Instance) -> None:
+        super().set_instance(name, instance)
+        self.added.setdefault(instance.instance_id, time.monotonic())
 
     def remove_instance(self, name: str, instance_id: str) -> None:
         super().remove_instance(name, instance_id)

@@ -15,6 +15,8 @@ from typing import Annotated, Any
 import msgspec
 
 from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.protocol.decode import WireDecodeError, decoding
+from dynamo_prep.protocol.wire import MAX_FILE_BYTES
 
 __all__ = [
     "CardDecodeError",
@@ -38,8 +40,12 @@ class ModelCardError(ValueError):
     """A model directory cannot be turned into a card; the message names the file."""
 
 
-class CardDecodeError(ValueError):
+class CardDecodeError(WireDecodeError):
     """A card payload does not decode; the message names the field path."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        kind = "invalid" if reason == "invalid" else "undecodable"
+        super().__init__(reason, detail, message=f"{kind} model card: {detail}")
 
 
 class FileRef(msgspec.Struct, frozen=True):
@@ -115,13 +121,16 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True):
         )
 
     def mdcsum(self) -> str:
-        """Hex sha256 over what every worker of this model must share.
+        """Hex sha256 over what every worker of this model must share (``covered()``)."""
+        canonical = json.dumps(self.covered(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
 
-        Covered: display_name, model_type, model_input, context_length, kv_cache_block_size,
-        and each file's logical name with its content sha256 and size (never a path).
-        Not covered: slug (derived from the name), migration_limit, runtime_config, user_data.
-        """
-        shared = {
+    def covered(self) -> dict[str, Any]:
+        """What ``mdcsum`` covers: display_name, model_type, model_input, context_length,
+        kv_cache_block_size, and each file's logical name with its content sha256 and size (never
+        a path). Not covered: slug (derived from the name), migration_limit, runtime_config,
+        user_data."""
+        return {
             "display_name": self.display_name,
             "model_type": self.model_type,
             "model_input": self.model_input,
@@ -129,19 +138,12 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True):
             "kv_cache_block_size": self.kv_cache_block_size,
             "files": {name: [ref.sha256, ref.size] for name, ref in sorted(self.files.items())},
         }
-        canonical = json.dumps(shared, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
 
     def mdcsum_fields(self) -> dict[str, Any]:
-        """The values ``mdcsum`` covers, by name, so a mismatch can say what differs."""
-        return {
-            "display_name": self.display_name,
-            "model_type": self.model_type,
-            "model_input": self.model_input,
-            "context_length": self.context_length,
-            "kv_cache_block_size": self.kv_cache_block_size,
-            **{f"files.{name}": ref.sha256 for name, ref in sorted(self.files.items())},
-        }
+        """The covered values flat, by name (files as ``files.<name>``), so a mismatch says what differs."""
+        fields = self.covered()
+        files: dict[str, list[Any]] = fields.pop("files")
+        return {**fields, **{f"files.{name}": sha256 for name, (sha256, _size) in files.items()}}
 
 
 class CardDecodeResult(msgspec.Struct, frozen=True):
@@ -171,15 +173,9 @@ def encode_card(card: ModelDeploymentCard) -> bytes:
 
 def decode_card(data: bytes | memoryview) -> CardDecodeResult:
     """Decode a card; unknown keys are ignored, legacy keys are reported in ``.legacy``."""
-    try:
+    with decoding(CardDecodeError):
         card = _card_decoder.decode(data)
         probe = _legacy_decoder.decode(data)
-    except msgspec.ValidationError as exc:
-        raise CardDecodeError(f"invalid model card: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise CardDecodeError(f"undecodable model card: {exc}") from exc
-    except RecursionError as exc:
-        raise CardDecodeError("undecodable model card: nested too deeply") from exc
     legacy = {
         key: value for key in LEGACY_RUNTIME_KEYS if (value := getattr(probe.runtime_config, key)) is not None
     }
@@ -216,7 +212,10 @@ def _tokenizer_file(model_dir: Path) -> Path:
 
 
 def file_ref(path: Path) -> FileRef:
-    """Content checksum and size of a file."""
+    """Content checksum and size of a file; a file the request plane could not carry is refused."""
+    size = path.stat().st_size
+    if size > MAX_FILE_BYTES:
+        raise ModelCardError(f"{path}: {size} bytes, over the {MAX_FILE_BYTES}-byte limit of a model file")
     data = path.read_bytes()
     return FileRef(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
 

@@ -1,7 +1,8 @@
 """The ``dynamo-prep`` command line: one subcommand per process kind.
 
 Heavy modules are imported inside each handler, so ``render`` does not pay for ZeroMQ and a
-worker does not pay for the HTTP stack.
+worker does not pay for the HTTP stack. Defaults are read from the light modules that own them;
+global options (``--log-level``, ``--log-format``) are accepted before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -15,10 +16,22 @@ from pathlib import Path
 from typing import Any
 
 from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS
+from dynamo_prep.frontend import config as frontend_defaults
+from dynamo_prep.frontend import up as up_defaults
+from dynamo_prep.lifecycle import EXIT_FAILED
 from dynamo_prep.logging import configure_logging
-from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
+from dynamo_prep.protocol.discovery import (
+    DEFAULT_BIND,
+    DEFAULT_BROKER_XPUB,
+    DEFAULT_BROKER_XSUB,
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_NAMESPACE,
+    DEFAULT_TTL_MS,
+)
+from dynamo_prep.worker import config as worker_defaults
 
-EXIT_ERROR = 1
+LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_FORMATS = ("json", "console")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -35,17 +48,22 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name) or default)
+
+
+def _env_float(name: str, default: float) -> float:
+    return float(os.environ.get(name) or default)
+
+
 def _addresses(value: str) -> list[str]:
     return [address.strip() for address in value.split(",") if address.strip()]
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynamo-prep", description="Frontend preprocessor for LLM serving.")
-    parser.add_argument(
-        "--log-level", default=_env("DYN_LOG_LEVEL", "info"), choices=["debug", "info", "warning", "error"]
-    )
-    parser.add_argument("--log-format", default=_env("DYN_LOG_FORMAT", "json"), choices=["json", "console"])
-    commands = parser.add_subparsers(dest="command", required=True)
+    _add_global(parser, level=_env("DYN_LOG_LEVEL", "info"), log_format=_env("DYN_LOG_FORMAT", "json"))
+    commands = _Subcommands(parser.add_subparsers(dest="command", required=True))
     _add_render(commands)
     _add_worker(commands)
     _add_frontend(commands)
@@ -56,11 +74,46 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_global(parser: argparse.ArgumentParser, *, level: Any, log_format: Any) -> None:
+    """The process-wide options; on a subcommand they default to SUPPRESS, so the top level's
+    value stands unless the option is given after the subcommand."""
+    parser.add_argument(
+        "--log-level",
+        default=level,
+        choices=LOG_LEVELS,
+        help="log threshold (env DYN_LOG_LEVEL; default info)",
+    )
+    parser.add_argument(
+        "--log-format",
+        default=log_format,
+        choices=LOG_FORMATS,
+        help="json lines for machines, console for people (env DYN_LOG_FORMAT; default json)",
+    )
+
+
+class _Subcommands:
+    """``add_parser`` that gives every subcommand the global options too."""
+
+    def __init__(self, actions: Any) -> None:
+        self._actions = actions
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self._actions.add_parser(name, **kwargs)
+        _add_global(parser, level=argparse.SUPPRESS, log_format=argparse.SUPPRESS)
+        return parser
+
+
 def _add_render(commands: Any) -> None:
     render = commands.add_parser("render", help="render and tokenize one chat request, print JSON")
     render.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
     render.add_argument("--served-name", default=None, help="model name (default: the directory name)")
-    render.add_argument("--image-token", default=None, help="the per-image token a worker would declare")
+    render.add_argument(
+        "--declared-token",
+        "--image-token",
+        dest="declared_token",
+        default=None,
+        help="the per-image token a worker would declare (default: none, the checkpoint default)",
+    )
     render.add_argument("--hosted", action="store_true", help="Kimi-K3: stop before the channel opener")
     render.add_argument(
         "--jinja-tokenization",
@@ -73,8 +126,17 @@ def _add_render(commands: Any) -> None:
     render.set_defaults(handler=_render)
 
 
+def _add_namespace(command: Any) -> None:
+    command.add_argument(
+        "--namespace",
+        default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE),
+        help="discovery namespace: only cards of this namespace are seen "
+        f"(env DYN_NAMESPACE; default {DEFAULT_NAMESPACE})",
+    )
+
+
 def _add_discovery_client(command: Any) -> None:
-    command.add_argument("--namespace", default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE))
+    _add_namespace(command)
     command.add_argument(
         "--curve-secret-key", type=Path, default=None, help="this process's CURVE secret key file"
     )
@@ -84,11 +146,16 @@ def _add_discovery_client(command: Any) -> None:
 
 
 def _add_worker(commands: Any) -> None:
+    defaults = worker_defaults
     worker = commands.add_parser("worker", help="announce a model card and serve the request plane")
-    worker.add_argument("--model-path", required=True)
-    worker.add_argument("--served-name", default=None)
+    worker.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
+    worker.add_argument("--served-name", default=None, help="model name (default: the directory name)")
     declaration = worker.add_mutually_exclusive_group()
-    declaration.add_argument("--declare-image-token", default=None, help="per-image token the engine expects")
+    declaration.add_argument(
+        "--declare-image-token",
+        default=None,
+        help="per-image token the engine expects (default: what the engine's processor declares)",
+    )
     declaration.add_argument(
         "--legacy-expands-image-pad-token",
         action="store_true",
@@ -97,17 +164,37 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--discovery", type=_addresses, required=True, help="ADDR[,ADDR] of frontends or brokers"
     )
-    worker.add_argument("--endpoint-host", default=_env("DYN_ENDPOINT_HOST", "127.0.0.1"))
     worker.add_argument(
-        "--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S, help="seconds between announces"
+        "--endpoint-host",
+        default=_env("DYN_ENDPOINT_HOST", defaults.DEFAULT_ENDPOINT_HOST),
+        help="address to bind the request plane on, advertised in the card "
+        f"(env DYN_ENDPOINT_HOST; default {defaults.DEFAULT_ENDPOINT_HOST})",
     )
-    worker.add_argument("--ttl-ms", type=int, default=DEFAULT_TTL_MS)
-    worker.add_argument("--engine", default="mock", choices=["mock"], help="the engine behind the worker")
+    worker.add_argument(
+        "--heartbeat",
+        type=float,
+        default=DEFAULT_HEARTBEAT_S,
+        metavar="SECONDS",
+        help=f"seconds between announces (default {DEFAULT_HEARTBEAT_S:g})",
+    )
+    worker.add_argument(
+        "--ttl-ms",
+        type=int,
+        default=DEFAULT_TTL_MS,
+        help=f"how long frontends keep this instance without news (default {DEFAULT_TTL_MS})",
+    )
+    worker.add_argument(
+        "--engine", default="mock", choices=defaults.ENGINES, help="the engine behind the worker"
+    )
     worker.add_argument(
         "--flavor", default="sglang", choices=FLAVORS, help="whose image contract the mock enforces"
     )
     worker.add_argument(
-        "--token-delay", type=float, default=0.02, metavar="SECONDS", help="mock engine delay per token"
+        "--token-delay",
+        type=float,
+        default=defaults.DEFAULT_TOKEN_DELAY_S,
+        metavar="SECONDS",
+        help=f"mock engine delay per token (default {defaults.DEFAULT_TOKEN_DELAY_S:g})",
     )
     worker.add_argument(
         "--replies",
@@ -121,8 +208,8 @@ def _add_worker(commands: Any) -> None:
         "--reply-format",
         default="echo",
         choices=REPLY_FORMATS,
-        help="mock engine, when no scripted reply matches: the echo as plain text, or in the model's "
-        "own answer format (think channel, response, a call of the first tool)",
+        help="mock engine, when no scripted reply matches: the echo as plain text (default), or in the "
+        "model's own answer format (think channel, response, a call of the first declared tool)",
     )
     worker.add_argument(
         "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
@@ -130,9 +217,10 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--drain-timeout",
         type=float,
-        default=5.0,
+        default=defaults.DEFAULT_DRAIN_TIMEOUT_S,
         metavar="SECONDS",
-        help="on SIGTERM, how long in-flight requests may finish",
+        help="on SIGTERM, how long in-flight requests may finish "
+        f"(default {defaults.DEFAULT_DRAIN_TIMEOUT_S:g})",
     )
     worker.add_argument(
         "--metrics-port",
@@ -148,15 +236,27 @@ def _add_frontend(commands: Any) -> None:
     frontend = commands.add_parser("frontend", help="watch the discovery plane and serve the live models")
     plane = frontend.add_mutually_exclusive_group()
     plane.add_argument(
-        "--discovery-bind", default=None, help="bind the embedded plane (default tcp://0.0.0.0:7555)"
+        "--discovery-bind", default=None, help=f"bind the embedded plane here (default {DEFAULT_BIND})"
     )
-    plane.add_argument("--discovery", type=_addresses, default=None, help="connect to brokers ADDR[,ADDR]")
-    frontend.add_argument("--namespace", default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE))
+    plane.add_argument(
+        "--discovery", type=_addresses, default=None, help="connect to brokers' XPUB ADDR[,ADDR] instead"
+    )
+    _add_namespace(frontend)
     frontend.add_argument(
         "--model-path", default=None, help="local model directory used when its checksums match"
     )
-    frontend.add_argument("--cache-dir", type=Path, default=None, help="content-addressed model file cache")
-    frontend.add_argument("--curve-secret-key", type=Path, default=None)
+    frontend.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="content-addressed cache of model files fetched from workers (env DYN_PREP_CACHE_DIR)",
+    )
+    frontend.add_argument(
+        "--curve-secret-key",
+        type=Path,
+        default=None,
+        help="this frontend's CURVE secret key file (embedded plane)",
+    )
     frontend.add_argument(
         "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
     )
@@ -166,45 +266,77 @@ def _add_frontend(commands: Any) -> None:
 
 def _add_http(command: Any) -> None:
     """The HTTP flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
-    command.add_argument("--http-host", default=_env("DYN_HTTP_HOST", "0.0.0.0"))
+    defaults = frontend_defaults
     command.add_argument(
-        "--http-port", type=int, default=int(_env("DYN_HTTP_PORT", "8000") or 8000), help="0: any free port"
+        "--http-host",
+        default=_env("DYN_HTTP_HOST", defaults.DEFAULT_HTTP_HOST),
+        help=f"address to serve HTTP on (env DYN_HTTP_HOST; default {defaults.DEFAULT_HTTP_HOST})",
+    )
+    command.add_argument(
+        "--http-port",
+        type=int,
+        default=_env_int("DYN_HTTP_PORT", defaults.DEFAULT_HTTP_PORT),
+        help=f"0: any free port (env DYN_HTTP_PORT; default {defaults.DEFAULT_HTTP_PORT})",
     )
     command.add_argument(
         "--max-body-bytes",
         type=int,
-        default=int(_env("DYN_MAX_BODY_BYTES", str(16 << 20)) or 16 << 20),
-        help="larger request bodies get 413",
+        default=_env_int("DYN_MAX_BODY_BYTES", defaults.DEFAULT_MAX_BODY_BYTES),
+        help="larger request bodies get 413 "
+        f"(env DYN_MAX_BODY_BYTES; default {defaults.DEFAULT_MAX_BODY_BYTES})",
     )
     command.add_argument(
         "--request-timeout",
         type=float,
-        default=float(_env("DYN_REQUEST_TIMEOUT", "300") or 300),
+        default=_env_float("DYN_REQUEST_TIMEOUT", defaults.DEFAULT_REQUEST_TIMEOUT_S),
         metavar="SECONDS",
-        help="per-request deadline, queueing included",
+        help="per-request deadline, queueing included (env DYN_REQUEST_TIMEOUT; "
+        f"default {defaults.DEFAULT_REQUEST_TIMEOUT_S:g})",
     )
 
 
 def _add_up(commands: Any) -> None:
     up = commands.add_parser("up", help="a local cluster: frontend + an sglang and a vllm mock worker")
-    up.add_argument("--http-port", type=int, default=int(_env("DYN_HTTP_PORT", "8000") or 8000))
-    up.add_argument("--discovery-bind", default="tcp://127.0.0.1:7555", help="the frontend's embedded plane")
-    up.add_argument("--model", default="kimi-k3-demo", help="demo model directory or name")
+    up.add_argument(
+        "--http-port",
+        type=int,
+        default=_env_int("DYN_HTTP_PORT", frontend_defaults.DEFAULT_HTTP_PORT),
+        help=f"the frontend's HTTP port (env DYN_HTTP_PORT; default {frontend_defaults.DEFAULT_HTTP_PORT})",
+    )
+    up.add_argument(
+        "--discovery-bind",
+        default=up_defaults.DEFAULT_UP_DISCOVERY,
+        help=f"the frontend's embedded plane (default {up_defaults.DEFAULT_UP_DISCOVERY})",
+    )
+    up.add_argument(
+        "--model",
+        default=up_defaults.DEFAULT_UP_MODEL,
+        help=f"demo model directory or name (default {up_defaults.DEFAULT_UP_MODEL})",
+    )
     up.add_argument("--log-dir", type=Path, default=None, help="child logs go here (default: a temp dir)")
     up.add_argument(
         "--watch-address",
-        default="tcp://127.0.0.1:7557",
-        help="workers also announce here, for `dynamo-prep watch --bind ADDR`",
+        default=up_defaults.DEFAULT_WATCH_ADDRESS,
+        help="workers also announce here, for `dynamo-prep watch --bind ADDR` "
+        f"(default {up_defaults.DEFAULT_WATCH_ADDRESS})",
     )
     up.set_defaults(handler=_up)
 
 
 def _add_broker(commands: Any) -> None:
     broker = commands.add_parser("broker", help="XSUB/XPUB forwarder for several frontends")
-    broker.add_argument("--xsub", default="tcp://0.0.0.0:7555", help="workers connect here")
-    broker.add_argument("--xpub", default="tcp://0.0.0.0:7556", help="frontends connect here")
-    broker.add_argument("--curve-secret-key", type=Path, default=None)
-    broker.add_argument("--curve-allow-dir", type=Path, default=None)
+    broker.add_argument(
+        "--xsub", default=DEFAULT_BROKER_XSUB, help=f"workers connect here (default {DEFAULT_BROKER_XSUB})"
+    )
+    broker.add_argument(
+        "--xpub", default=DEFAULT_BROKER_XPUB, help=f"frontends connect here (default {DEFAULT_BROKER_XPUB})"
+    )
+    broker.add_argument(
+        "--curve-secret-key", type=Path, default=None, help="this broker's CURVE secret key file (XSUB side)"
+    )
+    broker.add_argument(
+        "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
+    )
     broker.set_defaults(handler=_broker)
 
 
@@ -232,7 +364,7 @@ def _add_watch(commands: Any) -> None:
         "--discovery", type=_addresses, default=[], help="connect to brokers' XPUB ADDR[,ADDR]"
     )
     watch.add_argument("--bind", type=_addresses, default=[], help="bind ADDR[,ADDR]; workers connect here")
-    watch.add_argument("--namespace", default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE))
+    _add_namespace(watch)
     watch.add_argument("--json", action="store_true", help="one JSON line per change instead of the table")
     watch.add_argument(
         "--once-after",
@@ -248,8 +380,12 @@ def _add_keys(commands: Any) -> None:
     keys = commands.add_parser("keys", help="CURVE key management")
     actions = keys.add_subparsers(dest="action", required=True)
     generate = actions.add_parser("generate", help="write NAME.key (public) and NAME.key_secret into DIR")
-    generate.add_argument("directory", type=Path)
-    generate.add_argument("--name", default="dynamo-prep")
+    generate.add_argument("directory", type=Path, help="where to write the key pair (created if missing)")
+    generate.add_argument(
+        "--name",
+        default="dynamo-prep",
+        help="file name stem: NAME.key and NAME.key_secret (default dynamo-prep)",
+    )
     generate.set_defaults(handler=_keys_generate)
 
 
@@ -261,13 +397,13 @@ def _render(args: argparse.Namespace) -> int:
             _read_request(args.request),
             model_path=args.model_path,
             served_name=args.served_name,
-            image_token=args.image_token,
+            declared_token=args.declared_token,
             hosted=args.hosted,
             strict_hf_tokenization=args.jinja_tokenization == "hf",
         )
     except (ValueError, OSError) as exc:  # PreprocessError, ModelCardError, TokenizerError, ...
         _print_error(exc)
-        return EXIT_ERROR
+        return EXIT_FAILED
     print(_render_json(output))
     return 0
 
@@ -286,7 +422,7 @@ def _render_json(output: dict[str, Any]) -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from dynamo_prep.worker import run_worker  # noqa: PLC0415
+    from dynamo_prep.worker.process import run_worker  # noqa: PLC0415
 
     return run_worker(
         model_path=args.model_path,
@@ -312,7 +448,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 def _frontend(args: argparse.Namespace) -> int:
-    from dynamo_prep.frontend import run_frontend  # noqa: PLC0415
+    from dynamo_prep.frontend.process import run_frontend  # noqa: PLC0415
 
     return run_frontend(
         discovery_bind=args.discovery_bind,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections import Counter
 from typing import Any, Literal, TextIO
 
 import structlog
@@ -59,3 +60,21 @@ def _route_stdlib_logging(stream: TextIO, level: int, shared: list[Any], rendere
     root.setLevel(level)
     # asyncio warns about sends to peers that already hung up (client disconnects): noise for ops.
     logging.getLogger("asyncio").setLevel(logging.ERROR)
+
+
+class RateLimiter:
+    """At most one line per key per interval; reports how many were suppressed in between."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: Counter[str] = Counter()
+
+    def allow(self, key: str, now: float) -> int | None:
+        """None: stay quiet. Else the number of lines suppressed since the last one for ``key``."""
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[key] += 1
+            return None
+        self._last[key] = now
+        return self._suppressed.pop(key, 0)

@@ -14,8 +14,14 @@ from typing import Any
 import msgspec
 import structlog
 
-from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.formatter import PromptFormatter, PromptRenderError, RenderedPrompt, prompt_formatter_for
+from dynamo_prep.card import ModelDeploymentCard, read_json
+from dynamo_prep.formatter import (
+    PromptFormatter,
+    PromptRenderError,
+    RenderedPrompt,
+    collect_images,
+    prompt_formatter_for,
+)
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.openai import ChatCompletionRequest, RequestError, parse_chat_request
 from dynamo_prep.protocol.preprocessed import (
@@ -27,12 +33,10 @@ from dynamo_prep.protocol.preprocessed import (
 )
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["OpenAIPreprocessor", "PreprocessError", "PreprocessedRequest", "TokenizedPrompt"]
+__all__ = ["OpenAIPreprocessor", "PreprocessError", "PreprocessedRequest", "TokenizedPrompt", "stop_strings"]
 
 log = structlog.get_logger("dynamo_prep.preprocessor")
 
-TEXT_PART_TYPES = frozenset({"text"})
-IMAGE_PART_TYPES = frozenset({"image_url", "image"})
 TOOL_CHOICE_STRINGS = frozenset({"none", "auto", "required"})
 ANNOTATIONS = frozenset({"formatted_prompt", "token_ids"})
 
@@ -68,12 +72,15 @@ class OpenAIPreprocessor:
 
     @classmethod
     def new(cls, card: ModelDeploymentCard, model_dir: str | Path) -> OpenAIPreprocessor:
-        """Formatter and tokenizer from the model directory, joined by ``new_with_parts``."""
+        """Formatter and tokenizer from the model directory, joined by ``new_with_parts``.
+
+        The directory is resolved and its ``config.json`` read once, for both parts.
+        """
         directory = resolve_model_dir(model_dir)
-        formatter = prompt_formatter_for(
-            card, directory, image_placeholder_token=card.runtime_config.image_placeholder_token
-        )
-        return cls.new_with_parts(card, formatter, Tokenizer.from_model_dir(directory))
+        config = read_json(directory / "config.json")
+        token = card.runtime_config.image_placeholder_token
+        formatter = prompt_formatter_for(card, directory, config=config, image_placeholder_token=token)
+        return cls.new_with_parts(card, formatter, Tokenizer.from_model_dir(directory, config=config))
 
     @classmethod
     def new_with_parts(
@@ -88,7 +95,7 @@ class OpenAIPreprocessor:
                 model=card.display_name,
                 token=unregistered,
                 ids=tokenizer.encode(unregistered, allow_special=True),
-                rendered=formatter.image_token == unregistered,
+                rendered=formatter.rendered_token == unregistered,
                 formatter=formatter.kind,
             )
         preprocessor = cls(card, formatter.with_tokenizer_specials(tokenizer.special_tokens), tokenizer)
@@ -98,7 +105,10 @@ class OpenAIPreprocessor:
     def tokenize(self, request: ChatCompletionRequest | dict[str, Any] | bytes) -> TokenizedPrompt:
         """Render and tokenize a request (segment by segment when the formatter segments)."""
         chat = _parse(request)
-        images = collect_images(chat.messages)
+        try:
+            images = collect_images(chat.messages)
+        except PromptRenderError as exc:
+            raise PreprocessError(str(exc), param="messages") from exc
         validate_tool_choice(chat)
         try:
             rendered = self.formatter.render(chat)
@@ -110,8 +120,8 @@ class OpenAIPreprocessor:
                 f"{rendered.image_count} image placeholder(s); this model's template cannot place them.",
                 param="messages",
             )
-        if rendered.segments is not None:
-            token_ids = self.tokenizer.encode_segments(rendered.segments)
+        if rendered.pieces is not None:
+            token_ids = self.tokenizer.encode_pieces(rendered.pieces)
         else:
             token_ids = self.tokenizer.encode(rendered.text, allow_special=True)
         return TokenizedPrompt(rendered=rendered, token_ids=token_ids, images=images)
@@ -128,7 +138,7 @@ class OpenAIPreprocessor:
             stop_conditions=StopConditions(
                 max_tokens=max_tokens,
                 min_tokens=chat.min_tokens,
-                stop=_stop_strings(chat.stop),
+                stop=stop_strings(chat.stop),
                 stop_token_ids=list(chat.stop_token_ids or []),
                 stop_token_ids_hidden=[] if chat.ignore_eos else list(self.tokenizer.eos_token_ids),
                 ignore_eos=chat.ignore_eos,
@@ -181,47 +191,6 @@ def _parse(request: ChatCompletionRequest | dict[str, Any] | bytes) -> ChatCompl
     return chat
 
 
-def collect_images(messages: list[dict[str, Any]]) -> list[ImageRef]:
-    """Image parts of every message, in order; unknown part types and bad URLs are 400s."""
-    images: list[ImageRef] = []
-    for index, message in enumerate(messages):
-        content = message.get("content")
-        if not isinstance(content, list):
-            continue
-        for part_index, part in enumerate(content):
-            where = f"messages[{index}].content[{part_index}]"
-            if not isinstance(part, dict):
-                raise PreprocessError(f"{where}: a content part must be an object", param="messages")
-            part_type = part.get("type")
-            if not isinstance(part_type, str):
-                raise PreprocessError(f"{where}: a content part needs a string 'type'", param="messages")
-            if part_type in IMAGE_PART_TYPES:
-                images.append(_image_ref(part, where))
-            elif part_type not in TEXT_PART_TYPES:
-                raise PreprocessError(
-                    f"{where}: unknown content part type {part_type!r}; expected one of "
-                    f"{', '.join(sorted(TEXT_PART_TYPES | IMAGE_PART_TYPES))}",
-                    param="messages",
-                )
-    return images
-
-
-def _image_ref(part: dict[str, Any], where: str) -> ImageRef:
-    image = part.get("image_url", part.get("image"))
-    if isinstance(image, str):
-        url, detail = image, None
-    elif isinstance(image, dict) and isinstance(image.get("url"), str):
-        url, detail = image["url"], image.get("detail")
-    else:
-        raise PreprocessError(f"{where}: an image part needs image_url.url (a string)", param="messages")
-    if not url.startswith(("http://", "https://", "data:")):
-        raise PreprocessError(
-            f"{where}: image_url.url must be an http(s) URL or a data: URL, got {url[:40]!r}",
-            param="messages",
-        )
-    return ImageRef(url=url, detail=detail if isinstance(detail, str) else None)
-
-
 def validate_tool_choice(chat: ChatCompletionRequest) -> None:
     """OpenAI rules: a known string, or a named function that is among the request's tools."""
     choice = chat.tool_choice
@@ -272,7 +241,7 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
         )
     if chat.top_p is not None and not 0 < chat.top_p <= 1:
         raise PreprocessError(f"top_p must be in (0, 1], got {chat.top_p}", param="top_p")
-    for stop in _stop_strings(chat.stop):
+    for stop in stop_strings(chat.stop):
         if not stop:
             raise PreprocessError("stop strings must not be empty", param="stop")
     unknown = set(chat.nvext.annotations) - ANNOTATIONS if chat.nvext else set()
@@ -282,7 +251,8 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
         )
 
 
-def _stop_strings(stop: str | list[str] | None) -> list[str]:
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """The request's ``stop`` as a list: None is none, a string is one."""
     if stop is None:
         return []
     return [stop] if isinstance(stop, str) else list(stop)

@@ -18,16 +18,14 @@ import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import structlog
 import tiktoken
 
 from dynamo_prep.card import TOKENIZER_FILE, ModelCardError, model_files, read_json
 from dynamo_prep.models import resolve_model_dir
-
-if TYPE_CHECKING:  # at run time a Run is told apart as the piece that is not a tuple
-    from dynamo_prep.formatter._prompt import Run
+from dynamo_prep.prompt import Piece, Run
 
 __all__ = ["KNOWN_MODEL_TYPES", "NUM_RESERVED_SPECIAL_TOKENS", "Tokenizer", "TokenizerError"]
 
@@ -130,13 +128,17 @@ class Tokenizer:
         self._run_ids: dict[Run, tuple[int, ...]] = {}
 
     @classmethod
-    def from_model_dir(cls, path: str | Path) -> Tokenizer:
-        """Load a model directory (or a demo model name) exactly as Kimi's TikTokenTokenizer does."""
+    def from_model_dir(cls, path: str | Path, *, config: dict[str, Any] | None = None) -> Tokenizer:
+        """Load a model directory (or a demo model name) exactly as Kimi's TikTokenTokenizer does.
+
+        ``config`` is the parsed ``config.json`` when the caller has already read it.
+        """
         started = time.perf_counter()
         model_dir = resolve_model_dir(path)
         try:
             files = model_files(model_dir)
-            config = read_json(files["config.json"])
+            if config is None:
+                config = read_json(files["config.json"])
             tokenizer_config = read_json(files["tokenizer_config.json"])
             generation_config = (
                 read_json(files["generation_config.json"]) if "generation_config.json" in files else {}
@@ -184,21 +186,27 @@ class Tokenizer:
             ids.extend(self._encode_run(piece, allow_special))
         return ids
 
-    def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
-        """Concatenated ``encode(text, allow_special=...)`` of each segment, served from caches when short.
+    def encode_pieces(self, pieces: Iterable[Piece]) -> list[int]:
+        """A rendered prompt's ids: each ``Run`` served whole from its kept ids, each segment as
+        ``encode_segments`` encodes it."""
+        return self._encode(pieces)
 
-        This runs once per request over every segment (hundreds for K3), so the common cases are
-        inlined: a constant ``Run`` among the ``pieces`` of a formatter's ``Segments`` is one lookup
-        for all its ids, a control segment that is exactly one special is its id, a short segment
-        seen before is a dict hit; only new or long text reaches ``_uncached``.
+    def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """Concatenated ``encode(text, allow_special=...)`` of each ``(text, allow_special)`` segment."""
+        return self._encode(segments)
+
+    def _encode(self, pieces: Iterable[tuple[str, bool] | Run]) -> list[int]:
+        """The hot path, once per request over every piece (hundreds for K3), so the common cases are
+        inlined: a ``Run`` is one lookup for all its ids, a control segment that is exactly one special
+        is its id, a short segment seen before is a dict hit; only new or long text reaches
+        ``_uncached``.
         """
-        pieces: Iterable[tuple[str, bool] | Run] = getattr(segments, "pieces", segments)
         ids: list[int] = []
         append, extend = ids.append, ids.extend
         specials, control_cache, text_cache = self._specials, self._control_cache, self._text_cache
         run_ids = self._run_ids
         for piece in pieces:
-            if not isinstance(piece, tuple):  # a Run
+            if not isinstance(piece, tuple):  # a Run: a Segment is a tuple
                 hit = run_ids.get(piece)
                 extend(hit if hit is not None else self._run(piece))
                 continue
@@ -257,7 +265,7 @@ class Tokenizer:
 
     def _run(self, run: Run) -> tuple[int, ...]:
         """A run's ids, kept: runs are a formatter's constants (bounded all the same)."""
-        ids = tuple(self.encode_segments(run.segments))
+        ids = tuple(self._encode(run.segments))
         if len(self._run_ids) >= SEGMENT_CACHE_MAX_ENTRIES:
             self._run_ids.clear()
         self._run_ids[run] = ids

@@ -3,8 +3,8 @@
 It subscribes exactly like a frontend and feeds every message through the frontend's own pure
 ``DiscoveryRegistry`` (dedup by seq, TTL expiry, withdraw tombstones, first-card-wins, checksum
 checks), so what it shows is what a frontend on the same plane concludes; it only differs in
-what it does with the result: it never fetches files or builds a model, it shows them. Each
-instance's declaration is read from its own card, so a mixed pool shows each engine's token.
+what it does with the result: it never fetches files or builds a model, it shows them. Each row is
+the registry's own ``Instance`` record, so a mixed pool shows each engine's declared token.
 
 Two outputs: a refreshing table (rich) for people, or ``--json``: one JSON line per change for
 scripts (``instance_added``, ``instance_removed``, ``instance_changed``, ``model_added``,
@@ -24,10 +24,9 @@ import signal
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from types import FrameType
 from typing import Any, TextIO
 
 import structlog
@@ -36,8 +35,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dynamo_prep.card import CardDecodeError, CardDecodeResult, decode_card
-from dynamo_prep.discovery.eventlog import CHECKPOINT_DEFAULT, RateLimiter
 from dynamo_prep.discovery.registry import (
     CardRejected,
     ChecksumMismatch,
@@ -50,14 +47,21 @@ from dynamo_prep.discovery.registry import (
     RegistryEvent,
     RuntimeConfigConflict,
 )
-from dynamo_prep.protocol.discovery import Announce, DiscoveryDecodeError, decode_message, topic
+from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
+from dynamo_prep.logging import RateLimiter
+from dynamo_prep.protocol.discovery import (
+    Announce,
+    DiscoveryDecodeError,
+    Instance,
+    declared_label,
+    decode_message,
+    topic,
+)
 
 __all__ = ["Change", "InstanceRow", "PlaneView", "run_watch"]
 
 log = structlog.get_logger("dynamo_prep.watch")
 
-EXIT_OK = 0
-EXIT_ERROR = 1
 PIPE_WIDTH = 200
 POLL_MS = 250  # the table's refresh period and the bound on reacting to a stop signal
 Change = dict[str, Any]
@@ -67,30 +71,22 @@ Change = dict[str, Any]
 class InstanceRow:
     """One live instance as the table shows it."""
 
-    instance_id: str
     model: str
-    endpoint: str
+    instance: Instance
     mdcsum: str
-    declared: str | None
-    legacy: dict[str, Any]
+    legacy: dict[str, Any] = field(default_factory=dict)
     seq: int = -1
     seen_at: float = 0.0
 
-    @property
-    def image_token(self) -> str:
-        return self.declared if self.declared is not None else CHECKPOINT_DEFAULT
-
-    def identity(self) -> tuple[str, str | None, tuple[str, ...]]:
-        """What an ``instance_changed`` line reports on (heartbeats change only seq and age)."""
-        return (self.endpoint, self.declared, tuple(sorted(self.legacy)))
-
     def fields(self) -> Change:
+        instance = self.instance
         return {
             "model": self.model,
-            "instance_id": self.instance_id,
-            "endpoint": self.endpoint,
-            "image_token": self.image_token,
-            "declared_image_token": self.declared,
+            "instance_id": instance.instance_id,
+            "endpoint": instance.endpoint,
+            "declared_token": instance.declared_token,
+            "declared": declared_label(instance.declared_token),
+            "kv_events": instance.kv_events.endpoint if instance.kv_events is not None else None,
             "legacy": self.legacy,
             "mdcsum": self.mdcsum,
             "seq": self.seq,
@@ -105,7 +101,7 @@ class PlaneView:
     registry: DiscoveryRegistry = field(default_factory=DiscoveryRegistry)
     rows: dict[str, InstanceRow] = field(default_factory=dict)
     counters: Counter[str] = field(default_factory=Counter)
-    _cards: dict[str, tuple[bytes, CardDecodeResult]] = field(default_factory=dict)
+    _legacy: dict[str, dict[str, Any]] = field(default_factory=dict)  # instance_id -> legacy keys
     _limiter: RateLimiter = field(default_factory=RateLimiter)
     _arrival: tuple[int, float] = (-1, 0.0)  # (seq, time) of the announce being applied
 
@@ -120,21 +116,19 @@ class PlaneView:
             message = decode_message(frames[1])
         except DiscoveryDecodeError as exc:
             return self._rejected(exc.reason, exc.detail, now)
-        card = None
         if isinstance(message, Announce):
-            card = self._card(message.instance_id, bytes(message.card))
             self._arrival = (message.seq, now)
         dropped = self._dropped()
-        changes = self._translate(self.registry.apply(message, now=now), card)
+        changes = self._translate(self.registry.apply(message, now=now))
         if isinstance(message, Announce) and self._dropped() == dropped:
-            changes.extend(self._heartbeat(message, card, now))
+            self._heartbeat(message, now)
         return changes
 
     def expire(self, now: float) -> list[Change]:
-        return self._translate(self.registry.expire(now), None)
+        return self._translate(self.registry.expire(now))
 
     def snapshot(self, now: float) -> Change:
-        rows = sorted(self.rows.values(), key=lambda row: (row.model, row.instance_id))
+        rows = sorted(self.rows.values(), key=lambda row: (row.model, row.instance.instance_id))
         instances = [{**row.fields(), "heartbeat_age_s": round(now - row.seen_at, 3)} for row in rows]
         return {"event": "snapshot", "models": self.registry.model_names(), "instances": instances}
 
@@ -142,19 +136,6 @@ class PlaneView:
 
     def _dropped(self) -> int:
         return self.registry.counters["duplicate"] + self.registry.counters["stale"]
-
-    def _card(self, instance_id: str, raw: bytes) -> CardDecodeResult | None:
-        """The instance's card, decoded only when its bytes change (a heartbeat costs a compare)."""
-        cached = self._cards.get(instance_id)
-        if cached is not None and cached[0] == raw:
-            return cached[1]
-        try:
-            decoded = decode_card(raw)
-        except CardDecodeError:
-            self._cards.pop(instance_id, None)
-            return None
-        self._cards[instance_id] = (raw, decoded)
-        return decoded
 
     def _rejected(self, reason: str, detail: str, now: float) -> list[Change]:
         self.counters[f"rejected:{reason}"] += 1
@@ -165,38 +146,34 @@ class PlaneView:
             {"event": "card_rejected", "reason": reason, "detail": detail[:300], "suppressed": suppressed}
         ]
 
-    def _heartbeat(self, message: Announce, card: CardDecodeResult | None, now: float) -> list[Change]:
-        """An accepted announce of a live instance: refresh its row, report a changed declaration."""
+    def _heartbeat(self, message: Announce, now: float) -> None:
+        """An accepted announce of a live instance: its row's seq and age (its record changes
+        only through the registry's ``InstanceAdded``)."""
         row = self.rows.get(message.instance_id)
-        if row is None:
-            return []
-        before = row.identity()
-        row.seq, row.seen_at, row.endpoint = message.seq, now, message.endpoint
-        if card is not None:
-            row.declared = card.card.runtime_config.image_placeholder_token
-            row.legacy = dict(card.legacy)
-        if row.identity() == before:
-            return []
-        return [{"event": "instance_changed", **row.fields()}]
+        if row is not None:
+            row.seq, row.seen_at = message.seq, now
 
-    def _translate(self, events: list[RegistryEvent], card: CardDecodeResult | None) -> list[Change]:
-        changes: list[Change] = []
-        for event in events:
-            change = self._change(event, card)
-            if change is not None:
-                changes.append(change)
-        return changes
+    def _translate(self, events: list[RegistryEvent]) -> list[Change]:
+        for event in events:  # a legacy card is reported after its instance, whose row shows it too
+            if isinstance(event, LegacyDowngrade):
+                self._legacy[event.instance_id] = dict(event.legacy)
+        return [change for event in events if (change := self._change(event)) is not None]
 
-    def _change(self, event: RegistryEvent, card: CardDecodeResult | None) -> Change | None:
+    def _change(self, event: RegistryEvent) -> Change | None:
         match event:
             case InstanceAdded():
-                row = self._row(event, card)
-                self.rows[event.instance_id] = row
-                return {"event": "instance_added", **row.fields()}
+                return self._instance(event)
             case InstanceRemoved():
-                self.rows.pop(event.instance_id, None)
-                fields = {"model": event.model, "instance_id": event.instance_id, "endpoint": event.endpoint}
-                return {"event": "instance_removed", **fields, "reason": event.reason}
+                instance = event.instance
+                self.rows.pop(instance.instance_id, None)
+                self._legacy.pop(instance.instance_id, None)
+                return {
+                    "event": "instance_removed",
+                    "model": event.model,
+                    "instance_id": instance.instance_id,
+                    "endpoint": instance.endpoint,
+                    "reason": event.reason,
+                }
             case ModelFirstSeen():
                 return {"event": "model_added", "model": event.model, "mdcsum": event.mdcsum}
             case ModelRemoved():
@@ -229,14 +206,17 @@ class PlaneView:
                 }
         return None
 
-    def _row(self, event: InstanceAdded, card: CardDecodeResult | None) -> InstanceRow:
-        """A new row; its declaration comes from the card of the message that admitted it."""
-        declared = card.card.runtime_config.image_placeholder_token if card is not None else None
-        legacy = dict(card.legacy) if card is not None else {}
+    def _instance(self, event: InstanceAdded) -> Change:
+        """A new row (``instance_added``), or a live row's new record (``instance_changed``)."""
+        row = self.rows.get(event.instance.instance_id)
+        if row is not None:
+            row.instance, row.model, row.mdcsum = event.instance, event.model, event.mdcsum
+            return {"event": "instance_changed", **row.fields()}
         seq, seen_at = self._arrival
-        return InstanceRow(
-            event.instance_id, event.model, event.endpoint, event.mdcsum, declared, legacy, seq, seen_at
-        )
+        legacy = self._legacy.get(event.instance.instance_id, {})
+        row = InstanceRow(event.model, event.instance, event.mdcsum, legacy, seq=seq, seen_at=seen_at)
+        self.rows[event.instance.instance_id] = row
+        return {"event": "instance_added", **row.fields()}
 
 
 def _about(event: LegacyDowngrade | RuntimeConfigConflict | ChecksumMismatch) -> Change:
@@ -260,7 +240,7 @@ def render_table(view: PlaneView, now: float) -> Table:
     for column in (
         "model",
         "instance",
-        "image token",
+        "declared token",
         "legacy",
         "endpoint",
         "heartbeat age",
@@ -268,10 +248,12 @@ def render_table(view: PlaneView, now: float) -> Table:
         "mdcsum",
     ):
         table.add_column(column, overflow="fold")
-    for row in sorted(view.rows.values(), key=lambda row: (row.model, row.instance_id)):
+    for row in sorted(view.rows.values(), key=lambda row: (row.model, row.instance.instance_id)):
         legacy = ", ".join(f"{key}={value}" for key, value in row.legacy.items())
-        table.add_row(row.model, row.instance_id[:12], row.image_token, legacy or "-", row.endpoint,
-                      f"{now - row.seen_at:.1f}s", str(row.seq), row.mdcsum[:12])  # fmt: skip
+        instance = row.instance
+        table.add_row(row.model, instance.instance_id[:12], declared_label(instance.declared_token),
+                      legacy or "-", instance.endpoint, f"{now - row.seen_at:.1f}s", str(row.seq),
+                      row.mdcsum[:12])  # fmt: skip
     return table
 
 
@@ -297,22 +279,23 @@ def run_watch(
     out = stream or sys.stdout
     if not discovery and not bind:
         log.error("watch_config_error", error="give --discovery ADDR (brokers) and/or --bind ADDR")
-        return EXIT_ERROR
+        return EXIT_FAILED
     context: zmq.Context[Any] = zmq.Context()
     try:
         socket = _subscribe(context, namespace, discovery, bind)
     except zmq.ZMQError as exc:
         log.error("watch_start_failed", error=str(exc), discovery=list(discovery), bind=list(bind))
         context.term()
-        return EXIT_ERROR
+        return EXIT_FAILED
     log.info(
         "watch_started", discovery=list(discovery), bind=list(bind), namespace=namespace, json=json_lines
     )
     view = PlaneView(namespace)
     try:
-        with _stop_on_signals() as stopped:
+        stopping: list[signal.Signals] = []
+        with on_stop_signals(stopping.append):
             deadline = None if once_after is None else time.monotonic() + once_after
-            done = lambda: stopped() or _past(deadline)  # noqa: E731
+            done = lambda: bool(stopping) or _past(deadline)  # noqa: E731
             _loop(socket, view, done, json_lines=json_lines, once=once_after is not None, out=out)
     finally:
         socket.close(linger=0)
@@ -381,20 +364,3 @@ def _receive(socket: zmq.Socket[Any], view: PlaneView) -> list[Change]:
 
 def _past(deadline: float | None) -> bool:
     return deadline is not None and time.monotonic() >= deadline
-
-
-@contextlib.contextmanager
-def _stop_on_signals() -> Iterator[Callable[[], bool]]:
-    """SIGTERM / SIGINT end the loop at its next poll (the handlers are restored afterwards)."""
-    stopping: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        del frame
-        stopping.append(signum)
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield lambda: bool(stopping)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

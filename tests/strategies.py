@@ -662,25 +662,26 @@ def _check_chat_on(chat: ChatInput, name: str, image_token: str | None) -> Outco
     tokenizer = pp.tokenizer
     specials = _special_ids(tokenizer)
     rendered = prompt.rendered
-    image = pp.formatter.image_token
+    image = pp.formatter.rendered_token
     if pp.formatter.kind == "kimi_k3":
         assert image is not None
         controls = k3_controls(image)
     else:
         controls = frozenset(tokenizer.special_tokens)
         image = "<|image_pad|>"
-    if rendered.segments is not None:
-        assert rendered.text == "".join(s.text for s in rendered.segments)
-        check_segments(rendered.segments, tokenizer, controls)
+    segments = rendered.segments
+    if segments is not None:
+        assert rendered.text == "".join(s.text for s in segments)
+        check_segments(segments, tokenizer, controls)
         control_ids = [
             i
-            for text, allow in rendered.segments
+            for text, allow in segments
             if allow
             for i in tokenizer.encode(text, allow_special=True)
             if i in specials
         ]
         assert [i for i in result.token_ids if i in specials] == control_ids, "special id not from a control"
-        assert sum(1 for s in rendered.segments if s.allow_special and s.text == image) == images
+        assert sum(1 for s in segments if s.allow_special and s.text == image) == images
     if tokenizer.is_special_token(image):
         count = result.token_ids.count(tokenizer.special_tokens[image])
         assert count == images, f"{count} {image} ids for {images} image parts"
@@ -752,7 +753,7 @@ def check_render(data: RenderInput) -> Outcome:
         )
     except Exception as exc:
         return _classify(exc, (PromptRenderError,))
-    check_segments(segments, tokenizer(K3), k3_controls(formatter.image_token))
+    check_segments(segments, tokenizer(K3), k3_controls(formatter.rendered_token))
     _check_render_request(data, formatter)
     return "ok"
 
@@ -770,9 +771,10 @@ def _check_render_request(data: RenderInput, formatter: KimiK3Formatter) -> None
     except Exception as exc:
         _classify(exc, (PromptRenderError, RequestError))
         return
-    assert rendered.segments is not None
-    assert rendered.text == "".join(s.text for s in rendered.segments)
-    check_segments(rendered.segments, tokenizer(K3), k3_controls(formatter.image_token))
+    segments = rendered.segments
+    assert segments is not None
+    assert rendered.text == "".join(s.text for s in segments)
+    check_segments(segments, tokenizer(K3), k3_controls(formatter.rendered_token))
 
 
 # ============================================================================ cards
@@ -1141,11 +1143,14 @@ def _replay(events: list[RegistryEvent], live: dict[str, str], models: set[str])
     """Apply events to a shadow state; each event must be consistent with it."""
     for event in events:
         if isinstance(event, InstanceAdded):
-            assert event.instance_id not in live, f"{event} for a live instance"
+            instance_id = event.instance.instance_id
+            # again for a live instance only as its changed record, in the same model
+            assert live.get(instance_id, event.model) == event.model, f"{event} moved between models"
             assert event.model in models, f"{event} before its model"
-            live[event.instance_id] = event.model
+            live[instance_id] = event.model
         elif isinstance(event, InstanceRemoved):
-            assert live.pop(event.instance_id, None) == event.model, f"{event} for an instance not live there"
+            instance_id = event.instance.instance_id
+            assert live.pop(instance_id, None) == event.model, f"{event} for an instance not live there"
         elif isinstance(event, ModelFirstSeen):
             assert event.model not in models, f"{event} for a known model"
             models.add(event.model)

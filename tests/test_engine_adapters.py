@@ -195,15 +195,15 @@ def test_the_flavor_picks_the_adapter() -> None:
         declared_image_token(engine, "trtllm")  # type: ignore[arg-type]
 
 
-def test_vllm_checkpoint_placeholder(tmp_path: Path) -> None:
-    assert vllm.checkpoint_image_placeholder("kimi-k3-demo") == "<|kimi_image_placeholder|>"
-    assert vllm.checkpoint_image_placeholder("qwen-vl-demo") is None
-    assert vllm.checkpoint_image_placeholder(model_dir_with(tmp_path, model_type="kimi_k3")) == (
+def test_vllm_expands_the_checkpoint_placeholder(tmp_path: Path) -> None:
+    assert vllm.expanded_image_placeholder("kimi-k3-demo") == "<|kimi_image_placeholder|>"
+    assert vllm.expanded_image_placeholder("qwen-vl-demo") is None
+    assert vllm.expanded_image_placeholder(model_dir_with(tmp_path, model_type="kimi_k3")) == (
         "<|kimi_image_placeholder|>"
     )
     custom = tmp_path / "custom"
     custom.mkdir()
-    assert vllm.checkpoint_image_placeholder(model_dir_with(custom, image_placeholder="<img>")) == "<img>"
+    assert vllm.expanded_image_placeholder(model_dir_with(custom, image_placeholder="<img>")) == "<img>"
 
 
 def test_kimi_k25_checkpoints_get_sglangs_kimi_k3_processor(tmp_path: Path) -> None:
@@ -221,7 +221,7 @@ def test_without_a_model_type_the_directory_name_decides_kimi_k3(tmp_path: Path)
     engine = sglang_engine_standin(model_dir_with(named, **config))
     assert engine.tokenizer_manager is not None
     assert isinstance(engine.tokenizer_manager.mm_processor, KimiK3ImageProcessorStandIn)
-    assert vllm.checkpoint_image_placeholder(named) == "<|kimi_image_placeholder|>"
+    assert vllm.expanded_image_placeholder(named) == "<|kimi_image_placeholder|>"
     other = tmp_path / "other"
     other.mkdir()
-    assert vllm.checkpoint_image_placeholder(model_dir_with(other, **config)) is None
+    assert vllm.expanded_image_placeholder(model_dir_with(other, **config)) is None

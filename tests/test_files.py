@@ -12,7 +12,7 @@ import pytest
 import zmq
 from support.plane import write_model_dir
 
-from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.card import ModelCardError, ModelDeploymentCard
 from dynamo_prep.discovery.files import (
     FileFetchError,
     FileServer,
@@ -196,6 +196,25 @@ def test_store_refuses_unsafe_names_and_hashes(
     with pytest.raises(ModelFileError, match="invalid sha256"):
         store.model_dir_for(card=bad_hash, endpoint="tcp://127.0.0.1:1")
     assert not (tmp_path / "cache").exists()
+
+
+def test_files_past_the_request_planes_limit_are_refused_on_both_sides(
+    model: tuple[ModelDeploymentCard, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    card, directory = model
+    ref = card.files["tiktoken.model"]
+    huge = ModelDeploymentCard(
+        **{
+            **_fields(card),
+            "files": {**card.files, "tiktoken.model": type(ref)(ref.sha256, wire.MAX_FILE_BYTES + 1)},
+        }
+    )
+    with pytest.raises(ModelFileError, match="the limit is"):
+        ModelFileStore(tmp_path / "cache").model_dir_for(card=huge, endpoint="tcp://127.0.0.1:1")
+    # A worker never announces what it could not serve: its card is refused at build time.
+    monkeypatch.setattr("dynamo_prep.card.MAX_FILE_BYTES", ref.size - 1)
+    with pytest.raises(ModelCardError, match="limit of a model file"):
+        ModelDeploymentCard.from_model_dir(directory)
 
 
 def test_store_without_endpoint_says_so(model: tuple[ModelDeploymentCard, Path], tmp_path: Path) -> None:

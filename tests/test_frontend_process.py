@@ -18,9 +18,9 @@ import pytest
 import zmq
 from support.plane import DynamoProcess, start_dynamo, tcp_endpoint, wait_for
 
-from dynamo_prep.discovery.watcher import DEFAULT_BIND
-from dynamo_prep.frontend import FrontendConfig, serve_frontend
-from dynamo_prep.protocol.discovery import topic
+from dynamo_prep.frontend.config import FrontendConfig
+from dynamo_prep.frontend.process import serve_frontend
+from dynamo_prep.protocol.discovery import DEFAULT_BIND, topic
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -87,8 +87,8 @@ def test_workers_before_and_after_a_late_frontend_converge_at_once(
     assert added["model"] == DEMO
     assert added["instance_id"] == instance_id(early)
     declared = early.wait_event("worker_started")["image_placeholder_token"]  # depends on --flavor
-    assert added["image_placeholder_token"] == declared
-    assert added["image_token"] == (declared or KIMI_DEFAULT)
+    assert added["declared_token"] == declared
+    assert added["rendered_token"] == (declared or KIMI_DEFAULT)
     assert added["formatter"] == "kimi_k3"
     assert added["mdcsum"] == early.wait_event("worker_started")["mdcsum"]
     late = worker()

@@ -17,7 +17,8 @@ import pytest
 import pytest_asyncio
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint
 
-from dynamo_prep.frontend import FrontendConfig, serve_frontend
+from dynamo_prep.frontend.config import FrontendConfig
+from dynamo_prep.frontend.process import serve_frontend
 
 DEMO = "kimi-k3-demo"
 BODY_LIMIT = 64 << 10

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 from dynamo_prep.card import ModelCardError
-from dynamo_prep.formatter._prompt import PromptRenderError
 from dynamo_prep.formatter.jinja import ChatTemplateError, JinjaFormatter, special_tokens_from_config
 from dynamo_prep.models import DEMO_MODELS_DIR
+from dynamo_prep.prompt import PromptRenderError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,7 +182,7 @@ def test_qwen_vl_demo_from_model_dir() -> None:
         pytest.skip("qwen-vl-demo is not generated yet")
     formatter = JinjaFormatter.from_model_dir("qwen-vl-demo")
     assert formatter.kind == "jinja"
-    assert formatter.image_token == "<|image_pad|>"
+    assert formatter.rendered_token == "<|image_pad|>"
     content = [
         {"type": "image_url", "image_url": {"url": "data:,"}},
         {"type": "text", "text": "What is this?"},
@@ -233,13 +233,13 @@ def test_image_token_from_config_or_added_tokens_decoder(tmp_path: Path) -> None
     by_id = write_model_dir(
         tmp_path / "a", {"chat_template": "x", "added_tokens_decoder": decoder}, {"image_token_id": 7}
     )
-    assert JinjaFormatter.from_model_dir(by_id).image_token == "<|image_pad|>"
+    assert JinjaFormatter.from_model_dir(by_id).rendered_token == "<|image_pad|>"
     by_name = write_model_dir(
         tmp_path / "b", {"chat_template": "x"}, {"image_token": "<image>", "image_token_id": 7}
     )
-    assert JinjaFormatter.from_model_dir(by_name).image_token == "<image>"
+    assert JinjaFormatter.from_model_dir(by_name).rendered_token == "<image>"
     neither = write_model_dir(tmp_path / "c", {"chat_template": "x"})
-    assert JinjaFormatter.from_model_dir(neither).image_token is None
+    assert JinjaFormatter.from_model_dir(neither).rendered_token is None
 
 
 def test_missing_template_is_a_clear_error(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter import JinjaFormatter, PromptRenderError, Segment
-from dynamo_prep.formatter.jinja import _Marked
+from dynamo_prep.formatter.jinja.injection import _Marked
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import Tokenizer

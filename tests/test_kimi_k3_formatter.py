@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.formatter.kimi_k3 import KimiK3Formatter
+from dynamo_prep.prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 T, F = True, False
@@ -297,7 +297,7 @@ E8_CONTENT = [
     ids=["a-default", "b-declared"],
 )
 def test_e8_image_part(formatter: KimiK3Formatter, token: str) -> None:
-    assert formatter.image_token == token
+    assert formatter.rendered_token == token
     segments = formatter.render_segments([{"role": "user", "content": E8_CONTENT}], thinking=False)
     assert segments[7:10] == [("look: ", F), (token, T), (" ok?", F)]
     assert joined(segments) == (
@@ -946,9 +946,9 @@ def typed_everywhere(formatter: KimiK3Formatter, special: str) -> list[Segment]:
 def test_typed_special_strings_stay_text(formatter: KimiK3Formatter, special: str) -> None:
     typed = typed_everywhere(formatter, special)
     neutral = typed_everywhere(formatter, "QQ")
-    assert_safe(typed, formatter.image_token)
+    assert_safe(typed, formatter.rendered_token)
     assert [seg for seg in typed if seg.allow_special] == [seg for seg in neutral if seg.allow_special]
-    assert not any(seg.allow_special and seg.text == formatter.image_token for seg in typed)
+    assert not any(seg.allow_special and seg.text == formatter.rendered_token for seg in typed)
     typed_texts = [seg.text.replace("&quot;", '"') for seg in typed if not seg.allow_special]
     neutral_texts = [seg.text.replace("&quot;", '"') for seg in neutral if not seg.allow_special]
     assert [text.replace(special, "QQ") for text in typed_texts] == neutral_texts
@@ -1071,10 +1071,11 @@ def test_render_passes_tools_choice_format_and_generation_prompt() -> None:
 
 
 def test_constructor_tokens() -> None:
-    assert KimiK3Formatter().image_token == "<|kimi_image_placeholder|>"
-    assert KimiK3Formatter(default_image_placeholder="<|img|>").image_token == "<|img|>"
+    assert KimiK3Formatter().rendered_token == "<|kimi_image_placeholder|>"
+    assert KimiK3Formatter(default_image_placeholder="<|img|>").rendered_token == "<|img|>"
     assert (
-        KimiK3Formatter("<|media_pad|>", default_image_placeholder="<|img|>").image_token == "<|media_pad|>"
+        KimiK3Formatter("<|media_pad|>", default_image_placeholder="<|img|>").rendered_token
+        == "<|media_pad|>"
     )
     assert KimiK3Formatter.kind == "kimi_k3"
     with pytest.raises(ValueError, match="generation_prompt"):
@@ -1153,7 +1154,7 @@ def test_fuzz_only_prompt_render_errors_escape(
         except PromptRenderError as exc:
             assert str(exc)
             continue
-        assert_safe(segments, formatter.image_token)
+        assert_safe(segments, formatter.rendered_token)
     assert repr(messages) == repr(original)
 
 
@@ -1192,8 +1193,8 @@ def test_property_render_join_and_control_segments(
         return
     assert rendered.segments is not None
     assert rendered.text == joined(rendered.segments)
-    assert_safe(rendered.segments, formatter.image_token)
-    images = sum(1 for s in rendered.segments if s.allow_special and s.text == formatter.image_token)
+    assert_safe(rendered.segments, formatter.rendered_token)
+    images = sum(1 for s in rendered.segments if s.allow_special and s.text == formatter.rendered_token)
     assert rendered.image_count == images
 
 

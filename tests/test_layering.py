@@ -13,8 +13,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dynamo_prep"
 FLOORS: dict[str, int] = {
     "dynamo_prep.models": 0,
     "dynamo_prep.logging": 0,
+    "dynamo_prep.lifecycle": 0,
     "dynamo_prep.protocol": 0,
     "dynamo_prep.card": 1,
+    "dynamo_prep.prompt": 1,
     "dynamo_prep.tokenizer": 2,
     "dynamo_prep.formatter": 2,
     "dynamo_prep.preprocessor": 3,

@@ -14,13 +14,17 @@ import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.formatter import (
+    DEFAULT_IMAGE_PLACEHOLDER,
+    DEFAULT_KIMI_IMAGE_PLACEHOLDER,
     JinjaFormatter,
     KimiK3Formatter,
+    checkpoint_image_placeholder,
+    is_kimi_k3,
     kimi_k3_formatter_for,
     prompt_formatter_for,
 )
 from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
+from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError, stop_strings
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -65,7 +69,7 @@ def qwen() -> OpenAIPreprocessor:
 def test_new_builds_k3_and_jinja_formatters(k3: OpenAIPreprocessor, qwen: OpenAIPreprocessor) -> None:
     assert isinstance(k3.formatter, KimiK3Formatter)
     assert isinstance(qwen.formatter, JinjaFormatter)
-    assert k3.formatter.image_token == "<|kimi_image_placeholder|>"
+    assert k3.formatter.rendered_token == "<|kimi_image_placeholder|>"
 
 
 def test_unregistered_declared_token_warns_once_per_preprocessor_not_per_request() -> None:
@@ -193,14 +197,60 @@ def test_declared_token_does_not_change_a_jinja_rendered_prompt() -> None:
 
 
 def test_kimi_k3_formatter_for_detection() -> None:
-    assert kimi_k3_formatter_for("kimi_k3", "anything", True, None) is not None
-    assert kimi_k3_formatter_for("qwen2_vl", "kimi-k3-lookalike", True, None) is None
-    assert kimi_k3_formatter_for(None, "moonshot/Kimi-K3-Instruct", True, None) is not None
-    assert kimi_k3_formatter_for(None, "org/kimik3", True, None) is not None
-    assert kimi_k3_formatter_for(None, "qwen", True, "<|media_pad|>") is None
-    formatter = kimi_k3_formatter_for("kimi_k3", "m", True, "<|media_pad|>")
+    assert kimi_k3_formatter_for("kimi_k3", "anything", None) is not None
+    assert kimi_k3_formatter_for("qwen2_vl", "kimi-k3-lookalike", None) is None
+    assert kimi_k3_formatter_for(None, "moonshot/Kimi-K3-Instruct", None) is not None
+    assert kimi_k3_formatter_for(None, "org/kimik3", None) is not None
+    assert kimi_k3_formatter_for(None, "qwen", "<|media_pad|>") is None
+    formatter = kimi_k3_formatter_for("kimi_k3", "m", "<|media_pad|>")
     assert formatter is not None
-    assert formatter.image_token == "<|media_pad|>"
+    assert formatter.rendered_token == "<|media_pad|>"
+
+
+def test_is_kimi_k3_model_type_first_then_the_served_name() -> None:
+    assert is_kimi_k3("kimi_k3", "anything")
+    assert not is_kimi_k3("qwen2_vl", "Kimi-K3-lookalike")
+    assert is_kimi_k3(None, "moonshot/Kimi-K3-Instruct")
+    assert not is_kimi_k3(None, "qwen")
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"model_type": "kimi_k3"}, "<|kimi_image_placeholder|>"),
+        ({"model_type": "kimi_k3", "image_placeholder": ""}, "<|kimi_image_placeholder|>"),
+        ({"model_type": "kimi_k3", "image_placeholder": 7}, "<|kimi_image_placeholder|>"),
+        ({"model_type": "kimi_k3", "image_placeholder": "<|img|>"}, "<|img|>"),
+        ({"model_type": "qwen2_vl", "image_placeholder": "<|img|>"}, "<|img|>"),
+        ({"model_type": "qwen2_vl"}, None),
+        ({}, None),
+    ],
+)
+def test_checkpoint_image_placeholder(config: dict[str, Any], expected: str | None) -> None:
+    assert checkpoint_image_placeholder(config) == expected
+    assert DEFAULT_KIMI_IMAGE_PLACEHOLDER == DEFAULT_IMAGE_PLACEHOLDER == "<|kimi_image_placeholder|>"
+
+
+def test_prompt_formatter_for_uses_the_config_it_is_given() -> None:
+    card = ModelDeploymentCard.from_model_dir("kimi-k3-demo")
+    config = {"model_type": "kimi_k3", "image_placeholder": "<|media_pad|>"}  # not the file's value
+    formatter = prompt_formatter_for(card, "kimi-k3-demo", config=config)
+    assert formatter.rendered_token == "<|media_pad|>"
+    assert prompt_formatter_for(card, "kimi-k3-demo").rendered_token == "<|kimi_image_placeholder|>"
+
+
+def test_k3_by_served_name_alone_renders_the_k3_default() -> None:
+    card = ModelDeploymentCard.from_model_dir("kimi-k3-demo", served_name="org/Kimi-K3-custom")
+    card.model_type = None
+    formatter = prompt_formatter_for(card, "kimi-k3-demo", config={})
+    assert isinstance(formatter, KimiK3Formatter)
+    assert formatter.rendered_token == "<|kimi_image_placeholder|>"
+
+
+def test_stop_strings() -> None:
+    assert stop_strings(None) == []
+    assert stop_strings("END") == ["END"]
+    assert stop_strings(["a", "b"]) == ["a", "b"]
 
 
 # --- Jinja path ------------------------------------------------------------------------------
@@ -309,6 +359,17 @@ def test_bad_requests_are_preprocess_errors(
         k3.preprocess(request_body)
 
 
+@pytest.mark.parametrize(
+    "part",
+    [{"type": "audio_url"}, {"type": "image_url", "image_url": {}}, "bare", {"type": ["image"]}],
+)
+def test_content_part_errors_name_messages(k3: OpenAIPreprocessor, part: Any) -> None:
+    with pytest.raises(PreprocessError) as caught:
+        k3.preprocess(chat(user([part])))
+    assert caught.value.param == "messages"
+    assert caught.value.message.startswith("messages[0].content[0]: ")
+
+
 def test_context_overflow_message(k3: OpenAIPreprocessor) -> None:
     limit = k3.context_length
     with pytest.raises(PreprocessError, match=f"This model's maximum context length is {limit} tokens"):
@@ -342,6 +403,7 @@ def test_cli_render_demo_request() -> None:
     assert result.returncode == 0, result.stderr
     output = json.loads(result.stdout)
     assert output["formatter"] == "kimi_k3"
+    assert output["declared_token"] == output["rendered_token"] == "<|media_pad|>"
     assert ["<|media_pad|>", True] in output["segments"]
     assert "".join(text for text, _ in output["segments"]) == output["text"]
     tokenizer = Tokenizer.from_model_dir("kimi-k3-demo")

@@ -21,9 +21,11 @@ from dynamo_prep.discovery.registry import (
     RegistryEvent,
     RuntimeConfigConflict,
 )
-from dynamo_prep.protocol.discovery import Announce, Withdraw
+from dynamo_prep.protocol.discovery import Announce, Instance, KvEventsEndpoint, Withdraw
 
 K3 = "kimi-k3-demo"
+ENDPOINT = "tcp://127.0.0.1:1100"
+MEDIA_PAD = "<|media_pad|>"
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +42,22 @@ def card_bytes(card: ModelDeploymentCard, **runtime: Any) -> bytes:
     return msgspec.msgpack.encode(fields)
 
 
-def announce(instance_id: str, seq: int, raw: bytes, *, ttl_ms: int = 3000) -> Announce:
+def announce(
+    instance_id: str, seq: int, raw: bytes, *, ttl_ms: int = 3000, endpoint: str = ENDPOINT, **extra: Any
+) -> Announce:
     return Announce(
         instance_id=instance_id,
         seq=seq,
         sent_ms=0,
         ttl_ms=ttl_ms,
-        endpoint=f"tcp://127.0.0.1:1{seq % 10}00",
+        endpoint=endpoint,
         card=msgspec.Raw(raw),
+        **extra,
     )
+
+
+def instance(instance_id: str, declared_token: str | None = None, **fields: Any) -> Instance:
+    return Instance(instance_id=instance_id, endpoint=ENDPOINT, declared_token=declared_token, **fields)
 
 
 def withdraw(instance_id: str, seq: int) -> Withdraw:
@@ -67,11 +76,11 @@ def test_first_announce_adds_model_and_instance(k3_card: ModelDeploymentCard) ->
     assert isinstance(first, ModelFirstSeen)
     assert first.model == "kimi-k3-demo"
     assert first.mdcsum == k3_card.mdcsum()
-    assert first.instance_id == "a"
+    assert first.instance == instance("a")
     assert first.card == k3_card
     snapshot = registry.model("kimi-k3-demo")
     assert snapshot is not None
-    assert dict(snapshot.instances) == {"a": first.endpoint}
+    assert dict(snapshot.instances) == {"a": instance("a")}
     assert registry.model_of("a") == "kimi-k3-demo"
 
 
@@ -79,7 +88,7 @@ def test_second_instance_only_adds_instance(k3_card: ModelDeploymentCard) -> Non
     registry = DiscoveryRegistry()
     registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
     events = registry.apply(announce("b", 1, card_bytes(k3_card)), now=0.1)
-    assert events == [InstanceAdded("kimi-k3-demo", "b", "tcp://127.0.0.1:1100", k3_card.mdcsum())]
+    assert events == [InstanceAdded("kimi-k3-demo", instance("b"), k3_card.mdcsum())]
 
 
 def test_heartbeat_is_silent_and_refreshes_deadline(k3_card: ModelDeploymentCard) -> None:
@@ -132,7 +141,7 @@ def test_expiry_removes_instance_then_model(k3_card: ModelDeploymentCard) -> Non
     registry.apply(announce("b", 1, raw, ttl_ms=2000), now=0.0)
     assert registry.expire(0.99) == []
     events = registry.expire(1.0)
-    assert events == [InstanceRemoved("kimi-k3-demo", "a", "tcp://127.0.0.1:1100", "expired")]
+    assert events == [InstanceRemoved("kimi-k3-demo", instance("a"), "expired")]
     assert registry.next_deadline() == pytest.approx(2.0)
     events = registry.expire(5.0)
     assert kinds(events) == ["InstanceRemoved", "ModelRemoved"]
@@ -147,7 +156,7 @@ def test_withdraw_removes_at_once_and_tombstone_blocks_late_duplicates(k3_card: 
     registry.apply(announce("a", 1, raw, ttl_ms=1000), now=0.0)
     events = registry.apply(withdraw("a", 2), now=0.2)
     assert events == [
-        InstanceRemoved("kimi-k3-demo", "a", "tcp://127.0.0.1:1100", "withdraw"),
+        InstanceRemoved("kimi-k3-demo", instance("a"), "withdraw"),
         ModelRemoved("kimi-k3-demo", k3_card.mdcsum()),
     ]
     # the second broker's copy of the last announce arrives after the withdraw
@@ -213,6 +222,7 @@ def test_runtime_config_conflict_reports_both_values(k3_card: ModelDeploymentCar
     raw = card_bytes(k3_card, image_placeholder_token="<|media_pad|>", max_num_seqs=8)
     events = registry.apply(announce("sglang", 1, raw), now=0.1)
     assert kinds(events) == ["RuntimeConfigConflict", "InstanceAdded"]
+    assert events[1] == InstanceAdded("kimi-k3-demo", instance("sglang", MEDIA_PAD), k3_card.mdcsum())
     conflict = events[0]
     assert isinstance(conflict, RuntimeConfigConflict)
     assert conflict.first_instance_id == "vllm"
@@ -239,7 +249,7 @@ def test_legacy_card_is_accepted_and_reported_once_per_instance(k3_card: ModelDe
     raw = card_bytes(k3_card, expands_image_pad_token=True)
     events = registry.apply(announce("old", 1, raw, ttl_ms=1000), now=0.0)
     assert kinds(events) == ["ModelFirstSeen", "InstanceAdded", "LegacyDowngrade"]
-    assert events[2] == LegacyDowngrade("kimi-k3-demo", "old", {"expands_image_pad_token": True}, None)
+    assert events[2] == LegacyDowngrade("kimi-k3-demo", "old", {"expands_image_pad_token": True})
     first = events[0]
     assert isinstance(first, ModelFirstSeen)
     assert first.card.runtime_config.image_placeholder_token is None
@@ -255,12 +265,45 @@ def test_legacy_card_is_accepted_and_reported_once_per_instance(k3_card: ModelDe
     assert kinds(events) == ["InstanceAdded", "LegacyDowngrade"]
 
 
-def test_legacy_downgrade_names_the_models_declared_token(k3_card: ModelDeploymentCard) -> None:
+def test_a_legacy_instance_declares_nothing_whatever_the_models_first_card_says(
+    k3_card: ModelDeploymentCard,
+) -> None:
     registry = DiscoveryRegistry()
-    registry.apply(announce("new", 1, card_bytes(k3_card, image_placeholder_token="<|media_pad|>")), now=0)
+    registry.apply(announce("new", 1, card_bytes(k3_card, image_placeholder_token=MEDIA_PAD)), now=0)
     events = registry.apply(announce("old", 1, card_bytes(k3_card, expands_image_pad_token=True)), now=0)
-    legacy = [event for event in events if isinstance(event, LegacyDowngrade)]
-    assert legacy[0].rendered_instead == "<|media_pad|>"
+    added = [event for event in events if isinstance(event, InstanceAdded)]
+    assert [event.instance for event in added] == [instance("old", None)]
+    assert kinds(events)[-1] == "LegacyDowngrade"
+
+
+def test_a_changed_declaration_of_a_live_instance_travels_in_its_new_record(
+    k3_card: ModelDeploymentCard,
+) -> None:
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
+    registry.apply(announce("b", 1, card_bytes(k3_card)), now=0.0)
+    events = registry.apply(announce("b", 2, card_bytes(k3_card, image_placeholder_token=MEDIA_PAD)), now=0.1)
+    assert kinds(events) == ["RuntimeConfigConflict", "InstanceAdded"]
+    assert events[1] == InstanceAdded("kimi-k3-demo", instance("b", MEDIA_PAD), k3_card.mdcsum())
+    snapshot = registry.model("kimi-k3-demo")
+    assert snapshot is not None and snapshot.instances["b"] == instance("b", MEDIA_PAD)
+
+
+def test_a_changed_endpoint_or_kv_events_address_is_a_new_record(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 1, raw), now=0.0)
+    moved = "tcp://127.0.0.1:2200"
+    events = registry.apply(announce("a", 2, raw, endpoint=moved), now=0.1)
+    assert events == [
+        InstanceAdded(
+            "kimi-k3-demo", msgspec.structs.replace(instance("a"), endpoint=moved), k3_card.mdcsum()
+        )
+    ]
+    kv = KvEventsEndpoint(endpoint="tcp://127.0.0.1:5557", replay_endpoint="tcp://127.0.0.1:5558")
+    events = registry.apply(announce("a", 3, raw, endpoint=moved, kv_events=kv), now=0.2)
+    assert [event.instance.kv_events for event in events if isinstance(event, InstanceAdded)] == [kv]
+    assert registry.apply(announce("a", 4, raw, endpoint=moved, kv_events=kv), now=0.3) == []
 
 
 def test_instance_is_bound_to_its_first_key(k3_card: ModelDeploymentCard) -> None:

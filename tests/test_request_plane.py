@@ -12,9 +12,18 @@ import pytest
 from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.engines.mock import MockEngine
-from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost, generate_with_migration
+from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost
+from dynamo_prep.frontend.declarations import DeclarationPreprocessors
+from dynamo_prep.frontend.metrics import FrontendMetrics
+from dynamo_prep.frontend.migration import Migration
+from dynamo_prep.frontend.request_record import RequestRecord
+from dynamo_prep.frontend.router import Router
+from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.protocol.discovery import Instance
+from dynamo_prep.protocol.openai import ChatCompletionRequest, parse_chat_request
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
 
@@ -30,12 +39,42 @@ def mock() -> MockEngine:
     return MockEngine(DEMO, flavor="sglang")
 
 
+def chat(text: str = "Describe it.", **fields: Any) -> ChatCompletionRequest:
+    messages = [{"role": "user", "content": [IMAGE, {"type": "text", "text": text}]}]
+    return parse_chat_request({"model": DEMO, "messages": messages, **fields})
+
+
 def preprocess(declared: str | None, text: str = "Describe it.", **fields: Any) -> PreprocessedRequest:
     card = ModelDeploymentCard.from_model_dir(
         DEMO, runtime_config=ModelRuntimeConfig(image_placeholder_token=declared)
     )
-    messages = [{"role": "user", "content": [IMAGE, {"type": "text", "text": text}]}]
-    return OpenAIPreprocessor.new(card, DEMO).preprocess({"model": DEMO, "messages": messages, **fields})
+    return OpenAIPreprocessor.new(card, DEMO).preprocess(chat(text, **fields))
+
+
+def migration(
+    client: RequestPlaneClient, instances: list[Instance], *, migration_limit: int
+) -> tuple[Migration, LiveModel]:
+    """A catalog serving the demo model on ``instances`` (the first is picked first), and its policy."""
+    card = ModelDeploymentCard.from_model_dir(
+        DEMO,
+        migration_limit=migration_limit,
+        runtime_config=ModelRuntimeConfig(image_placeholder_token=MEDIA_PAD),
+    )
+    model = LiveModel(
+        DEMO,
+        card,
+        card.mdcsum(),
+        OpenAIPreprocessor.new(card, DEMO),
+        {instance.instance_id: instance for instance in instances},
+        model_dir=resolve_model_dir(DEMO),
+    )
+    catalog = ModelCatalog()
+    catalog.publish(model)
+    return Migration(catalog, Router(), client, DeclarationPreprocessors()), model
+
+
+def record() -> RequestRecord:
+    return RequestRecord("r", "/v1/chat/completions", FrontendMetrics())
 
 
 @pytest.fixture
@@ -164,34 +203,57 @@ async def test_migration_finishes_on_another_worker(
 ) -> None:
     first, first_endpoint = workers("--token-delay", "0.1")
     _, second_endpoint = workers("--token-delay", "0.02")
-    request = preprocess(MEDIA_PAD, LONG_TEXT)
-
-    def pick(excluded: set[str]) -> str | None:
-        return next((e for e in (first_endpoint, second_endpoint) if e not in excluded), None)
-
+    a, b = (
+        Instance(instance_id="a", endpoint=first_endpoint, declared_token=MEDIA_PAD),
+        Instance(instance_id="b", endpoint=second_endpoint, declared_token=MEDIA_PAD),
+    )
+    policy, model = migration(client, [a, b], migration_limit=1)
+    served = record()
     outputs: list[Output] = []
-    stream = generate_with_migration(client, pick, request, request_id="m1", timeout_s=30, migration_limit=1)
+    stream = policy.outputs(model, chat(LONG_TEXT), request_id="m1", record=served, timeout_s=30)
     async for output in stream:
         outputs.append(output)
         if len(outputs) == 5:
             first.kill()
+    request = preprocess(MEDIA_PAD, LONG_TEXT)
     assert text_of(mock, outputs) == mock.reply_text(request)
     final = outputs[-1]
     assert final.finish_reason == "stop"
     assert final.prompt_tokens == len(request.token_ids)
     assert final.completion_tokens == sum(len(o.token_ids) for o in outputs)
+    assert served.instance_id == "b"
+
+
+async def test_migration_moves_to_another_declaration_with_a_prompt_rendered_for_it(
+    workers: Any, client: RequestPlaneClient, mock: MockEngine
+) -> None:
+    """Mid-stream, an sglang worker dies; the vllm worker gets ITS contract plus the streamed tokens."""
+    first, first_endpoint = workers("--token-delay", "0.1")
+    second, second_endpoint = workers("--token-delay", "0", "--flavor", "vllm")
+    sglang = Instance(instance_id="a", endpoint=first_endpoint, declared_token=MEDIA_PAD)
+    vllm = Instance(instance_id="b", endpoint=second_endpoint, declared_token=None)
+    policy, model = migration(client, [sglang, vllm], migration_limit=1)
+    outputs: list[Output] = []
+    async for output in policy.outputs(
+        model, chat(LONG_TEXT), request_id="x1", record=record(), timeout_s=30
+    ):
+        outputs.append(output)
+        if len(outputs) == 3:
+            first.kill()
+    streamed = text_of(mock, outputs[:3])
+    text = text_of(mock, outputs)
+    assert text.startswith(streamed) and "[mock vllm] 1 image(s)" in text  # no contract refusal
+    assert outputs[-1].finish_reason == "stop"
+    assert not second.find("mock_contract_violation")
 
 
 async def test_migration_limit_zero_reraises(workers: Any, client: RequestPlaneClient) -> None:
     first, endpoint = workers("--token-delay", "0.2")
-    stream = generate_with_migration(
-        client,
-        lambda excluded: None if excluded else endpoint,
-        preprocess(MEDIA_PAD),
-        request_id="z1",
-        timeout_s=30,
-        migration_limit=0,
-    )
+    _, other = workers("--token-delay", "0")
+    a = Instance(instance_id="a", endpoint=endpoint, declared_token=MEDIA_PAD)
+    b = Instance(instance_id="b", endpoint=other, declared_token=MEDIA_PAD)
+    policy, model = migration(client, [a, b], migration_limit=0)
+    stream = policy.outputs(model, chat(), request_id="z1", record=record(), timeout_s=30)
     await anext(stream)
     first.kill()
     client.endpoint_lost(endpoint)

@@ -19,10 +19,12 @@ from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, 
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.discovery.catalog import LiveModel
+from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.tokenizer import Tokenizer
 
 DEMO = "kimi-k3-demo"
@@ -38,13 +40,15 @@ def live_model(declared: str | None, instances: dict[str, str | None]) -> LiveMo
     card = ModelDeploymentCard.from_model_dir(
         directory, runtime_config=ModelRuntimeConfig(image_placeholder_token=declared)
     )
-    model = LiveModel(
-        DEMO, card, card.mdcsum(), OpenAIPreprocessor.new(card, directory), "kimi_k3", model_dir=directory
-    )
-    endpoints = {
-        instance_id: f"tcp://127.0.0.1:{9000 + index}" for index, instance_id in enumerate(instances)
+    records = {
+        instance_id: Instance(
+            instance_id=instance_id, endpoint=f"tcp://127.0.0.1:{9000 + index}", declared_token=token
+        )
+        for index, (instance_id, token) in enumerate(instances.items())
     }
-    return model.with_instances(endpoints, instances)
+    return LiveModel(
+        DEMO, card, card.mdcsum(), OpenAIPreprocessor.new(card, directory), records, model_dir=directory
+    )
 
 
 def test_round_robin_over_live_instances_skipping_excluded() -> None:
@@ -52,21 +56,21 @@ def test_round_robin_over_live_instances_skipping_excluded() -> None:
     router = Router()
     picks = [router.pick(model) for _ in range(6)]
     assert [pick.instance_id for pick in picks if pick] == ["a", "b", "c", "a", "b", "c"]
-    excluded = {model.instances["a"], model.instances["b"]}
-    assert {router.pick(model, excluded=excluded).instance_id for _ in range(3)} == {"c"}  # type: ignore[union-attr]
-    assert router.pick(model, excluded=set(model.instances.values())) is None
+    assert {router.pick(model, excluded={"a", "b"}).instance_id for _ in range(3)} == {"c"}  # type: ignore[union-attr]
+    assert router.pick(model, excluded=set(model.instances)) is None
 
 
 def test_a_mixed_pool_renders_each_declaration_with_a_shared_tokenizer() -> None:
     model = live_model(MEDIA_PAD, {"sg": MEDIA_PAD, "vl": None})
     router = Router()
+    declarations = DeclarationPreprocessors()
     assert model.composition() == {MEDIA_PAD: 1, "checkpoint default": 1}
-    assert {router.pick(model).image_token for _ in range(2)} == {MEDIA_PAD, None}  # type: ignore[union-attr]
-    assert router.pick(model, image_token=None).instance_id == "vl"  # type: ignore[union-attr]
-    sglang = router.preprocessor(model, MEDIA_PAD)
-    vllm = router.preprocessor(model, None)
+    assert {router.pick(model).declared_token for _ in range(2)} == {MEDIA_PAD, None}  # type: ignore[union-attr]
+    sglang = declarations.build(model, MEDIA_PAD)
+    assert declarations.get(model, None) is None  # not built yet
+    vllm = declarations.build(model, None)
     assert sglang is model.preprocessor  # the canonical declaration needs no build
-    assert router.preprocessor(model, None) is vllm  # cached
+    assert declarations.get(model, None) is vllm  # cached
     assert vllm.tokenizer is sglang.tokenizer
     tokenizer = sglang.tokenizer
     pad_id = tokenizer.special_tokens[MEDIA_PAD]
@@ -135,14 +139,14 @@ def test_mixed_pool_alternates_and_each_worker_gets_its_contract(
     assert mixed["composition"] == {MEDIA_PAD: 1, "checkpoint default": 1}
     assert mixed["model"] == DEMO
     model = live_model(MEDIA_PAD, {})
-    router = Router()
+    declarations = DeclarationPreprocessors()
     body = {
         "model": DEMO,
         "messages": [{"role": "user", "content": [IMAGE, IMAGE, {"type": "text", "text": "two"}]}],
     }
     expected = {
-        "sglang": len(router.preprocessor(model, MEDIA_PAD).preprocess(body).token_ids),
-        "vllm": len(router.preprocessor(model, None).preprocess(body).token_ids),
+        "sglang": len(declarations.build(model, MEDIA_PAD).preprocess(body).token_ids),
+        "vllm": len(declarations.build(model, None).preprocess(body).token_ids),
     }
     assert expected["vllm"] > expected["sglang"]  # each image is one pad id vs a shattered placeholder
     flavors = []

@@ -244,7 +244,7 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
 
         def both_workers() -> set[str] | None:
             assert watch is not None
-            found = {event["image_token"] for event in watch.find("instance_added")}
+            found = {event["declared"] for event in watch.find("instance_added")}
             return found if len(found) == 2 else None
 
         tokens = wait_for(both_workers, 20, message="both up workers in watch")

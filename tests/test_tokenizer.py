@@ -13,8 +13,10 @@ import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_prep.formatter import Segment
+from dynamo_prep.formatter import KimiK3Formatter, Segment
 from dynamo_prep.models import DEMO_MODELS_DIR
+from dynamo_prep.prompt import Run
+from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import (
     KIMI_PAT_STR,
     MAX_RUN_CHARS,
@@ -248,6 +250,32 @@ def test_encode_segments_equals_per_segment_encode(
     typed = [Segment(text, allow) for text, allow in segments]
     assert tok.encode_segments(typed) == expected
     assert tok.encode_segments(typed) == expected  # second pass is served from the caches
+
+
+def test_encode_pieces_serves_runs_whole_and_equals_the_flat_segments(k3_demo_tokenizer: Tokenizer) -> None:
+    tok = k3_demo_tokenizer
+    request = ChatCompletionRequest(
+        model="m",
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in <|open|>Berlin?"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"id": "c1", "function": {"name": "w", "arguments": '{"city": "B"}'}}],
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        ],
+    )
+    rendered = KimiK3Formatter().render(request)
+    assert rendered.pieces is not None and rendered.segments is not None
+    runs = [piece for piece in rendered.pieces if isinstance(piece, Run)]
+    assert runs, "a K3 render lists its constant runs whole"
+    expected = [i for text, allow in rendered.segments for i in tok.encode(text, allow_special=allow)]
+    assert tok.encode_pieces(rendered.pieces) == expected
+    assert all(run in tok._run_ids for run in runs)
+    assert tok.encode_pieces(rendered.pieces) == expected  # runs now served from their kept ids
+    assert tok.encode_segments(rendered.segments) == expected
 
 
 def test_segment_caches_stay_bounded(tmp_path: Path) -> None:

@@ -40,9 +40,9 @@ def test_watch_json_follows_joins_declarations_legacy_kill_and_withdraw(procs: l
         for instance_id in (sglang_id, vllm_id, legacy_id)
     }
     assert watch.find("model_added", model=DEMO)
-    assert added[sglang_id]["image_token"] == "<|media_pad|>"  # SGLang's engine declares its pad
-    assert added[vllm_id]["image_token"] == "checkpoint default"  # vLLM declares nothing
-    assert added[vllm_id]["declared_image_token"] is None
+    assert added[sglang_id]["declared_token"] == "<|media_pad|>"  # SGLang's engine declares its pad
+    assert added[vllm_id]["declared"] == "checkpoint default"  # vLLM declares nothing
+    assert added[vllm_id]["declared_token"] is None
     assert added[legacy_id]["legacy"] == {"expands_image_pad_token": True}
     assert added[sglang_id]["legacy"] == {} and added[vllm_id]["legacy"] == {}
     assert watch.wait_event("legacy_card", instance_id=legacy_id)["legacy"] == {
@@ -72,7 +72,7 @@ def test_watch_behind_a_broker_and_its_one_shot_table(procs: list[DynamoProcess]
     watch_started(watch)
     _sglang, sglang_id = worker(procs, xsub, "--flavor", "sglang")
     added = watch.wait_event("instance_added", instance_id=sglang_id, timeout=20)
-    assert added["image_token"] == "<|media_pad|>"
+    assert added["declared_token"] == "<|media_pad|>"
 
     # A late subscriber converges at once (the worker re-announces on subscription): the table.
     table = launch(procs, "watch", "--discovery", xpub, "--once-after", "2")

@@ -23,13 +23,13 @@ from structlog.testing import LogCapture
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError, PreprocessorBuilder
-from dynamo_prep.discovery.eventlog import RateLimiter
 from dynamo_prep.discovery.files import ModelFileStore
 from dynamo_prep.discovery.trust import ClientCurve, ServerCurve, apply_client_curve, generate_keys
 from dynamo_prep.discovery.watcher import DiscoveryWatcher
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
-from dynamo_prep.protocol.discovery import Announce, Withdraw, encode_message, topic
+from dynamo_prep.protocol.discovery import Announce, Instance, Withdraw, encode_message, topic
 
 K3 = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -195,8 +195,8 @@ async def test_first_announce_builds_a_working_preprocessor(
     assert added["model"] == "kimi-k3-demo"
     assert added["mdcsum"] == k3_card.mdcsum()
     assert added["instance_id"] == "i-1"
-    assert added["image_placeholder_token"] is None
-    assert added["image_token"] == KIMI_DEFAULT
+    assert added["declared_token"] is None
+    assert added["rendered_token"] == KIMI_DEFAULT
     assert added["formatter"] == "kimi_k3"
     assert added["log_level"] == "info"
     instance = find(logs, "instance_added", instance_id="i-1")[0]
@@ -206,8 +206,8 @@ async def test_first_announce_builds_a_working_preprocessor(
     assert watcher.catalog.names() == ["kimi-k3-demo"]
     live = watcher.catalog.get("kimi-k3-demo")
     assert live is not None
-    assert dict(live.instances) == {"i-1": "tcp://127.0.0.1:9"}
-    assert live.formatter_kind == "kimi_k3"
+    assert dict(live.instances) == {"i-1": Instance(instance_id="i-1", endpoint="tcp://127.0.0.1:9")}
+    assert live.preprocessor.formatter.kind == "kimi_k3"
     expected = OpenAIPreprocessor.new(k3_card, K3)
     request = {"model": "kimi-k3-demo", "messages": [{"role": "user", "content": "hello there"}]}
     assert live.preprocessor.tokenize(request).token_ids == expected.tokenize(request).token_ids
@@ -219,8 +219,8 @@ async def test_declared_token_reaches_the_formatter(
     watcher, peer = await start()
     await peer.publish(announce("sg-1", 1, card_bytes(k3_card, image_placeholder_token=MEDIA_PAD)))
     added = await wait_log(logs, "model_added")
-    assert added["image_placeholder_token"] == MEDIA_PAD
-    assert added["image_token"] == MEDIA_PAD
+    assert added["declared_token"] == MEDIA_PAD
+    assert added["rendered_token"] == MEDIA_PAD
     live = watcher.catalog.get("kimi-k3-demo")
     assert live is not None
     request = {
@@ -361,7 +361,7 @@ async def test_runtime_config_conflict_logs_both_values(
     assert line["first_value"] is None
     assert line["later_value"] == MEDIA_PAD
     added = await wait_log(logs, "model_added")
-    assert added["image_token"] == KIMI_DEFAULT  # first card wins
+    assert added["rendered_token"] == KIMI_DEFAULT  # the canonical preprocessor: the first card's
     await until(lambda: len(live_instances(watcher)) == 2, "2 live instances")
 
 

@@ -24,8 +24,8 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Announce, Withdraw, now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
-from dynamo_prep.worker import register
 from dynamo_prep.worker.generate import GenerationServer
+from dynamo_prep.worker.register import register
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"

@@ -13,12 +13,11 @@ from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, 
 
 from dynamo_prep.card import ModelDeploymentCard, decode_card
 from dynamo_prep.discovery.files import FileFetchError, ModelFileStore, fetch_file
-from dynamo_prep.discovery.trust import TrustError
 from dynamo_prep.models import DEMO_MODELS_DIR, resolve_model_dir
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Announce, Withdraw
 from dynamo_prep.protocol.wire import ErrorReply, FetchFile
-from dynamo_prep.worker import WorkerConfig
+from dynamo_prep.worker.config import WorkerConfig
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -173,7 +172,7 @@ def test_worker_config_names_the_bad_option(options: dict[str, Any], message: st
 
 
 def test_worker_config_needs_both_curve_keys(tmp_path: Path) -> None:
-    with pytest.raises(TrustError, match="CURVE needs both"):
+    with pytest.raises(ValueError, match="CURVE needs both"):
         WorkerConfig.from_options(
             model_path=DEMO, discovery=["tcp://a:1"], curve_secret_key=tmp_path / "worker.key_secret"
         )

@@ -12,22 +12,19 @@ The XPUB side is open (frontends behind a broker trust the broker).
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import structlog
 import zmq
 
 from dynamo_prep.discovery.trust import ServerCurve, TrustError, apply_server_curve, start_authenticator
+from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 
 __all__ = ["Broker", "run_broker"]
 
 log = structlog.get_logger("dynamo_prep.discovery")
 
-EXIT_OK = 0
-EXIT_ERROR = 1
 POLL_MS = 100  # bounds how long a stop request waits
 BROKER_LINGER_MS = 200
 # Dropping at the high-water mark is harmless (full-card heartbeats); a deep queue only adds delay.
@@ -112,20 +109,20 @@ def run_broker(*, xsub: str, xpub: str, curve_secret_key: Path | None, curve_all
         curve = _server_curve(curve_secret_key, curve_allow_dir)
     except TrustError as exc:
         log.error("broker_start_failed", error=str(exc))
-        return EXIT_ERROR
+        return EXIT_FAILED
     context: zmq.Context[Any] = zmq.Context()
     try:
         try:
             broker = Broker(xsub=xsub, xpub=xpub, curve=curve, context=context)
         except (zmq.ZMQError, TrustError) as exc:
             log.error("broker_start_failed", xsub=xsub, xpub=xpub, error=str(exc))
-            return EXIT_ERROR
-        _install_stop_handlers(broker)
+            return EXIT_FAILED
         log.info(
             "broker_started", xsub=broker.xsub_endpoint, xpub=broker.xpub_endpoint, curve=curve is not None
         )
         try:
-            broker.run()
+            with on_stop_signals(lambda _signum: broker.stop()):
+                broker.run()
         finally:
             broker.close()
         log.info("broker_stopped")
@@ -140,11 +137,3 @@ def _server_curve(secret_key: Path | None, allow_dir: Path | None) -> ServerCurv
     if secret_key is None or allow_dir is None:
         raise TrustError("CURVE needs both --curve-secret-key and --curve-allow-dir")
     return ServerCurve.load(secret_key, allow_dir)
-
-
-def _install_stop_handlers(broker: Broker) -> None:
-    def handle(signum: int, frame: FrameType | None) -> None:
-        broker.stop()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handle)

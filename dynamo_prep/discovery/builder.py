@@ -48,9 +48,21 @@ class BuiltModel:
         return self.preprocessor.formatter.kind
 
     @property
-    def image_token(self) -> str | None:
-        """The per-image token this model's prompts carry (declared, else the checkpoint's)."""
-        return self.preprocessor.formatter.image_token
+    def declared_token(self) -> str | None:
+        """What the model's first card declared (the canonical preprocessor renders for it)."""
+        return self.preprocessor.card.runtime_config.image_placeholder_token
+
+    @property
+    def rendered_token(self) -> str | None:
+        """What the canonical formatter writes per image (None: the template places images itself)."""
+        return self.preprocessor.formatter.rendered_token
+
+    def checkpoint_token(self) -> str | None:
+        """What is rendered for an instance that declares nothing (a legacy card, a vLLM worker)."""
+        if self.declared_token is None:
+            return self.rendered_token
+        card = self.preprocessor.card
+        return prompt_formatter_for(card, self.model_dir, image_placeholder_token=None).rendered_token
 
 
 ModelBuilder = Callable[[ModelDeploymentCard, str], BuiltModel]

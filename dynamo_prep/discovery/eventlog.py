@@ -8,7 +8,6 @@ suppressed.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -24,11 +23,12 @@ from dynamo_prep.discovery.registry import (
     ModelRemoved,
     RuntimeConfigConflict,
 )
+from dynamo_prep.logging import RateLimiter
+from dynamo_prep.protocol.discovery import declared_label
 
-__all__ = ["CHECKPOINT_DEFAULT", "DiscoveryLog", "RateLimiter"]
+__all__ = ["DiscoveryLog"]
 
 DETAIL_CHARS = 300
-CHECKPOINT_DEFAULT = "checkpoint default"
 DRAIN_HINT = (
     "drain all old workers of this model before deploying a new version, or serve it under a new name"
 )
@@ -36,24 +36,6 @@ LEGACY_HINT = "upgrade this worker so it declares runtime_config.image_placehold
 OPEN_HINT = "any process that reaches these addresses can announce models; configure CURVE keys"
 FIRST_WINS = "first card wins: this model keeps the first value"
 PER_INSTANCE_TOKEN = "each request is rendered with the token of the instance it is routed to"
-
-
-class RateLimiter:
-    """At most one line per key per interval; reports how many were suppressed in between."""
-
-    def __init__(self, interval_s: float = 1.0) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: Counter[str] = Counter()
-
-    def allow(self, key: str, now: float) -> int | None:
-        """None: stay quiet. Else the number of lines suppressed since the last one for ``key``."""
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
-            self._suppressed[key] += 1
-            return None
-        self._last[key] = now
-        return self._suppressed.pop(key, 0)
 
 
 class DiscoveryLog:
@@ -94,11 +76,14 @@ class DiscoveryLog:
             )
 
     def instance_added(self, event: InstanceAdded, *, instances: int) -> None:
+        instance = event.instance
         self._log.info(
             "instance_added",
             model=event.model,
-            instance_id=event.instance_id,
-            endpoint=event.endpoint,
+            instance_id=instance.instance_id,
+            endpoint=instance.endpoint,
+            declared_token=instance.declared_token,
+            kv_events=instance.kv_events.endpoint if instance.kv_events is not None else None,
             mdcsum=event.mdcsum,
             instances=instances,
         )
@@ -107,8 +92,8 @@ class DiscoveryLog:
         self._log.info(
             "instance_removed",
             model=event.model,
-            instance_id=event.instance_id,
-            endpoint=event.endpoint,
+            instance_id=event.instance.instance_id,
+            endpoint=event.instance.endpoint,
             reason=event.reason,
         )
 
@@ -142,9 +127,7 @@ class DiscoveryLog:
 
     def legacy_downgrade(self, event: LegacyDowngrade, built: BuiltModel | None) -> None:
         """One line per legacy key: what the old worker meant, and what is rendered instead."""
-        rendered = event.rendered_instead
-        if rendered is None and built is not None:
-            rendered = built.image_token
+        rendered = built.checkpoint_token() if built is not None else None
         for key, value in event.legacy.items():
             self._log.warning(
                 "legacy_card_silent_downgrade",
@@ -152,7 +135,7 @@ class DiscoveryLog:
                 instance_id=event.instance_id,
                 legacy_key=key,
                 legacy_value=value,
-                rendered_instead=rendered or CHECKPOINT_DEFAULT,
+                rendered_instead=declared_label(rendered),
                 hint=LEGACY_HINT,
             )
 
@@ -164,8 +147,8 @@ class DiscoveryLog:
             model=name,
             mdcsum=mdcsum,
             instance_id=instance_id,
-            image_placeholder_token=built.preprocessor.card.runtime_config.image_placeholder_token,
-            image_token=built.image_token,
+            declared_token=built.declared_token,
+            rendered_token=built.rendered_token,
             formatter=built.formatter_kind,
             model_dir=str(built.model_dir),
             instances=instances,

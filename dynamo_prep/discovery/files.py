@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import structlog
 import zmq
 
@@ -31,7 +30,7 @@ from dynamo_prep.card import (
 )
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.wire import ErrorReply, FetchFile, FileData
+from dynamo_prep.protocol.wire import MAX_FILE_BYTES, ErrorReply, FetchFile, FileData
 
 __all__ = [
     "FileFetchError",
@@ -47,6 +46,7 @@ log = structlog.get_logger("dynamo_prep.discovery")
 CACHE_DIR_ENV = "DYN_PREP_CACHE_DIR"
 KNOWN_FILE_NAMES = frozenset((*REQUIRED_JSON_FILES, TOKENIZER_FILE, *OPTIONAL_FILES))
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+REPLY_OVERHEAD_BYTES = 4096  # a FileData's envelope around the file's bytes
 
 
 class FileFetchError(RuntimeError):
@@ -102,6 +102,7 @@ def fetch_file(
     request_id = uuid.uuid4().hex
     socket = ctx.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.MAXMSGSIZE, MAX_FILE_BYTES + REPLY_OVERHEAD_BYTES)  # bigger: disconnected
     try:
         socket.connect(endpoint)
         socket.send(wire.encode(FetchFile(request_id=request_id, sha256=sha256)))
@@ -123,8 +124,8 @@ def _await_reply(
         if not socket.poll(int(remaining * 1000) + 1, zmq.POLLIN):
             break
         try:
-            reply = wire.from_worker_decoder.decode(socket.recv())
-        except (msgspec.DecodeError, msgspec.ValidationError):
+            reply = wire.decode_from_worker(socket.recv())
+        except wire.WireDecodeError:
             continue
         if reply.request_id == request_id and isinstance(reply, FileData | ErrorReply):
             return reply
@@ -232,6 +233,8 @@ def _check_card_files(card: ModelDeploymentCard) -> None:
             raise ModelFileError(f"card lists an unknown model file name {name[:80]!r}")
         if not _SHA256.match(ref.sha256):
             raise ModelFileError(f"card lists {name} with an invalid sha256")
+        if not 0 <= ref.size <= MAX_FILE_BYTES:
+            raise ModelFileError(f"card lists {name} of {ref.size} bytes (the limit is {MAX_FILE_BYTES})")
 
 
 def _local_matches(card: ModelDeploymentCard, path: Path) -> bool:

@@ -11,9 +11,12 @@ Rules:
 * an instance lives until its ``ttl_ms`` passes without news; a withdraw removes it at once and
   leaves a tombstone for one TTL so a late duplicate cannot resurrect it;
 * the first accepted card of a model fixes its ``mdcsum``; a card with another one is refused;
-* ``runtime_config`` is first-card-wins per model; a later instance that differs is reported;
+* ``runtime_config`` is first-card-wins per model; a later instance that differs is reported (a
+  log line, not a data path: each instance's own declaration travels in its ``Instance`` record);
 * with CURVE, an instance is bound to the key that first announced it;
-* a card is decoded only when its bytes change, so a heartbeat costs a bytes comparison.
+* a card is decoded only when its bytes change, so a heartbeat costs a bytes comparison;
+* an admitted instance is described by one ``Instance`` record (endpoint, declared token, KV-event
+  address); when an announce changes it, ``InstanceAdded`` carries the new record again.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ from dynamo_prep.card import (
     ModelRuntimeConfig,
     decode_card,
 )
-from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage, Withdraw
+from dynamo_prep.protocol.discovery import (
+    Announce,
+    DiscoveryMessage,
+    Instance,
+    KvEventsEndpoint,
+    Withdraw,
+)
 
 __all__ = [
     "CardRejected",
@@ -56,11 +65,10 @@ RemovalReason = Literal["withdraw", "expired", "card_changed"]
 
 @dataclass(frozen=True, slots=True)
 class InstanceAdded:
-    """An instance serves ``model`` at ``endpoint`` (its card passed every check)."""
+    """An instance serves ``model`` (its card passed every check), or its record changed."""
 
     model: str
-    instance_id: str
-    endpoint: str
+    instance: Instance
     mdcsum: str
 
 
@@ -69,8 +77,7 @@ class InstanceRemoved:
     """An instance is gone: it withdrew, it expired, or its card now names another model."""
 
     model: str
-    instance_id: str
-    endpoint: str
+    instance: Instance
     reason: RemovalReason
 
 
@@ -80,8 +87,7 @@ class ModelFirstSeen:
 
     model: str
     mdcsum: str
-    instance_id: str
-    endpoint: str
+    instance: Instance
     card: ModelDeploymentCard
 
 
@@ -131,15 +137,11 @@ class RuntimeConfigConflict:
 
 @dataclass(frozen=True, slots=True)
 class LegacyDowngrade:
-    """An instance still sends legacy keys (accepted, their meaning is lost).
-
-    ``rendered_instead`` is the model's declared token; None means the checkpoint default.
-    """
+    """An instance still sends legacy keys (accepted, their meaning is lost: it declares nothing)."""
 
     model: str
     instance_id: str
     legacy: Mapping[str, Any]
-    rendered_instead: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +176,7 @@ class ModelSnapshot:
     card: ModelDeploymentCard
     runtime_config: ModelRuntimeConfig
     first_instance_id: str
-    instances: Mapping[str, str]
+    instances: Mapping[str, Instance]
 
 
 @dataclass(slots=True)
@@ -187,6 +189,7 @@ class _Instance:
     deadline: float = 0.0
     ttl_s: float = 0.0
     endpoint: str = ""
+    kv_events: KvEventsEndpoint | None = None
     raw: bytes | None = None
     decoded: CardDecodeResult | None = None
     mdcsum: str = ""
@@ -202,7 +205,7 @@ class _Model:
     fields: dict[str, Any]
     card: ModelDeploymentCard
     first_instance_id: str
-    instances: dict[str, str] = field(default_factory=dict)
+    instances: dict[str, Instance] = field(default_factory=dict)
 
 
 class DiscoveryRegistry:
@@ -304,6 +307,7 @@ class DiscoveryRegistry:
             return refused
         instance.last_seq = message.seq
         instance.endpoint = message.endpoint
+        instance.kv_events = None if isinstance(message.kv_events, msgspec.UnsetType) else message.kv_events
         instance.ttl_s = message.ttl_ms / 1000
         self._refresh(instance, now + instance.ttl_s)
         events: list[RegistryEvent] = []
@@ -312,8 +316,16 @@ class DiscoveryRegistry:
         if instance.model is None and instance.decoded is not None:
             events.extend(self._admit(instance, instance.decoded))
         elif instance.model is not None:
-            self._models[instance.model].instances[instance.instance_id] = instance.endpoint
+            events.extend(self._update(self._models[instance.model], instance))
         return events
+
+    def _update(self, model: _Model, instance: _Instance) -> list[RegistryEvent]:
+        """A heartbeat of an admitted instance: an event only when its record changed."""
+        record = _record(instance)
+        if model.instances.get(instance.instance_id) == record:
+            return []
+        model.instances[instance.instance_id] = record
+        return [InstanceAdded(model.name, record, instance.mdcsum)]
 
     def _refuse(
         self, instance: _Instance, seq: int, action: Literal["announce", "withdraw"], user_id: str | None
@@ -354,23 +366,23 @@ class DiscoveryRegistry:
     def _admit(self, instance: _Instance, decoded: CardDecodeResult) -> list[RegistryEvent]:
         card, mdcsum = decoded.card, instance.mdcsum
         model = self._models.get(card.display_name)
+        record = _record(instance)
         events: list[RegistryEvent] = []
         if model is None:
             model = _Model(card.display_name, mdcsum, card.mdcsum_fields(), card, instance.instance_id)
             self._models[model.name] = model
-            events.append(ModelFirstSeen(model.name, mdcsum, instance.instance_id, instance.endpoint, card))
+            events.append(ModelFirstSeen(model.name, mdcsum, record, card))
         elif model.mdcsum != mdcsum:
             return self._mismatch(model, instance, card, mdcsum)
         else:
             events.extend(self._check_runtime_config(model, instance.instance_id, card))
-        model.instances[instance.instance_id] = instance.endpoint
+        model.instances[instance.instance_id] = record
         instance.model = model.name
         instance.mismatch_reported = None
-        events.append(InstanceAdded(model.name, instance.instance_id, instance.endpoint, mdcsum))
+        events.append(InstanceAdded(model.name, record, mdcsum))
         if decoded.legacy and not instance.legacy_reported:
             instance.legacy_reported = True
-            token = model.card.runtime_config.image_placeholder_token
-            events.append(LegacyDowngrade(model.name, instance.instance_id, dict(decoded.legacy), token))
+            events.append(LegacyDowngrade(model.name, instance.instance_id, dict(decoded.legacy)))
         return events
 
     def _mismatch(
@@ -418,12 +430,23 @@ class DiscoveryRegistry:
         model = self._models.get(name) if name is not None else None
         if model is None:
             return []
-        endpoint = model.instances.pop(instance.instance_id, instance.endpoint)
-        events: list[RegistryEvent] = [InstanceRemoved(model.name, instance.instance_id, endpoint, reason)]
+        record = model.instances.pop(instance.instance_id, None) or _record(instance)
+        events: list[RegistryEvent] = [InstanceRemoved(model.name, record, reason)]
         if not model.instances:
             del self._models[model.name]
             events.append(ModelRemoved(model.name, model.mdcsum))
         return events
+
+
+def _record(instance: _Instance) -> Instance:
+    """The instance as every later layer sees it: from its last accepted announce and card."""
+    decoded = instance.decoded
+    return Instance(
+        instance_id=instance.instance_id,
+        endpoint=instance.endpoint,
+        declared_token=decoded.card.runtime_config.image_placeholder_token if decoded is not None else None,
+        kv_events=instance.kv_events,
+    )
 
 
 def _differences(first: Mapping[str, Any], later: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:

@@ -1,22 +1,10 @@
 """CURVE trust for the discovery plane: who may announce, and which key announced what.
 
-The side that binds (a frontend's SUB socket, or a broker's XSUB) is the CURVE *server*: it
-holds a secret key and an allow-list directory of worker public keys, and runs a ZAP
-authenticator. Workers connect, so they are CURVE *clients*: they hold their own key pair and
-the server's public key.
-
-Two settings must agree or every client is rejected: the server socket's ``zap_domain`` and the
-domain the allow-list is registered under (``start_authenticator(..., domain=...)``). Both
-default to ``ZAP_DOMAIN``.
-
-How a receiver binds an instance to its key: the ZAP handler sets the ZMTP ``User-Id`` of every
-accepted connection to the z85 public key of the client. Receive with ``copy=False`` and read
-it per message::
-
-    frames = sock.recv_multipart(copy=False)
-    key = authenticated_key(frames[0])   # frames[0].get("User-Id"): z85 str, or None without CURVE
-
-Key the instance table on that value, so a second key can neither overwrite nor withdraw it.
+Rules: the side that binds is the CURVE server (allow-list + ZAP authenticator), workers are
+clients. The server socket's ``zap_domain`` and the domain the allow-list is registered under must
+agree (both default to ``ZAP_DOMAIN``), or every client is rejected. The authenticated key of a
+message is its ZMTP ``User-Id`` (``authenticated_key``, on frames received with ``copy=False``);
+receivers key their instance table on it. docs/discovery.md ("Trust") has the whole picture.
 """
 
 from __future__ import annotations

@@ -8,12 +8,11 @@ in a thread, so the socket keeps being serviced (a bound SUB only sends its subs
 publisher when its owner touches it). Nothing a peer sends can stop the loop: bad messages are
 counted and logged at most once per reason per second.
 
-For routing, the watcher also tracks each instance's declared ``image_placeholder_token``, from
-the registry's events alone: the first card of a model (``ModelFirstSeen``) declares the canonical
-token, and a later instance that declares another one arrives with a ``RuntimeConfigConflict``
-naming it. When the set of declarations in a model's pool changes it logs
-``pool_composition_changed``; when an instance expires (it died) it calls ``on_endpoint_lost`` so
-the request plane fails that worker's streams at once instead of waiting for its stall timeout.
+Each live instance reaches the catalog as the registry's ``Instance`` record (endpoint, declared
+token, KV-event address), unchanged. When the set of declarations in a model's pool changes the
+watcher logs ``pool_composition_changed``; when an instance expires (it died) it calls
+``on_endpoint_lost`` so the request plane fails that worker's streams at once instead of waiting
+for its stall timeout.
 
 Metrics (``DiscoveryMetrics``, in the registry the frontend hands in) are updated next to the
 log lines, from the same registry events, so ``/metrics`` and the logs never disagree.
@@ -36,7 +35,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuilder
-from dynamo_prep.discovery.catalog import CHECKPOINT_DEFAULT, LiveModel, ModelCatalog
+from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.discovery.eventlog import DiscoveryLog
 from dynamo_prep.discovery.metrics import DiscoveryMetrics
 from dynamo_prep.discovery.registry import (
@@ -62,13 +61,12 @@ from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     Announce,
     DiscoveryDecodeError,
+    declared_label,
     decode_message,
     topic,
 )
 
-__all__ = ["DEFAULT_BIND", "DiscoveryWatcher"]
-
-DEFAULT_BIND = "tcp://0.0.0.0:7555"
+__all__ = ["DiscoveryWatcher"]
 MAX_DRAIN_PER_WAKE = 512
 MAX_POLL_S = 1.0
 # After a drain, wait this long before the next poll (bounds the wake rate, adds at most this latency).
@@ -80,7 +78,6 @@ RECV_HWM = 10_000
 # the 1 MiB payload limit so that oversize payloads still arrive and are counted as too_large.
 MAX_FRAME_BYTES = 16 << 20
 BUILD_BACKOFF_S = (1.0, 30.0)
-IMAGE_TOKEN_FIELD = "image_placeholder_token"
 
 
 @dataclass(slots=True)
@@ -145,7 +142,6 @@ class DiscoveryWatcher:
         self._shadow: zmq.Socket[Any] | None = None
         self._authenticator: ThreadAuthenticator | None = None
         self._on_endpoint_lost = on_endpoint_lost
-        self._declared: dict[str, str | None] = {}  # instance_id -> token, when not the canonical one
         self._compositions: dict[str, frozenset[str]] = {}
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
 
@@ -310,17 +306,12 @@ class DiscoveryWatcher:
     def _on_event(self, event: RegistryEvent) -> None:
         match event:
             case InstanceAdded():
-                token = self._image_token(event.model, event.instance_id)
-                self.catalog.set_instance(event.model, event.instance_id, event.endpoint, image_token=token)
-                self._log.instance_added(event, instances=max(self.registry.instance_count(event.model), 1))
-                if (token or CHECKPOINT_DEFAULT) not in self._compositions.get(event.model, ()):
-                    self._note_composition(event.model)  # one more of a known declaration changes nothing
+                self._on_instance(event)
             case InstanceRemoved():
-                self.catalog.remove_instance(event.model, event.instance_id)
-                self._declared.pop(event.instance_id, None)
+                self.catalog.remove_instance(event.model, event.instance.instance_id)
                 self._log.instance_removed(event)
                 if event.reason == "expired" and self._on_endpoint_lost is not None:
-                    self._on_endpoint_lost(event.endpoint)  # it died: fail its streams now
+                    self._on_endpoint_lost(event.instance.endpoint)  # it died: fail its streams now
                 self._note_composition(event.model)
             case ModelFirstSeen():
                 self.catalog.mark_pending(event.model)
@@ -336,33 +327,23 @@ class DiscoveryWatcher:
                 self._log.checksum_mismatch(event)
             case RuntimeConfigConflict():
                 self._log.runtime_config_conflict(event)
-                self._on_declaration(event)
             case LegacyDowngrade():
                 self._on_legacy(event)
             case KeyMismatch():
                 self.counters["key_mismatch"] += 1
                 self._log.key_mismatch(event, total=self.counters["key_mismatch"], now=self._clock())
 
-    # -- declarations (routing) ---------------------------------------------------------------
+    # -- instances and declarations -----------------------------------------------------------
 
-    def _image_token(self, model: str, instance_id: str) -> str | None:
-        """What ``instance_id`` declared: its own conflicting value, else the canonical card's."""
-        if instance_id in self._declared:
-            return self._declared[instance_id]
-        card = self.registry.model_card(model)
-        return card.runtime_config.image_placeholder_token if card is not None else None
-
-    def _on_declaration(self, event: RuntimeConfigConflict) -> None:
-        """A later instance declaring another token: remember it (and update a live instance)."""
-        if IMAGE_TOKEN_FIELD not in event.fields:
-            return
-        self._declared[event.instance_id] = event.fields[IMAGE_TOKEN_FIELD][1]
+    def _on_instance(self, event: InstanceAdded) -> None:
+        """A new instance, or a new record of a live one (endpoint, declaration or KV address changed)."""
         live = self.catalog.get(event.model)
-        endpoint = live.instances.get(event.instance_id) if live is not None else None
-        if endpoint is not None:  # a live instance whose card changed in place
-            token = self._declared[event.instance_id]
-            self.catalog.set_instance(event.model, event.instance_id, endpoint, image_token=token)
-            self._note_composition(event.model)
+        known = live is not None and event.instance.instance_id in live.instances
+        self.catalog.set_instance(event.model, event.instance)
+        self._log.instance_added(event, instances=max(self.registry.instance_count(event.model), 1))
+        label = declared_label(event.instance.declared_token)
+        if known or label not in self._compositions.get(event.model, ()):
+            self._note_composition(event.model)  # one more of a known declaration changes nothing
 
     def _note_composition(self, model: str) -> None:
         """Log ``pool_composition_changed`` when the set of declarations serving ``model`` changes."""
@@ -395,7 +376,7 @@ class DiscoveryWatcher:
     def _on_model_first_seen(self, event: ModelFirstSeen) -> None:
         build = _Build(event.mdcsum)
         self._builds[event.model] = build
-        self._start_build(event.model, build, event.card, event.instance_id, event.endpoint)
+        self._start_build(event.model, build, event.card, event.instance.instance_id, event.instance.endpoint)
 
     def _maybe_retry_build(self, instance_id: str, endpoint: str, now: float) -> None:
         """A later announce of a model whose build failed retries it, after its backoff."""
@@ -435,10 +416,9 @@ class DiscoveryWatcher:
         build.built = built
         self.metrics.note_unregistered(built.preprocessor.unregistered_image_token)
         live = LiveModel(
-            name, card, build.mdcsum, built.preprocessor, built.formatter_kind, model_dir=built.model_dir
+            name, card, build.mdcsum, built.preprocessor, snapshot.instances, model_dir=built.model_dir
         )
-        tokens = {instance_id: self._image_token(name, instance_id) for instance_id in snapshot.instances}
-        self.catalog.publish(live.with_instances(snapshot.instances, tokens))
+        self.catalog.publish(live)
         build_ms = (time.perf_counter() - started) * 1000
         self._log.model_added(
             name, build.mdcsum, instance_id, built, instances=len(snapshot.instances), build_ms=build_ms

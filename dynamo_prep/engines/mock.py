@@ -262,7 +262,7 @@ class MockEngine:
 
     def _vllm_contract(self) -> _ImageContract:
         """vLLM finds the checkpoint placeholder's own id sequence (K3), or Qwen's ``<|image_pad|>``."""
-        placeholder = vllm.checkpoint_image_placeholder(self.model_dir)
+        placeholder = vllm.expanded_image_placeholder(self.model_dir)
         if placeholder is not None:
             ids = tuple(self.tokenizer.encode(placeholder, allow_special=False))
             return _ImageContract(ids, ids, placeholder)

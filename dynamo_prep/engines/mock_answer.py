@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from dynamo_prep.engines.mock_prompt import IM_END, IM_START, Family, PromptView, Tool
-from dynamo_prep.formatter import KimiK3Formatter, Segment
+from dynamo_prep.formatter import KimiK3Formatter
 from dynamo_prep.formatter.kimi_k3 import OPEN, SEP
+from dynamo_prep.prompt import Segment
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = ["AnswerWriter", "ToolCall", "schema_arguments"]

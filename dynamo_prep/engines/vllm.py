@@ -10,23 +10,23 @@ from __future__ import annotations
 from pathlib import Path
 
 from dynamo_prep.card import read_json
-from dynamo_prep.formatter import DEFAULT_KIMI_IMAGE_PLACEHOLDER, is_kimi_k3
+from dynamo_prep.formatter import DEFAULT_IMAGE_PLACEHOLDER, checkpoint_image_placeholder, is_kimi_k3
 from dynamo_prep.models import resolve_model_dir
 
-__all__ = ["checkpoint_image_placeholder"]
+__all__ = ["expanded_image_placeholder"]
 
 
-def checkpoint_image_placeholder(model_dir: str | Path) -> str | None:
-    """config.json ``image_placeholder``; for Kimi-K3 without one, ``<|kimi_image_placeholder|>``.
+def expanded_image_placeholder(model_dir: str | Path) -> str | None:
+    """The string vLLM expands per image: the checkpoint's own, as the frontend renders it.
 
-    None for other models: their chat template places the image tokens itself.
+    None for a model whose chat template places its image tokens itself.
     """
     directory = resolve_model_dir(model_dir)
     config = read_json(directory / "config.json")
-    placeholder = config.get("image_placeholder")
-    if isinstance(placeholder, str) and placeholder:
-        return placeholder
+    placeholder = checkpoint_image_placeholder(config)
     model_type = config.get("model_type")
-    if is_kimi_k3(model_type if isinstance(model_type, str) else None, directory.resolve().name):
-        return DEFAULT_KIMI_IMAGE_PLACEHOLDER
-    return None
+    if placeholder is None and is_kimi_k3(
+        model_type if isinstance(model_type, str) else None, directory.resolve().name
+    ):
+        return DEFAULT_IMAGE_PLACEHOLDER  # K3 by its name alone: the formatter renders the default too
+    return placeholder

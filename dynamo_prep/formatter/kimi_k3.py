@@ -22,10 +22,11 @@ Deliberate deviations from the reference:
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Literal, NamedTuple
 
-from dynamo_prep.formatter._prompt import PromptRenderError, RenderedPrompt, Run, Segment, Segments
+from dynamo_prep.formatter.parts import IMAGE_PART_TYPES
+from dynamo_prep.prompt import Piece, PromptRenderError, RenderedPrompt, Run, Segment, flatten
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 OPEN: Final = "<|open|>"
@@ -33,9 +34,10 @@ CLOSE: Final = "<|close|>"
 SEP: Final = "<|sep|>"
 END_OF_MSG: Final = "<|end_of_msg|>"
 MARKERS: Final = frozenset({OPEN, CLOSE, SEP, END_OF_MSG})
+MODEL_TYPE: Final = "kimi_k3"
 DEFAULT_IMAGE_PLACEHOLDER: Final = "<|kimi_image_placeholder|>"
+_NAME_MARKERS: Final = ("kimi-k3", "kimi_k3", "kimik3")
 VALID_EFFORTS: Final = ("low", "high", "max")
-IMAGE_PART_TYPES: Final = ("image", "image_url")
 SERVED_ROLES: Final = ("system", "developer", "user", "assistant", "tool")
 
 EFFORT_BODY: Final = (
@@ -64,6 +66,28 @@ RESPONSE_FORMAT_BODY: Final = (
     "without markdown code blocks (```json) or any additional formatting."
 )
 JSON_SCHEMA_SUFFIX: Final = "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
+
+
+def is_kimi_k3(model_type: str | None, display_name: str) -> bool:
+    """config.json ``model_type == "kimi_k3"``; only without a model_type, the served name decides."""
+    if model_type is not None:
+        return model_type == MODEL_TYPE
+    name = display_name.lower()
+    return any(marker in name for marker in _NAME_MARKERS)
+
+
+def checkpoint_image_placeholder(config: Mapping[str, Any]) -> str | None:
+    """The per-image string the checkpoint itself expects in the prompt (what vLLM expands).
+
+    config.json ``image_placeholder`` when it is a non-empty string; else ``DEFAULT_IMAGE_PLACEHOLDER``
+    for a Kimi-K3 ``model_type``; else None (a chat template places its own image tokens).
+    """
+    placeholder = config.get("image_placeholder")
+    if isinstance(placeholder, str) and placeholder:
+        return placeholder
+    if config.get("model_type") == MODEL_TYPE:
+        return DEFAULT_IMAGE_PLACEHOLDER
+    return None
 
 
 class _Unset:
@@ -391,7 +415,7 @@ class _Writer:
     def __init__(self, image_token: str, thinking: bool) -> None:
         self.image_segment = Segment(image_token, True)
         self.thinking = thinking
-        self.pieces: list[Run | Segment] = []
+        self.pieces: list[Piece] = []
         self.emit = self.pieces.append
         self.image_count = 0
 
@@ -597,7 +621,7 @@ class KimiK3Formatter:
             raise ValueError(f"generation_prompt must be 'reference' or 'hosted', got {generation_prompt!r}")
         if not (image_placeholder_token or default_image_placeholder):
             raise ValueError("an image placeholder token is needed: declare one or keep the default")
-        self.image_token: str = image_placeholder_token or default_image_placeholder
+        self.rendered_token: str = image_placeholder_token or default_image_placeholder
         self.generation_prompt = generation_prompt
 
     def render_segments(
@@ -623,7 +647,7 @@ class KimiK3Formatter:
             response_format=response_format,
             response_schema=response_schema,
         )
-        return Segments(writer.pieces)
+        return flatten(writer.pieces)
 
     def with_tokenizer_specials(self, specials: Iterable[str]) -> KimiK3Formatter:
         """Unchanged: K3 control segments are explicit, whatever else the tokenizer registers."""
@@ -648,7 +672,7 @@ class KimiK3Formatter:
         )
         pieces = writer.pieces
         text = "".join([piece.text for piece in pieces])
-        return RenderedPrompt(text=text, segments=Segments(pieces), image_count=writer.image_count)
+        return RenderedPrompt(text=text, pieces=pieces, image_count=writer.image_count)
 
     def _render(
         self,
@@ -672,7 +696,7 @@ class KimiK3Formatter:
                 response_schema = _schema_from(response_format)
             response_schema = _deep_sort(response_schema, "response_format")
             items, partial = _split_partial(items)
-            writer = _Writer(self.image_token, bool(thinking))
+            writer = _Writer(self.rendered_token, bool(thinking))
             if tools:
                 declared = _dumps(tools, "tools", compact=True)
                 writer.internal("tool-declare", STATIC_TOOLS_BODY.format(tools=declared))

@@ -1,5 +1,5 @@
-"""The frontend process: discovery watcher, request router and OpenAI HTTP API on one event loop."""
+"""The frontend process: discovery watcher, request router and OpenAI HTTP API on one event loop.
 
-from dynamo_prep.frontend.process import FrontendConfig, run_frontend, serve_frontend
-
-__all__ = ["FrontendConfig", "run_frontend", "serve_frontend"]
+Import the modules themselves (``dynamo_prep.frontend.process``, ``...config``, ...): this package
+re-exports nothing, so reading the frontend's defaults does not load the HTTP stack.
+"""

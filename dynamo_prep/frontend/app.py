@@ -1,20 +1,13 @@
 """The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
 
-Why Starlette (on uvicorn): it is a small ASGI toolkit whose handlers are plain async functions,
-it streams responses from async generators (SSE) and notices client disconnects, and it brings
-no validation layer of its own: request bodies are decoded with msgspec into the project's own
-types, exactly once. Plain ``uvicorn`` (h11, no extras) keeps installs small.
-
-Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
+Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
 ``GET /health`` (readiness: 503 until a model is live), ``GET /live`` and ``GET /metrics``
 (Prometheus). Every response carries ``x-request-id`` (an incoming one is honoured); every error
 has OpenAI's body (``errors.py``); every request ends with one ``request_finished`` or
 ``request_failed`` line (``request_record.py``), which also updates the request metrics.
 
-A chat request is routed before it is rendered: the router picks an instance, and the request is
-preprocessed with that instance's declaration, so each engine of a mixed pool gets its own
-contract. A lost worker is retried (the card's ``migration_limit``) on an instance with the same
-declaration, or, before any token was streamed, re-rendered for another one.
+A chat request's way through the pool (pick, render for the pick, stream, move on loss) is
+``migration.py``'s; this module turns its outputs into OpenAI responses.
 """
 
 from __future__ import annotations
@@ -24,8 +17,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 import msgspec
@@ -38,30 +30,32 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
-from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost, generate_with_migration
+from dynamo_prep.frontend.client import RequestPlaneClient
+from dynamo_prep.frontend.config import HttpSettings
+from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
+from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.openai_stream import Completion, sse, visible_text
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.frontend.router import Pick, Router
-from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessedRequest
+from dynamo_prep.frontend.router import Router
+from dynamo_prep.preprocessor import stop_strings
+from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
-    ChatCompletionRequest,
     ModelEntry,
     ModelList,
+    RequestError,
     TokenizeRequest,
     TokenizeResponse,
     parse_chat_request,
 )
 from dynamo_prep.protocol.wire import Output
 
-__all__ = ["DEFAULT_MAX_BODY_BYTES", "DEFAULT_REQUEST_TIMEOUT_S", "HttpSettings", "create_app"]
+__all__ = ["create_app"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 
-DEFAULT_MAX_BODY_BYTES = 16 << 20
-DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # Preprocessing is sub-millisecond for ordinary prompts; bodies above this render in a thread so
 # one huge prompt cannot stall every other stream on the loop.
 THREAD_ABOVE_BYTES = 256 << 10
@@ -70,14 +64,6 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
 _JSON = "application/json"
 _T = TypeVar("_T")
 _encoder = msgspec.json.Encoder()
-
-
-@dataclass(frozen=True, slots=True)
-class HttpSettings:
-    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``)."""
-
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
 
 
 def create_app(
@@ -94,9 +80,9 @@ def create_app(
     the app gets a private registry, never prometheus_client's global one.
     """
     metrics = metrics if metrics is not None else FrontendMetrics()
-    handlers = _Handlers(
-        catalog, client, router or Router(metrics=metrics), settings or HttpSettings(), metrics
-    )
+    declarations = DeclarationPreprocessors(metrics.discovery)
+    migration = Migration(catalog, router or Router(), client, declarations)
+    handlers = _Handlers(catalog, migration, settings or HttpSettings(), metrics)
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
@@ -117,16 +103,10 @@ def create_app(
 
 class _Handlers:
     def __init__(
-        self,
-        catalog: ModelCatalog,
-        client: RequestPlaneClient,
-        router: Router,
-        settings: HttpSettings,
-        metrics: FrontendMetrics,
+        self, catalog: ModelCatalog, migration: Migration, settings: HttpSettings, metrics: FrontendMetrics
     ) -> None:
         self.catalog = catalog
-        self.client = client
-        self.router = router
+        self.migration = migration
         self.settings = settings
         self.metrics = metrics
 
@@ -145,13 +125,21 @@ class _Handlers:
         # Unique on the request plane even when a client reuses its x-request-id.
         plane_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         outputs = _observed(
-            self._outputs(model, chat, plane_id, record, large=len(body) > THREAD_ABOVE_BYTES), record
+            self.migration.outputs(
+                model,
+                chat,
+                request_id=plane_id,
+                record=record,
+                timeout_s=self.settings.request_timeout_s,
+                in_thread=len(body) > THREAD_ABOVE_BYTES,
+            ),
+            record,
         )
         completion = Completion(
             id=f"chatcmpl-{request_id}",
             model=chat.model,
             created=int(time.time()),
-            detokenizer=Detokenizer(model.preprocessor.tokenizer, _stops(chat.stop)),
+            detokenizer=Detokenizer(model.preprocessor.tokenizer, stop_strings(chat.stop)),
         )
         first = await _first(outputs)  # errors before the first token keep their HTTP status
         if chat.stream:
@@ -162,85 +150,6 @@ class _Handlers:
             pieces = visible_text(_prepend(first, outputs), completion)
             await _unless_disconnected(request, _drain(pieces))
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
-
-    async def _outputs(
-        self,
-        model: LiveModel,
-        chat: ChatCompletionRequest,
-        request_id: str,
-        record: RequestRecord,
-        *,
-        large: bool,
-    ) -> AsyncGenerator[Output, None]:
-        """The worker's outputs for ``chat``: pick, render for the pick, generate with migration."""
-        loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + self.settings.request_timeout_s
-        limit = model.card.migration_limit
-        tried: set[str] = set()
-        while True:
-            current = self.catalog.get(model.name) or model
-            pick = self.router.pick(current, excluded=tried)
-            if pick is None:
-                raise OpenAIError(503, f"no live instance of model {model.name!r} can take the request")
-            started = time.perf_counter()
-            preprocessed = await self._preprocess(current, pick, chat, large=large)
-            record.preprocessed(preprocessed, time.perf_counter() - started)
-            picked_before = len(tried)
-            streamed = False
-            try:
-                steps = generate_with_migration(
-                    self.client,
-                    self._picker(current, pick, tried, record),
-                    preprocessed,
-                    request_id=request_id,
-                    timeout_s=max(give_up_at - loop.time(), 0.001),
-                    migration_limit=max(limit - picked_before, 0),
-                )
-                async with contextlib.aclosing(steps):
-                    async for output in steps:
-                        streamed = True
-                        yield output
-                return
-            except (WorkerLost, WorkerError) as exc:
-                retryable = isinstance(exc, WorkerLost) or exc.code == 503
-                if streamed or not retryable or len(tried) - 1 >= limit:
-                    raise
-                log.info("request_rerouted", reason=str(exc), tried=sorted(tried))
-
-    def _picker(
-        self, model: LiveModel, pick: Pick, tried: set[str], record: RequestRecord
-    ) -> Callable[[set[str]], str | None]:
-        """``pick_endpoint`` for one rendering: ``pick`` first, then same-declaration instances."""
-        first: list[str] = [pick.endpoint]
-
-        def pick_endpoint(excluded: set[str]) -> str | None:
-            if first:
-                endpoint = first.pop()
-            else:
-                current = self.catalog.get(model.name) or model
-                again = self.router.pick(current, excluded=excluded | tried, image_token=pick.image_token)
-                if again is None:
-                    return None
-                endpoint = again.endpoint
-            tried.add(endpoint)
-            record.endpoint = endpoint
-            return endpoint
-
-        return pick_endpoint
-
-    async def _preprocess(
-        self, model: LiveModel, pick: Pick, chat: ChatCompletionRequest, *, large: bool
-    ) -> PreprocessedRequest:
-        preprocessor = await self._preprocessor(model, pick.image_token)
-        log.debug("request_routed", instance_id=pick.instance_id, image_token=pick.image_token)
-        if large:
-            return await asyncio.to_thread(preprocessor.preprocess, chat)
-        return preprocessor.preprocess(chat)
-
-    async def _preprocessor(self, model: LiveModel, image_token: str | None) -> OpenAIPreprocessor:
-        if image_token == model.preprocessor.card.runtime_config.image_placeholder_token:
-            return model.preprocessor
-        return await asyncio.to_thread(self.router.preprocessor, model, image_token)  # reads files once
 
     # -- models, tokenize, health ------------------------------------------------------------
 
@@ -256,10 +165,8 @@ class _Handlers:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``, rendered with the model's canonical declaration."""
         body = await _read_body(request, self.settings.max_body_bytes)
-        try:
+        with decoding(RequestError.of):
             tokenize = msgspec.json.decode(body, type=TokenizeRequest)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise OpenAIError(400, f"Invalid request: {exc}") from exc
         model = self._live_model(tokenize.model)
         preprocessor = model.preprocessor
         if tokenize.messages is not None:
@@ -318,12 +225,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-def _stops(stop: str | list[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    return [stop] if isinstance(stop, str) else list(stop)
 
 
 async def _first(outputs: AsyncGenerator[Output, None]) -> Output:

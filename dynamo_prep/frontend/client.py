@@ -1,11 +1,12 @@
-"""The frontend's side of the request plane: stream generations from workers, detect lost ones.
+"""The frontend's side of the request plane: transport only (which instance, and what to do when
+one is lost, is ``migration.py``'s policy).
 
 One DEALER per worker endpoint carries every request to it; a single receive task per endpoint
 routes replies to per-request queues by ``request_id``. A worker that dies says nothing, so each
 endpoint has a watchdog: when a busy endpoint has been silent for a while it is pinged (a slow
 worker still answers), and after ``stall_timeout_s`` of silence every request on it fails with
 ``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
-instance expires. ``generate_with_migration`` continues a lost stream on another instance.
+instance expires.
 
 An endpoint without requests for ``idle_close_s`` is closed by the same watchdog: a worker that
 stopped gracefully is withdrawn, never expired, so nothing else would ever close its socket, its
@@ -19,7 +20,6 @@ import contextlib
 import itertools
 from collections.abc import AsyncGenerator, Callable
 
-import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -34,7 +34,6 @@ __all__ = [
     "RequestPlaneClient",
     "WorkerError",
     "WorkerLost",
-    "generate_with_migration",
 ]
 
 log = structlog.get_logger("dynamo_prep.frontend")
@@ -122,9 +121,11 @@ class _Channel:
             payload = await self.socket.recv()
             self._heard_at = self._loop.time()
             try:
-                reply = wire.from_worker_decoder.decode(payload)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("reply_rejected", endpoint=self.endpoint, error=str(exc)[:200])
+                reply = wire.decode_from_worker(payload)
+            except wire.WireDecodeError as exc:
+                log.warning(
+                    "reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200]
+                )
                 continue
             if isinstance(reply, Pong | wire.FileData):
                 continue
@@ -268,88 +269,3 @@ class RequestPlaneClient:
         ]
         self._channels[endpoint] = channel
         return channel
-
-
-async def generate_with_migration(
-    client: RequestPlaneClient,
-    pick_endpoint: Callable[[set[str]], str | None],
-    request: PreprocessedRequest,
-    *,
-    request_id: str,
-    timeout_s: float,
-    migration_limit: int,
-) -> AsyncGenerator[Output, None]:
-    """``client.generate`` that survives a lost worker, like Dynamo's migration.
-
-    On ``WorkerLost`` (or a 503: the worker is draining), while migrations remain and
-    ``pick_endpoint(excluded)`` names another endpoint, the request is re-sent there with the
-    tokens already streamed appended to the prompt and ``max_tokens`` reduced by as many, and the
-    stream continues. Usage in the yielded Outputs is the original request's.
-    """
-    excluded: set[str] = set()
-    endpoint = pick_endpoint(excluded)
-    if endpoint is None:
-        raise WorkerError(503, "no live instance")
-    streamed: list[int] = []
-    loop = asyncio.get_running_loop()
-    give_up_at = loop.time() + timeout_s
-    for migration in itertools.count(1):
-        attempt = _continuation(request, streamed)
-        if attempt is None:  # the budget was used up before the final message got through
-            final = Output(request_id=request_id, token_ids=[], finish_reason="length")
-            yield _adjusted(final, request, len(streamed))
-            return
-        earlier = len(streamed)
-        try:
-            steps = client.generate(
-                endpoint, attempt, request_id=request_id, timeout_s=max(give_up_at - loop.time(), 0.001)
-            )
-            async with contextlib.aclosing(steps):
-                async for output in steps:
-                    adjusted = _adjusted(output, request, earlier)
-                    streamed.extend(output.token_ids)
-                    yield adjusted
-            return
-        except (WorkerLost, WorkerError) as exc:
-            if isinstance(exc, WorkerError) and exc.code != 503:
-                raise
-            excluded.add(endpoint)
-            target = pick_endpoint(excluded) if migration <= migration_limit else None
-            if target is None:
-                raise
-            log.info(
-                "request_migrated",
-                request_id=request_id,
-                from_endpoint=endpoint,
-                to_endpoint=target,
-                streamed_tokens=len(streamed),
-                migration=migration,
-                reason=str(exc),
-            )
-            endpoint = target
-    raise AssertionError("unreachable")  # pragma: no cover - itertools.count never ends
-
-
-def _continuation(request: PreprocessedRequest, streamed: list[int]) -> PreprocessedRequest | None:
-    """The request to send after ``streamed`` tokens went out; None when no token budget is left."""
-    if not streamed:
-        return request
-    stop = request.stop_conditions
-    remaining = stop.max_tokens - len(streamed)
-    if remaining <= 0:
-        return None
-    min_tokens = None if stop.min_tokens is None else max(stop.min_tokens - len(streamed), 0)
-    return msgspec.structs.replace(
-        request,
-        token_ids=[*request.token_ids, *streamed],
-        stop_conditions=msgspec.structs.replace(stop, max_tokens=remaining, min_tokens=min_tokens),
-    )
-
-
-def _adjusted(output: Output, request: PreprocessedRequest, earlier: int) -> Output:
-    """Usage as the client sees it: the original prompt, and the tokens of earlier attempts added."""
-    if not earlier and output.prompt_tokens:
-        return output
-    return msgspec.structs.replace(
-        output, prompt_tokens=len(request.token_ids), completion_tokens=earlier + output.completion_tokens
-    )

@@ -9,11 +9,8 @@ is configured by the CLI, never here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 import structlog
@@ -23,91 +20,19 @@ import zmq.asyncio
 from dynamo_prep.discovery.builder import PreprocessorBuilder
 from dynamo_prep.discovery.catalog import ModelCatalog
 from dynamo_prep.discovery.files import ModelFileStore
-from dynamo_prep.discovery.trust import ServerCurve, TrustError
-from dynamo_prep.discovery.watcher import DEFAULT_BIND, DiscoveryWatcher
-from dynamo_prep.frontend.app import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_REQUEST_TIMEOUT_S,
-    HttpSettings,
-    create_app,
-)
+from dynamo_prep.discovery.trust import TrustError
+from dynamo_prep.discovery.watcher import DiscoveryWatcher
+from dynamo_prep.frontend.app import create_app
 from dynamo_prep.frontend.client import RequestPlaneClient
+from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.http_server import HttpServer, bind_http
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.router import Router
-from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
+from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 
-__all__ = ["EXIT_CONFIG", "EXIT_FAILED", "EXIT_OK", "FrontendConfig", "run_frontend", "serve_frontend"]
+__all__ = ["FrontendConfig", "run_frontend", "serve_frontend"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
-
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_CONFIG = 2
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-DEFAULT_HTTP_HOST = "0.0.0.0"
-DEFAULT_HTTP_PORT = 8000
-
-
-@dataclass(frozen=True, slots=True)
-class FrontendConfig:
-    """Validated frontend options (what the CLI flags mean, checked once)."""
-
-    bind: tuple[str, ...] = ()
-    connect: tuple[str, ...] = ()
-    namespace: str = DEFAULT_NAMESPACE
-    model_path: Path | None = None
-    cache_dir: Path | None = None
-    curve: ServerCurve | None = None
-    http_host: str = DEFAULT_HTTP_HOST
-    http_port: int = DEFAULT_HTTP_PORT
-    http: HttpSettings = field(default_factory=HttpSettings)
-
-    @classmethod
-    def from_options(
-        cls,
-        *,
-        discovery_bind: str | None = None,
-        discovery: Sequence[str] | None = None,
-        namespace: str = DEFAULT_NAMESPACE,
-        model_path: str | Path | None = None,
-        cache_dir: Path | None = None,
-        curve_secret_key: Path | None = None,
-        curve_allow_dir: Path | None = None,
-        http_host: str = DEFAULT_HTTP_HOST,
-        http_port: int = DEFAULT_HTTP_PORT,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
-    ) -> FrontendConfig:
-        """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options."""
-        if discovery_bind and discovery:
-            raise ValueError("give --discovery-bind (embedded plane) or --discovery (brokers), not both")
-        if (curve_secret_key is None) != (curve_allow_dir is None):
-            raise ValueError("--curve-secret-key and --curve-allow-dir go together")
-        connect = tuple(discovery or ())
-        bind = (discovery_bind,) if discovery_bind else (() if connect else (DEFAULT_BIND,))
-        curve = None
-        if curve_secret_key is not None and curve_allow_dir is not None:
-            if connect:
-                raise ValueError(
-                    "frontend CURVE secures its bound plane; with brokers, give the keys to the brokers"
-                )
-            curve = ServerCurve.load(curve_secret_key, curve_allow_dir)
-        if not 0 <= http_port <= 65535:
-            raise ValueError(f"--http-port must be in 0..65535, got {http_port}")
-        if max_body_bytes < 1 or request_timeout_s <= 0:
-            raise ValueError("--max-body-bytes and --request-timeout must be positive")
-        return cls(
-            bind=bind,
-            connect=connect,
-            namespace=namespace,
-            model_path=Path(model_path) if model_path is not None else None,
-            cache_dir=cache_dir,
-            curve=curve,
-            http_host=http_host,
-            http_port=http_port,
-            http=HttpSettings(max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s),
-        )
 
 
 def run_frontend(**options: Any) -> int:
@@ -123,7 +48,12 @@ def run_frontend(**options: Any) -> int:
 async def serve_frontend(config: FrontendConfig, *, stop: asyncio.Event | None = None) -> int:
     """Run until ``stop`` is set (or SIGTERM / SIGINT when in the main thread)."""
     stop = stop or asyncio.Event()
-    with _stop_on_signals(stop):
+
+    def on_signal(signum: signal.Signals) -> None:
+        log.info("frontend_stopping", signal=signum.name)
+        stop.set()
+
+    with on_stop_signals_in_loop(on_signal):
         return await _serve(config, stop)
 
 
@@ -145,7 +75,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         watcher.close()
         log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
         return EXIT_FAILED
-    app = create_app(catalog, client, router=Router(metrics=metrics), settings=config.http, metrics=metrics)
+    app = create_app(catalog, client, router=Router(), settings=config.http, metrics=metrics)
     http = HttpServer(app, sock)
     log.info(
         "frontend_started",
@@ -208,26 +138,3 @@ async def _supervise(components: Mapping[str, Coroutine[Any, Any, None]], stop: 
     await asyncio.gather(*tasks, stopper, return_exceptions=True)
     log.info("frontend_stopped", exit_code=code)
     return code
-
-
-@contextlib.contextmanager
-def _stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
-    """SIGTERM / SIGINT set ``stop`` while inside (main thread only; elsewhere callers set ``stop``)."""
-    loop = asyncio.get_running_loop()
-
-    def on_signal(signum: signal.Signals) -> None:
-        log.info("frontend_stopping", signal=signum.name)
-        stop.set()
-
-    installed: list[signal.Signals] = []
-    for signum in _STOP_SIGNALS:
-        try:
-            loop.add_signal_handler(signum, on_signal, signum)
-        except (RuntimeError, ValueError):  # not the main thread
-            break
-        installed.append(signum)
-    try:
-        yield
-    finally:
-        for signum in installed:
-            loop.remove_signal_handler(signum)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
+from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
 
@@ -42,6 +43,7 @@ class RequestRecord:
     metrics: FrontendMetrics
     started: float = field(default_factory=time.perf_counter)
     model: str = UNKNOWN_MODEL
+    instance_id: str | None = None
     endpoint: str | None = None
     status: int | None = None
     error: str | None = None
@@ -63,6 +65,11 @@ class RequestRecord:
         if not self._inflight:
             self._inflight = True
             self.metrics.inflight.labels(model=name).inc()
+
+    def routed(self, instance: Instance) -> None:
+        """The instance serving the request now (the last one, after a migration)."""
+        self.instance_id = instance.instance_id
+        self.endpoint = instance.endpoint
 
     def preprocessed(self, request: PreprocessedRequest, seconds: float) -> None:
         self.metrics.preprocess_duration.labels(model=self.model).observe(seconds)
@@ -113,6 +120,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "duration_ms": round(duration_s * 1000, 1),
+            "instance_id": self.instance_id,
             "endpoint": self.endpoint,
         }
         if self.error is None:

@@ -21,25 +21,27 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 import structlog
 
+from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
+from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
+
 __all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up"]
 
 log = structlog.get_logger("dynamo_prep.up")
 
-EXIT_OK = 0
-EXIT_FAILED = 1
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
 FLAVORS = ("sglang", "vllm")
+DEFAULT_UP_DISCOVERY = "tcp://127.0.0.1:7555"
+DEFAULT_UP_MODEL = "kimi-k3-demo"
+DEFAULT_WATCH_ADDRESS = "tcp://127.0.0.1:7557"
 DEMO_IMAGE_URL = "https://upload.wikimedia.org/wikipedia/commons/4/47/PNG_transparency_demonstration_1.png"
 # Loopback only: an http_proxy in the environment must not see (or break) the readiness probe.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -53,21 +55,35 @@ class _Child:
     log_file: IO[bytes]
 
 
-DEFAULT_WATCH_ADDRESS = "tcp://127.0.0.1:7557"
-
-
 def run_up(
     *,
-    http_port: int = 8000,
-    discovery_bind: str = "tcp://127.0.0.1:7555",
-    model: str = "kimi-k3-demo",
+    http_port: int = DEFAULT_HTTP_PORT,
+    discovery_bind: str = DEFAULT_UP_DISCOVERY,
+    model: str = DEFAULT_UP_MODEL,
     log_dir: Path | None = None,
     log_level: str = "info",
     watch_address: str = DEFAULT_WATCH_ADDRESS,
 ) -> int:
     """Start the cluster, wait until ``model`` is served, print how to use it, run until signalled."""
     stopping = threading.Event()
-    restore = _on_stop_signals(stopping.set)
+
+    def on_signal(signum: signal.Signals) -> None:
+        log.info("up_stopping", signal=signum.name)
+        stopping.set()
+
+    with on_stop_signals(on_signal):
+        return _run(stopping, http_port, discovery_bind, model, log_dir, log_level, watch_address)
+
+
+def _run(  # noqa: PLR0917 - run_up's options, passed on once
+    stopping: threading.Event,
+    http_port: int,
+    discovery_bind: str,
+    model: str,
+    log_dir: Path | None,
+    log_level: str,
+    watch_address: str,
+) -> int:
     directory = log_dir or Path(tempfile.mkdtemp(prefix="dynamo-prep-up-"))
     directory.mkdir(parents=True, exist_ok=True)
     connect = _connect_address(discovery_bind)
@@ -96,7 +112,6 @@ def run_up(
         return _run_until_stopped(children, stopping)
     finally:
         _stop_all(children)
-        restore()
         log.info("up_stopped", log_dir=str(directory))
 
 
@@ -221,20 +236,3 @@ def _stop_all(children: list[_Child]) -> None:
             child.process.kill()
             child.process.wait()
         child.log_file.close()
-
-
-def _on_stop_signals(callback: Callable[[], None]) -> Callable[[], None]:
-    """SIGINT / SIGTERM call ``callback``; returns a function restoring the previous handlers."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        del frame
-        log.info("up_stopping", signal=signal.Signals(signum).name)
-        callback()
-
-    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
-
-    def restore() -> None:
-        for signum, old in previous.items():
-            signal.signal(signum, old)
-
-    return restore

@@ -12,9 +12,16 @@ from typing import Annotated, TypeVar
 
 import msgspec
 
+from dynamo_prep.protocol.decode import WireDecodeError, decoding
+
 PROTOCOL_VERSION = 1
 TOPIC_PREFIX = "dynamo_prep.v1.card."
 DEFAULT_NAMESPACE = "dynamo"
+# Where a frontend binds its embedded plane, and where a broker takes workers' (XSUB) and
+# frontends' (XPUB) connections, unless told otherwise.
+DEFAULT_BIND = "tcp://0.0.0.0:7555"
+DEFAULT_BROKER_XSUB = "tcp://0.0.0.0:7555"
+DEFAULT_BROKER_XPUB = "tcp://0.0.0.0:7556"
 DEFAULT_TTL_MS = 3000
 DEFAULT_HEARTBEAT_S = 1.0
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -24,13 +31,8 @@ _NonEmpty = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
-class DiscoveryDecodeError(ValueError):
+class DiscoveryDecodeError(WireDecodeError):
     """A discovery message that cannot be used; ``reason`` is a stable snake_case label."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 class KvEventsEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
@@ -72,6 +74,15 @@ class Withdraw(msgspec.Struct, kw_only=True, tag="withdraw", tag_field="kind"):
 
 
 DiscoveryMessage = Announce | Withdraw
+
+
+# How logs, metrics and the watch table show an instance that declares no token.
+CHECKPOINT_DEFAULT = "checkpoint default"
+
+
+def declared_label(declared_token: str | None) -> str:
+    """A declaration as people read it: the token, or ``checkpoint default`` for None."""
+    return CHECKPOINT_DEFAULT if declared_token is None else declared_token
 
 
 class Instance(msgspec.Struct, kw_only=True, frozen=True):
@@ -127,11 +138,5 @@ def decode_message(payload: bytes | memoryview) -> DiscoveryMessage:
 
 def _decode(decoder: msgspec.msgpack.Decoder[_T], payload: bytes | memoryview) -> _T:
     """One decode; every way it can fail is a ``DiscoveryDecodeError`` with a stable reason."""
-    try:
+    with decoding(DiscoveryDecodeError):
         return decoder.decode(payload)
-    except msgspec.ValidationError as exc:
-        raise DiscoveryDecodeError("invalid", str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise DiscoveryDecodeError("undecodable", str(exc)) from exc
-    except RecursionError as exc:
-        raise DiscoveryDecodeError("too_deep", "nested too deeply") from exc

@@ -22,6 +22,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from dynamo_prep.protocol.decode import WireDecodeError, decoding
+
 __all__ = [
     "END_SEQ",
     "MAX_BATCH_BYTES",
@@ -50,17 +52,12 @@ SEQ_BYTES: Final = 8
 END_SEQ: Final = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 
 
-class KvEventDecodeError(ValueError):
+class KvEventDecodeError(WireDecodeError):
     """A KV-event frame or payload that cannot be used; ``reason`` is a stable snake_case label.
 
     Reasons: ``frame_count``, ``bad_seq``, ``too_large``, ``undecodable``, ``too_deep``,
     ``invalid``, ``unknown_event``.
     """
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
@@ -146,9 +143,7 @@ class _Tag(msgspec.Struct):
 
 # Fields the old positional form always carried (vLLM's required ones, through ``medium``).
 _OLD_FIELDS: Final[dict[type[KVEvent], int]] = {BlockStored: 6, BlockRemoved: 2, AllBlocksCleared: 0}
-_EVENT_TYPES: Final[dict[str, type[KVEvent]]] = {
-    str(cls.__struct_config__.tag): cls for cls in _OLD_FIELDS
-}
+_EVENT_TYPES: Final[dict[str, type[KVEvent]]] = {str(cls.__struct_config__.tag): cls for cls in _OLD_FIELDS}
 _encoder = msgspec.msgpack.Encoder()
 _batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
 _batch_map_decoder = msgspec.msgpack.Decoder(_RawBatchMap)
@@ -242,16 +237,13 @@ def _decode_event(raw: msgspec.Raw) -> KVEvent:
 
 def _decode_map_event(raw: msgspec.Raw) -> KVEvent:
     try:
-        return _event_decoder.decode(raw)
-    except msgspec.ValidationError as exc:
-        tag = _guarded(_tag_decoder, raw).type
-        if tag not in _EVENT_TYPES:
+        event: KVEvent = _guarded(_event_decoder, raw)
+    except KvEventDecodeError as exc:
+        tag = _guarded(_tag_decoder, raw).type if exc.reason == "invalid" else ""
+        if exc.reason == "invalid" and tag not in _EVENT_TYPES:
             raise KvEventDecodeError("unknown_event", f"type={tag[:64]!r}") from exc
-        raise KvEventDecodeError("invalid", str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise KvEventDecodeError("undecodable", str(exc)) from exc
-    except RecursionError as exc:
-        raise KvEventDecodeError("too_deep", "nested too deeply") from exc
+        raise
+    return event
 
 
 def _decode_array_event(raw: msgspec.Raw) -> KVEvent:
@@ -263,10 +255,8 @@ def _decode_array_event(raw: msgspec.Raw) -> KVEvent:
     fields = cls.__struct_fields__
     if len(items) - 1 > len(fields):
         raise KvEventDecodeError("invalid", f"{tag} has {len(items) - 1} fields, at most {len(fields)} known")
-    try:
+    with decoding(KvEventDecodeError):
         event: KVEvent = msgspec.convert(dict(zip(fields, items[1:], strict=False)), cls)
-    except msgspec.ValidationError as exc:
-        raise KvEventDecodeError("invalid", str(exc)) from exc
     return event
 
 
@@ -313,14 +303,8 @@ def _positional(event: KVEvent) -> list[Any]:
 
 
 def _guarded(decoder: msgspec.msgpack.Decoder[Any], payload: Any) -> Any:
-    try:
+    with decoding(KvEventDecodeError):
         return decoder.decode(payload)
-    except msgspec.ValidationError as exc:
-        raise KvEventDecodeError("invalid", str(exc)) from exc
-    except msgspec.DecodeError as exc:
-        raise KvEventDecodeError("undecodable", str(exc)) from exc
-    except RecursionError as exc:
-        raise KvEventDecodeError("too_deep", "nested too deeply") from exc
 
 
 def _is_map(byte: int) -> bool:

@@ -10,9 +10,17 @@ from typing import Any
 
 import msgspec
 
+from dynamo_prep.protocol.decode import decoding
+
 
 class RequestError(ValueError):
     """A request that does not decode: the message names the field (HTTP 400)."""
+
+    @classmethod
+    def of(cls, reason: str, detail: str) -> RequestError:
+        """The client's message for a ``decoding`` failure."""
+        says = "Request body is not valid JSON" if reason == "undecodable" else "Invalid request"
+        return cls(f"{says}: {detail}")
 
 
 class NvExt(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -66,16 +74,10 @@ def parse_chat_request(request: ChatCompletionRequest | dict[str, Any] | bytes) 
     """Decode a request from JSON bytes or a dict; a bad field raises ``RequestError``."""
     if isinstance(request, ChatCompletionRequest):
         return request
-    try:
+    with decoding(RequestError.of):
         if isinstance(request, bytes | bytearray | memoryview):
             return msgspec.json.decode(request, type=ChatCompletionRequest)
         return msgspec.convert(request, ChatCompletionRequest)
-    except msgspec.ValidationError as exc:
-        raise RequestError(f"Invalid request: {exc}") from exc
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"Request body is not valid JSON: {exc}") from exc
-    except RecursionError as exc:
-        raise RequestError("Invalid request: nested too deeply") from exc
 
 
 # -- responses -------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from typing import Annotated, Final
 
 import msgspec
 
+from dynamo_prep.protocol.decode import WireDecodeError, decoding
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 
 __all__ = [
@@ -25,11 +26,15 @@ __all__ = [
     "Ping",
     "Pong",
     "ToWorker",
+    "WireDecodeError",
+    "decode_from_worker",
+    "decode_to_worker",
     "encode",
     "from_worker_decoder",
     "to_worker_decoder",
 ]
 
+# The largest model file the request plane carries: cards with bigger files are refused on both sides.
 MAX_FILE_BYTES = 256 << 20
 # The finish reasons a final Output may carry: the engine's own, or the worker's verdict.
 FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled", "deadline"})
@@ -114,3 +119,15 @@ from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 
 def encode(message: ToWorker | FromWorker) -> bytes:
     return _encoder.encode(message)
+
+
+def decode_to_worker(payload: bytes | memoryview) -> ToWorker:
+    """A frontend's message; ``WireDecodeError`` (invalid, undecodable, too_deep) otherwise."""
+    with decoding():
+        return to_worker_decoder.decode(payload)
+
+
+def decode_from_worker(payload: bytes | memoryview) -> FromWorker:
+    """A worker's reply; ``WireDecodeError`` (invalid, undecodable, too_deep) otherwise."""
+    with decoding():
+        return from_worker_decoder.decode(payload)

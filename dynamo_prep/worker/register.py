@@ -19,6 +19,7 @@ from dynamo_prep.engines.base import Flavor, GenerateFn
 from dynamo_prep.engines.declare import declared_image_token
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
+from dynamo_prep.worker.config import DEFAULT_ENDPOINT_HOST
 from dynamo_prep.worker.generate import GenerationServer
 from dynamo_prep.worker.server import Worker
 
@@ -35,7 +36,7 @@ async def register(
     discovery: Sequence[str],
     served_name: str | None = None,
     namespace: str = DEFAULT_NAMESPACE,
-    endpoint_host: str = "127.0.0.1",
+    endpoint_host: str = DEFAULT_ENDPOINT_HOST,
     generate: GenerateFn | None = None,
     migration_limit: int = 0,
 ) -> Worker:

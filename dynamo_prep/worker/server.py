@@ -31,15 +31,15 @@ from dynamo_prep.discovery.trust import ClientCurve
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
+from dynamo_prep.worker.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_ENDPOINT_HOST
 from dynamo_prep.worker.generate import GenerationServer, Reply
 from dynamo_prep.worker.metrics import MetricsServer, WorkerMetrics
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "STOP_TIMEOUT_S", "RequestDispatcher", "Worker"]
+__all__ = ["STOP_TIMEOUT_S", "RequestDispatcher", "Worker"]
 
 log = structlog.get_logger("dynamo_prep.worker")
 
 STOP_TIMEOUT_S = 5.0
-DEFAULT_DRAIN_TIMEOUT_S = 5.0
 ROUTER_LINGER_MS = 100
 
 M = TypeVar("M")
@@ -88,7 +88,7 @@ class Worker:
         *,
         discovery: Sequence[str],
         namespace: str = DEFAULT_NAMESPACE,
-        endpoint_host: str = "127.0.0.1",
+        endpoint_host: str = DEFAULT_ENDPOINT_HOST,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         ttl_ms: int = DEFAULT_TTL_MS,
         legacy_runtime: Mapping[str, Any] | None = None,

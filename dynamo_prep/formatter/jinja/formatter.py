@@ -1,0 +1,266 @@
+"""``JinjaFormatter``: OpenAI chat requests rendered through a model's Hugging Face chat template."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+
+from dynamo_prep.card import read_json
+from dynamo_prep.formatter.jinja.checkpoint import (
+    find_templates,
+    image_token_from_config,
+    registered_specials_from_config,
+    special_tokens_from_config,
+)
+from dynamo_prep.formatter.jinja.environment import (
+    compile_template,
+    render_template,
+    template_context,
+    to_plain,
+)
+from dynamo_prep.formatter.jinja.injection import SpecialTokens, injection_safe_segments
+from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.prompt import PromptRenderError, RenderedPrompt
+from dynamo_prep.protocol.openai import ChatCompletionRequest
+
+__all__ = ["JinjaFormatter"]
+
+_RESERVED_ARGS = ("messages", "tools")
+
+
+class JinjaFormatter:
+    """Renders OpenAI chat requests through a model's Hugging Face chat template.
+
+    ``render`` returns injection-safe segments (``jinja.injection``) unless
+    ``strict_hf_tokenization``; ``registered_specials`` are the model's special-token strings
+    (``from_model_dir`` reads them from ``tokenizer_config.json``), the template's special-token
+    variables are always among them. ``template_sources`` (given by ``from_template``) lets user
+    strings that are mere pieces of a special skip tracing when no template writes partial specials.
+    """
+
+    kind = "jinja"
+
+    def __init__(
+        self,
+        template: jinja2.Template,
+        special_tokens: Mapping[str, str],
+        *,
+        tool_use_template: jinja2.Template | None = None,
+        image_token: str | None = None,
+        exclude_tools_when_tool_choice_none: bool = True,
+        registered_specials: Iterable[str] = (),
+        strict_hf_tokenization: bool = False,
+        template_sources: Sequence[str] | None = None,
+    ) -> None:
+        self._template = template
+        self._tool_use_template = tool_use_template
+        self.special_tokens = dict(special_tokens)
+        self.rendered_token = image_token
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self.strict_hf_tokenization = strict_hf_tokenization
+        self._template_sources = template_sources
+        self._specials = self._special_tokens(registered_specials)
+        self._template_vars = to_plain(self.special_tokens)
+
+    def _special_tokens(self, registered: Iterable[str]) -> SpecialTokens:
+        known = [*self.special_tokens.values(), *registered]
+        if self.rendered_token:
+            known.append(self.rendered_token)
+        specials = SpecialTokens(known)
+        if self._template_sources is not None:
+            specials.inner_pieces = any(specials.fragments_in(source) for source in self._template_sources)
+        return specials
+
+    def with_tokenizer_specials(self, specials: Iterable[str]) -> JinjaFormatter:
+        """This formatter cutting at every special the joined tokenizer registers.
+
+        The tokenizer decides what is special: a template literal such as ``<|im_start|>`` must
+        become its id even when the formatter was built from a bare template that did not list it.
+        """
+        merged = {*self._specials.strings, *specials}
+        if len(merged) == len(self._specials.strings):
+            return self
+        bound = copy.copy(self)
+        bound._specials = self._special_tokens(merged)
+        return bound
+
+    @property
+    def registered_specials(self) -> tuple[str, ...]:
+        """The special-token strings the render is cut at (longest first)."""
+        return self._specials.strings
+
+    @classmethod
+    def from_template(
+        cls,
+        template: str,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        image_token: str | None = None,
+        exclude_tools_when_tool_choice_none: bool = True,
+        special_tokens: Mapping[str, str] | None = None,
+        tool_use_template: str | None = None,
+        source: str = "<chat_template>",
+        registered_specials: Iterable[str] = (),
+        strict_hf_tokenization: bool = False,
+    ) -> JinjaFormatter:
+        """A formatter for template text; only the tokens given become template variables.
+
+        ``image_token`` counts images in the rendered prompt; it is not a template variable.
+        """
+        named = {
+            "bos_token": bos_token,
+            "eos_token": eos_token,
+            "unk_token": unk_token,
+            "pad_token": pad_token,
+        }
+        tokens = {k: v for k, v in named.items() if v is not None} | dict(special_tokens or {})
+        tool_use = None if tool_use_template is None else compile_template(tool_use_template, source)
+        return cls(
+            compile_template(template, source),
+            tokens,
+            tool_use_template=tool_use,
+            image_token=image_token,
+            exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+            registered_specials=registered_specials,
+            strict_hf_tokenization=strict_hf_tokenization,
+            template_sources=[template] if tool_use_template is None else [template, tool_use_template],
+        )
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        path: str | Path,
+        *,
+        config: Mapping[str, Any] | None = None,
+        tokenizer_config: Mapping[str, Any] | None = None,
+        exclude_tools_when_tool_choice_none: bool = True,
+        strict_hf_tokenization: bool = False,
+    ) -> JinjaFormatter:
+        """A formatter from a model directory (or demo model name), as transformers would load it.
+
+        ``config`` and ``tokenizer_config`` are the parsed ``config.json`` and
+        ``tokenizer_config.json`` when the caller has already read them; otherwise they are read here
+        (a missing ``config.json`` reads as empty).
+        """
+        model_dir = resolve_model_dir(path)
+        if tokenizer_config is None:
+            tokenizer_config = read_json(model_dir / "tokenizer_config.json")
+        if config is None:
+            config_path = model_dir / "config.json"
+            config = read_json(config_path) if config_path.is_file() else {}
+        templates = find_templates(model_dir, tokenizer_config)
+        return cls.from_template(
+            templates.default,
+            special_tokens=special_tokens_from_config(tokenizer_config),
+            image_token=image_token_from_config(config, tokenizer_config),
+            exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
+            tool_use_template=templates.tool_use,
+            source=templates.source,
+            registered_specials=registered_specials_from_config(tokenizer_config),
+            strict_hf_tokenization=strict_hf_tokenization,
+        )
+
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **chat_template_args: Any,
+    ) -> str:
+        """The prompt text, exactly as ``apply_chat_template(..., tokenize=False)`` returns it."""
+        template, context = self._context(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            documents=documents,
+            **chat_template_args,
+        )
+        return render_template(template, context)
+
+    def render_segments(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = False,
+        documents: Sequence[Mapping[str, Any]] | None = None,
+        **chat_template_args: Any,
+    ) -> RenderedPrompt:
+        """``render_text`` plus injection-safe segments (None under strict HF tokenization)."""
+        template, context = self._context(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            documents=documents,
+            **chat_template_args,
+        )
+        text = render_template(template, context)
+        if self.strict_hf_tokenization:
+            image_count = text.count(self.rendered_token) if self.rendered_token else 0
+            return RenderedPrompt(text=text, pieces=None, image_count=image_count)
+        segments = injection_safe_segments(template, context, text, self._specials)
+        # only the template's image tokens count: a typed one is text, not an image slot
+        image_count = sum(1 for s in segments if s.allow_special and s.text == self.rendered_token)
+        return RenderedPrompt(text=text, pieces=segments, image_count=image_count)
+
+    def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
+        """Render a request: image parts as HF processors expect, tools unless tool_choice is none."""
+        args = request.template_args()
+        if reserved := [name for name in _RESERVED_ARGS if name in args]:
+            raise PromptRenderError(
+                f"chat_template_args cannot set {', '.join(reserved)}: they come from the request"
+            )
+        add_generation_prompt = args.pop("add_generation_prompt", request.add_generation_prompt)
+        tools = request.tools
+        if request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none:
+            tools = None
+        messages = [_hf_message(message) for message in request.messages]
+        return self.render_segments(messages, tools, add_generation_prompt=add_generation_prompt, **args)
+
+    def _context(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        /,
+        *,
+        add_generation_prompt: bool,
+        documents: Sequence[Mapping[str, Any]] | None,
+        **chat_template_args: Any,
+    ) -> tuple[jinja2.Template, dict[str, Any]]:
+        template = self._template
+        if tools is not None and self._tool_use_template is not None:
+            template = self._tool_use_template
+        context = template_context(
+            messages,
+            tools,
+            documents,
+            add_generation_prompt=add_generation_prompt,
+            variables=self._template_vars,
+            overrides=chat_template_args,
+        )
+        return template, context
+
+
+def _hf_message(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts the way HF processors expect them: ``image_url`` -> ``{"type": "image"}``."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    return {**message, "content": list(_hf_parts(content))}
+
+
+def _hf_parts(parts: list[Any]) -> Iterator[Any]:
+    for part in parts:
+        if isinstance(part, dict) and part.get("type") == "image_url":
+            yield {"type": "image"}
+        else:
+            yield part

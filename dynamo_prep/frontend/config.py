@@ -1,0 +1,101 @@
+"""The frontend's options, validated once: what every ``dynamo-prep frontend`` flag means.
+
+Light on purpose (no HTTP stack, no ZeroMQ, no formatter): the CLI reads its defaults here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dynamo_prep.protocol.discovery import DEFAULT_BIND, DEFAULT_NAMESPACE
+
+if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import ZeroMQ
+    from dynamo_prep.discovery.trust import ServerCurve
+
+__all__ = [
+    "DEFAULT_HTTP_HOST",
+    "DEFAULT_HTTP_PORT",
+    "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_REQUEST_TIMEOUT_S",
+    "FrontendConfig",
+    "HttpSettings",
+]
+
+DEFAULT_HTTP_HOST = "0.0.0.0"
+DEFAULT_HTTP_PORT = 8000
+DEFAULT_MAX_BODY_BYTES = 16 << 20
+DEFAULT_REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSettings:
+    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``)."""
+
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendConfig:
+    """Validated frontend options (what the CLI flags mean, checked once)."""
+
+    bind: tuple[str, ...] = ()
+    connect: tuple[str, ...] = ()
+    namespace: str = DEFAULT_NAMESPACE
+    model_path: Path | None = None
+    cache_dir: Path | None = None
+    curve: ServerCurve | None = None
+    http_host: str = DEFAULT_HTTP_HOST
+    http_port: int = DEFAULT_HTTP_PORT
+    http: HttpSettings = field(default_factory=HttpSettings)
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        discovery_bind: str | None = None,
+        discovery: Sequence[str] | None = None,
+        namespace: str = DEFAULT_NAMESPACE,
+        model_path: str | Path | None = None,
+        cache_dir: Path | None = None,
+        curve_secret_key: Path | None = None,
+        curve_allow_dir: Path | None = None,
+        http_host: str = DEFAULT_HTTP_HOST,
+        http_port: int = DEFAULT_HTTP_PORT,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+    ) -> FrontendConfig:
+        """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options."""
+        if discovery_bind and discovery:
+            raise ValueError("give --discovery-bind (embedded plane) or --discovery (brokers), not both")
+        if (curve_secret_key is None) != (curve_allow_dir is None):
+            raise ValueError("--curve-secret-key and --curve-allow-dir go together")
+        connect = tuple(discovery or ())
+        bind = (discovery_bind,) if discovery_bind else (() if connect else (DEFAULT_BIND,))
+        curve = None
+        if curve_secret_key is not None and curve_allow_dir is not None:
+            if connect:
+                raise ValueError(
+                    "frontend CURVE secures its bound plane; with brokers, give the keys to the brokers"
+                )
+            from dynamo_prep.discovery.trust import ServerCurve  # noqa: PLC0415 - ZeroMQ only when keyed
+
+            curve = ServerCurve.load(curve_secret_key, curve_allow_dir)
+        if not 0 <= http_port <= 65535:
+            raise ValueError(f"--http-port must be in 0..65535, got {http_port}")
+        if max_body_bytes < 1 or request_timeout_s <= 0:
+            raise ValueError("--max-body-bytes and --request-timeout must be positive")
+        return cls(
+            bind=bind,
+            connect=connect,
+            namespace=namespace,
+            model_path=Path(model_path) if model_path is not None else None,
+            cache_dir=cache_dir,
+            curve=curve,
+            http_host=http_host,
+            http_port=http_port,
+            http=HttpSettings(max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s),
+        )
