@@ -106,6 +106,17 @@ def test_missing_model_dir_exits_1_with_a_json_error(tmp_path: Path, procs: list
     assert "nope" in failure["error"]
 
 
+def test_a_wrong_option_exits_2_before_loading_anything(procs: list[DynamoProcess]) -> None:
+    """Restarting cannot help (``dynamo_prep.lifecycle.EXIT_CONFIG``); nothing was announced."""
+    args = ("--model-path", DEMO, "--discovery", tcp_endpoint(), "--token-delay", "-1")
+    worker = start_dynamo("worker", *args, log_level="info")
+    procs.append(worker)
+    assert worker.wait(10) == 2
+    [failure] = worker.find("worker_start_failed")
+    assert failure["error"] == "--token-delay must be >= 0, got -1.0"
+    assert not worker.find("worker_declared_image_token")
+
+
 def test_request_plane_refuses_garbage_and_unknown_files(
     plane: tuple[str, SubCollector], model_path: str, procs: list[DynamoProcess]
 ) -> None:

@@ -140,13 +140,6 @@ class MockEngine:
         """
         self.check_contract(request)
         token_ids, finish_reason = self.plan(request)
-        log.debug(
-            "mock_generate_started",
-            flavor=self.flavor,
-            images=len(request.images),
-            prompt_tokens=len(request.token_ids),
-            completion_tokens=len(token_ids),
-        )
         async for step in self.stream(token_ids, finish_reason, len(request.token_ids)):
             yield step
 
@@ -166,21 +159,36 @@ class MockEngine:
             log.debug("mock_generate_cancelled", flavor=self.flavor, prompt_tokens=prompt_tokens)
             raise
 
-    def plan(self, request: PreprocessedRequest) -> tuple[list[int], str]:
-        """The reply as it will stream (stop conditions applied) and its finish reason."""
-        return self._limit(self.reply_ids(request), request.stop_conditions)
+    def plan(self, request: PreprocessedRequest, *, streamed: int = 0) -> tuple[list[int], str]:
+        """The reply as it will stream (stop conditions applied) and its finish reason; logged
+        (``streamed``: how many of its tokens a migrated request already carries)."""
+        token_ids, source = self._reply(request)
+        token_ids, finish_reason = self._limit(token_ids, request.stop_conditions)
+        log.debug(
+            "mock_generate_started",
+            flavor=self.flavor,
+            reply=source,
+            images=len(request.images),
+            prompt_tokens=len(request.token_ids),
+            completion_tokens=len(token_ids),
+            streamed=streamed,
+        )
+        return token_ids, finish_reason
 
     def reply_ids(self, request: PreprocessedRequest) -> list[int]:
         """The whole reply, before stop conditions: scripted, else the echo (in the model's format)."""
+        return self._reply(request)[0]
+
+    def _reply(self, request: PreprocessedRequest) -> tuple[list[int], str]:
+        """``reply_ids`` and where they come from (``scripted:LINE``, ``echo`` or ``model``)."""
         view = self._reader.read(request.token_ids)
         scripted = matching_reply(self.replies, view.last_user)
         if scripted is not None:
-            log.debug("mock_reply_scripted", line=scripted.line, when=scripted.when)
-            return list(scripted.token_ids)
+            return list(scripted.token_ids), f"scripted:{scripted.line}"
         echo = self._echo(request, view)
         if self.reply_format == "echo":
-            return self.tokenizer.encode(echo)
-        return self._model_answer(view, echo)
+            return self.tokenizer.encode(echo), "echo"
+        return self._model_answer(view, echo), "model"
 
     def reply_text(self, request: PreprocessedRequest) -> str:
         """``reply_ids`` as text (specials spelled out)."""
@@ -315,8 +323,7 @@ class MockContinuation:
             async for step in self.engine.generate(request):
                 yield step
             return
-        token_ids, finish_reason = self.engine.plan(_shortened(request, streamed))
-        log.debug("mock_generate_continued", flavor=self.engine.flavor, streamed=streamed)
+        token_ids, finish_reason = self.engine.plan(_shortened(request, streamed), streamed=streamed)
         async for step in self.engine.stream(token_ids[streamed:], finish_reason, len(request.token_ids)):
             yield step
 

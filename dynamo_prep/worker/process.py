@@ -1,8 +1,8 @@
 """The ``dynamo-prep worker`` process: validated options, the mock engine, a Worker until a signal.
 
-Wrong options (``WorkerConfig.from_options``) are a ``worker_config_error`` and exit code 2; a
-model directory, replies file or socket that cannot be used is a ``worker_start_failed`` and exit
-code 1, before anything is announced: never a worker that announces and then cannot serve.
+A worker that cannot start logs ``worker_start_failed`` before anything is announced (never a
+worker that announces and then cannot serve): exit code 2 for wrong options
+(``WorkerConfig.from_options``), 1 for a model directory, replies file or socket it cannot use.
 Logging is configured by the CLI.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 from collections.abc import Callable
 from typing import Any
 
@@ -41,7 +40,7 @@ def run_worker(**options: Any) -> int:
     try:
         config = WorkerConfig.from_options(**options)
     except (TrustError, ValueError) as exc:
-        log.error("worker_config_error", error=str(exc))
+        log.error("worker_start_failed", model_path=str(options.get("model_path")), error=str(exc))
         return EXIT_CONFIG
     try:
         engine = _mock_engine(config)
@@ -110,13 +109,8 @@ def _declared_token(config: WorkerConfig, engine: MockContinuation) -> str | Non
 
 async def _serve_until_signalled(make_worker: Callable[[zmq.asyncio.Context], Worker]) -> int:
     stopping = asyncio.Event()
-
-    def on_signal(signum: signal.Signals) -> None:
-        log.info("worker_stopping", signal=signum.name)
-        stopping.set()
-
     # Handlers go in before anything is logged, so a SIGTERM right after worker_started is graceful.
-    with on_stop_signals_in_loop(on_signal):
+    with on_stop_signals_in_loop(lambda _signum: stopping.set()):
         context = zmq.asyncio.Context()
         try:
             worker = make_worker(context)
