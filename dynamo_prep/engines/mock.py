@@ -283,7 +283,6 @@ class MockEngine:
         return _ImageContract((pad_id,), tuple(strip), QWEN_IMAGE_PAD)
 
 
-
 def _cut_at_stop_ids(token_ids: list[int], stop_ids: set[int]) -> list[int]:
     for index, token_id in enumerate(token_ids):
         if token_id in stop_ids:
@@ -294,7 +293,6 @@ def _cut_at_stop_ids(token_ids: list[int], stop_ids: set[int]) -> list[int]:
 def _clip(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 3] + "..."
-
 
 
 class MockContinuation:

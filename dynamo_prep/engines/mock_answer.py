@@ -55,7 +55,7 @@ class AnswerWriter:
         segments = self._k3.render_segments(
             [message], add_generation_prompt=False, thinking=view.thinking, thinking_effort=None
         )
-        return self.tokenizer.encode_segments(segments[_written(segments, view):])
+        return self.tokenizer.encode_segments(segments[_written(segments, view) :])
 
     def _chatml(self, view: PromptView, content: str, call: ToolCall | None) -> list[int]:
         text = content
