@@ -227,7 +227,7 @@ def test_two_brokers_deliver_twice_and_losing_one_loses_nothing(
 
 def test_frontend_config_defaults_to_the_embedded_plane() -> None:
     config = FrontendConfig.from_options()
-    assert config.bind == (DEFAULT_BIND,) == ("tcp://0.0.0.0:7555",)
+    assert config.bind == (DEFAULT_BIND,) == ("tcp://127.0.0.1:7555",)  # this machine only, unless told
     assert config.connect == ()
     assert config.curve is None
     brokers = FrontendConfig.from_options(discovery=["tcp://b1:7556", "tcp://b2:7556"], namespace="ns")

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import zmq
 from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
@@ -295,3 +296,49 @@ async def test_hundred_concurrent_requests_share_one_dealer(
     texts = await asyncio.gather(*(run(i) for i in range(100)))
     assert texts == [mock.reply_text(request) for request in requests]
     assert len(client._channels) == 1
+
+
+async def test_an_instance_that_never_answers_is_failed_over_fast_and_then_avoided(
+    workers: Any, client: RequestPlaneClient, mock: MockEngine
+) -> None:
+    """A forged or black-holed announce (here: a ROUTER that reads and never answers) costs one
+    request the connect timeout, not the stall timeout, moves it for free (migration_limit 0), and
+    later requests route around it."""
+    _, endpoint = workers("--token-delay", "0")
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
+        real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
+        policy, model = migration(client, [hole, real], migration_limit=0)
+        first = record()
+        started = time.monotonic()
+        outputs = [
+            o async for o in policy.outputs(model, chat(), request_id="h1", record=first, timeout_s=30)
+        ]
+        assert outputs[-1].finish_reason == "stop" and first.instance_id == "b"
+        assert time.monotonic() - started < client.stall_timeout_s + 1.0  # the connect timeout, not a stall
+        assert hole.endpoint in client.unreachable_endpoints()
+        received = len(_drain(silent))
+        for index in range(3):
+            again = record()
+            [
+                o
+                async for o in policy.outputs(
+                    model, chat(), request_id=f"h{index + 2}", record=again, timeout_s=30
+                )
+            ]
+            assert again.instance_id == "b"
+        assert len(_drain(silent)) == 0 and received >= 1  # never sent there again
+    finally:
+        silent.close(linger=0)
+        context.term()
+
+
+def _drain(socket: zmq.Socket[Any]) -> list[list[bytes]]:
+    frames = []
+    while socket.poll(0):
+        frames.append(socket.recv_multipart())
+    return frames

@@ -20,6 +20,7 @@ import zmq
 
 from dynamo_prep.discovery.trust import ServerCurve, TrustError, apply_server_curve, start_authenticator
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
+from dynamo_prep.protocol.discovery import OPEN_PLANE_HINT, reachable_from_elsewhere
 
 __all__ = ["Broker", "run_broker"]
 
@@ -120,6 +121,13 @@ def run_broker(*, xsub: str, xpub: str, curve_secret_key: Path | None, curve_all
         log.info(
             "broker_started", xsub=broker.xsub_endpoint, xpub=broker.xpub_endpoint, curve=curve is not None
         )
+        if curve is None and reachable_from_elsewhere(broker.xsub_endpoint):
+            log.error(
+                "discovery_plane_open",
+                addresses=[broker.xsub_endpoint],
+                exposed=[broker.xsub_endpoint],
+                hint=OPEN_PLANE_HINT,
+            )
         try:
             with on_stop_signals(lambda _signum: broker.stop()):
                 broker.run()

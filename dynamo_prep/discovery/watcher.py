@@ -25,6 +25,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +79,11 @@ RECV_HWM = 10_000
 # the 1 MiB payload limit so that oversize payloads still arrive and are counted as too_large.
 MAX_FRAME_BYTES = 16 << 20
 BUILD_BACKOFF_S = (1.0, 30.0)
+# Builds run on their own threads (never the request path's executor): a flood of unbuildable
+# model names queues here, and already served models are not slowed down by it.
+BUILD_THREADS = 2
+# Builds started and not finished at once; a model beyond it waits for a later announce of its own.
+MAX_BUILDS_IN_FLIGHT = 16
 
 
 @dataclass(slots=True)
@@ -137,6 +143,7 @@ class DiscoveryWatcher:
         self._topic = topic(namespace)
         self._log = DiscoveryLog(namespace)
         self._builds: dict[str, _Build] = {}
+        self._build_threads = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="model-build")
         self._tasks: set[asyncio.Task[None]] = set()
         self._socket: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket[Any] | None = None
@@ -172,7 +179,7 @@ class DiscoveryWatcher:
             raise
         self._shadow = zmq.Socket.shadow(socket.underlying)
         if self.curve is None:
-            self._log.plane_open(self.addresses)
+            self._log.plane_open(self.addresses, bound=bool(self.bind))
 
     async def run(self) -> None:
         """Serve the socket until cancelled; closes everything on the way out."""
@@ -216,6 +223,7 @@ class DiscoveryWatcher:
         """Cancel builds, close the socket (LINGER 0) and stop the authenticator."""
         for task in list(self._tasks):
             task.cancel()
+        self._build_threads.shutdown(wait=False, cancel_futures=True)
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -223,10 +231,6 @@ class DiscoveryWatcher:
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
-
-    async def wait_builds(self) -> None:
-        """Wait for the builds in flight (tests, orderly shutdown)."""
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def _poll_timeout_ms(self) -> int:
         deadline = self.registry.next_deadline()
@@ -293,7 +297,7 @@ class DiscoveryWatcher:
         match event:
             case InstanceAdded() | InstanceRemoved() | ModelRemoved():
                 metrics.set_model(event.model, self.registry.instance_count(event.model))
-                metrics.models.set(len(self.registry.model_names()))
+                metrics.models.set(self.registry.model_count())
             case ChecksumMismatch():
                 metrics.rejected.labels(reason="checksum_mismatch").inc()
             case KeyMismatch():
@@ -379,7 +383,8 @@ class DiscoveryWatcher:
         self._start_build(event.model, build, event.card, event.instance.instance_id, event.instance.endpoint)
 
     def _maybe_retry_build(self, instance_id: str, endpoint: str, now: float) -> None:
-        """A later announce of a model whose build failed retries it, after its backoff."""
+        """A later announce of a model whose build failed (after its backoff) or never started (too
+        many in flight) starts it."""
         name = self.registry.model_of(instance_id)
         build = self._builds.get(name) if name is not None else None
         if name is None or build is None or build.built is not None or build.task is not None:
@@ -391,6 +396,8 @@ class DiscoveryWatcher:
     def _start_build(
         self, name: str, build: _Build, card: ModelDeploymentCard, instance_id: str, endpoint: str
     ) -> None:
+        if len(self._tasks) >= MAX_BUILDS_IN_FLIGHT:
+            return
         task = asyncio.get_running_loop().create_task(
             self._build(name, build, card, instance_id, endpoint), name=f"build:{name}"
         )
@@ -403,7 +410,8 @@ class DiscoveryWatcher:
     ) -> None:
         started = time.perf_counter()
         try:
-            built = await asyncio.to_thread(self._builder, card, endpoint)
+            loop = asyncio.get_running_loop()
+            built = await loop.run_in_executor(self._build_threads, self._builder, card, endpoint)
         except Exception as exc:  # the contract is ModelBuildError; anything else is reported the same
             self._build_failed(name, build, instance_id, endpoint, exc)
             return
@@ -414,6 +422,7 @@ class DiscoveryWatcher:
             self._log.model_build_discarded(name, build.mdcsum)
             return
         build.built = built
+        self.registry.confirm(name)
         self.metrics.note_unregistered(built.preprocessor.unregistered_image_token)
         live = LiveModel(
             name, card, build.mdcsum, built.preprocessor, snapshot.instances, model_dir=built.model_dir

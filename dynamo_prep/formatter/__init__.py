@@ -124,4 +124,3 @@ def prompt_formatter_for(
         exclude_tools_when_tool_choice_none=card.runtime_config.exclude_tools_when_tool_choice_none,
         strict_hf_tokenization=strict_hf_tokenization,
     )
-

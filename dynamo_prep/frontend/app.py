@@ -1,13 +1,12 @@
 """The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
 
-Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
-``GET /health`` (readiness: 503 until a model is live), ``GET /live`` and ``GET /metrics``
-(Prometheus). Every response carries ``x-request-id`` (an incoming one is honoured); every error
-has OpenAI's body (``errors.py``); every request ends with one ``request_finished`` or
-``request_failed`` line (``request_record.py``), which also updates the request metrics.
-
-A chat request's way through the pool (pick, render for the pick, stream, move on loss) is
-``migration.py``'s; this module turns its outputs into OpenAI responses.
+Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize`` (vLLM's shape), ``GET /health`` (readiness: 503 until a model is live),
+``GET /live`` and ``GET /metrics`` (Prometheus). Every response carries ``x-request-id`` (an
+incoming one is honoured); every error has OpenAI's body (``errors.py``); every request ends with
+one ``request_finished`` or ``request_failed`` line (``request_record.py``), which also updates the
+request metrics. A chat request's way through the pool (pick, render for the pick, stream, move
+on loss) is ``migration.py``'s; this module turns its outputs into OpenAI responses.
 """
 
 from __future__ import annotations

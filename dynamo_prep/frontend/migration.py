@@ -6,7 +6,9 @@ This module owns the request policy; ``client.py`` only carries messages. Rules:
   instance's declared token, so each engine of a mixed pool gets its own image contract;
 * a request moves when its worker is lost or refuses it as draining (503), at most the card's
   ``migration_limit`` times in all (one budget, whether or not tokens were streamed), and never
-  back to an instance it already tried;
+  back to an instance it already tried; a worker that never answered at all (unreachable: a
+  black-holed or forged announce) costs no budget, and unreachable endpoints are routed around
+  while another instance is there;
 * after a move the new instance gets the prompt rendered for ITS declaration, followed by the
   tokens already streamed, with ``max_tokens`` (and ``min_tokens``) reduced by as many, like
   Dynamo's migration; usage stays the client's: the prompt it sent and every token it received.
@@ -84,7 +86,10 @@ class Migration:
         loop = asyncio.get_running_loop()
         journey = _Journey(budget=model.card.migration_limit, give_up_at=loop.time() + timeout_s)
         while True:
-            instance = self.router.pick(self.catalog.get(model.name) or model, excluded=journey.tried)
+            current = self.catalog.get(model.name) or model
+            instance = self.router.pick(current, excluded=journey.tried | self._unreachable(current))
+            if instance is None:
+                instance = self.router.pick(current, excluded=journey.tried)
             if instance is None:
                 if journey.last_error is not None:
                     raise journey.last_error
@@ -142,15 +147,26 @@ class Migration:
                 journey.streamed.extend(output.token_ids)
                 yield _as_sent(output, base, earlier)
 
+    def _unreachable(self, model: LiveModel) -> set[str]:
+        """Instance ids of the model whose endpoints never answered a recent request."""
+        endpoints = self.client.unreachable_endpoints()
+        if not endpoints:
+            return set()
+        return {
+            instance_id for instance_id, instance in model.instances.items() if instance.endpoint in endpoints
+        }
+
     @staticmethod
     def _move_or_raise(
         exc: WorkerLost | WorkerError, instance: Instance, journey: _Journey, request_id: str
     ) -> None:
-        """Spend one move of the budget on a lost or draining worker; otherwise the error stands."""
+        """Spend one move of the budget on a lost or draining worker (an unreachable one, which
+        never saw the request, moves for free); otherwise the error stands."""
+        unreachable = isinstance(exc, WorkerLost) and exc.reason == "unreachable"
         movable = isinstance(exc, WorkerLost) or exc.code == 503
-        if not movable or journey.budget <= 0:
+        if not movable or (journey.budget <= 0 and not unreachable):
             raise exc
-        journey.budget -= 1
+        journey.budget -= 0 if unreachable else 1
         journey.last_error = exc
         log.info(
             "request_migrated",

@@ -61,6 +61,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     chat_template_args: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    include_reasoning: bool = True
     nvext: NvExt | None = None
 
     def template_args(self) -> dict[str, Any]:
@@ -91,9 +92,25 @@ class Usage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
-    content: str
+    """The answer; ``reasoning_content`` (Dynamo's, SGLang's and DeepSeek's name) and ``tool_calls``
+    are left out when there are none. ``content`` is null when the model only called tools."""
+
+    content: str | None
     role: str = "assistant"
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -114,9 +131,26 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    arguments: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed call: its first delta carries ``id``, ``type`` and the name; later ones argument
+    fragments, which concatenate to the call's ``arguments``."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | msgspec.UnsetType = msgspec.UNSET
+    type: str | msgspec.UnsetType = msgspec.UNSET
+
+
 class ChunkDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCallDelta] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):
