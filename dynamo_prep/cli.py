@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS
 from dynamo_prep.frontend import config as frontend_defaults
 from dynamo_prep.frontend import up as up_defaults
 from dynamo_prep.lifecycle import EXIT_FAILED
@@ -27,6 +28,7 @@ from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     DEFAULT_TTL_MS,
 )
+from dynamo_prep.worker import config as worker_defaults
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
@@ -144,11 +146,16 @@ def _add_discovery_client(command: Any) -> None:
 
 
 def _add_worker(commands: Any) -> None:
+    defaults = worker_defaults
     worker = commands.add_parser("worker", help="announce a model card and serve the request plane")
-    worker.add_argument("--model-path", required=True)
-    worker.add_argument("--served-name", default=None)
+    worker.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
+    worker.add_argument("--served-name", default=None, help="model name (default: the directory name)")
     declaration = worker.add_mutually_exclusive_group()
-    declaration.add_argument("--declare-image-token", default=None, help="per-image token the engine expects")
+    declaration.add_argument(
+        "--declare-image-token",
+        default=None,
+        help="per-image token the engine expects (default: what the engine's processor declares)",
+    )
     declaration.add_argument(
         "--legacy-expands-image-pad-token",
         action="store_true",
@@ -157,20 +164,52 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--discovery", type=_addresses, required=True, help="ADDR[,ADDR] of frontends or brokers"
     )
-    worker.add_argument("--endpoint-host", default=_env("DYN_ENDPOINT_HOST", "127.0.0.1"))
     worker.add_argument(
-        "--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S, help="seconds between announces"
-    )
-    worker.add_argument("--ttl-ms", type=int, default=DEFAULT_TTL_MS)
-    worker.add_argument("--engine", default="mock", choices=["mock"], help="the engine behind the worker")
-    worker.add_argument(
-        "--flavor",
-        default="sglang",
-        choices=["sglang", "vllm"],
-        help="whose image contract the mock enforces",
+        "--endpoint-host",
+        default=_env("DYN_ENDPOINT_HOST", defaults.DEFAULT_ENDPOINT_HOST),
+        help="address to bind the request plane on, advertised in the card "
+        f"(env DYN_ENDPOINT_HOST; default {defaults.DEFAULT_ENDPOINT_HOST})",
     )
     worker.add_argument(
-        "--token-delay", type=float, default=0.02, metavar="SECONDS", help="mock engine delay per token"
+        "--heartbeat",
+        type=float,
+        default=DEFAULT_HEARTBEAT_S,
+        metavar="SECONDS",
+        help=f"seconds between announces (default {DEFAULT_HEARTBEAT_S:g})",
+    )
+    worker.add_argument(
+        "--ttl-ms",
+        type=int,
+        default=DEFAULT_TTL_MS,
+        help=f"how long frontends keep this instance without news (default {DEFAULT_TTL_MS})",
+    )
+    worker.add_argument(
+        "--engine", default="mock", choices=defaults.ENGINES, help="the engine behind the worker"
+    )
+    worker.add_argument(
+        "--flavor", default="sglang", choices=FLAVORS, help="whose image contract the mock enforces"
+    )
+    worker.add_argument(
+        "--token-delay",
+        type=float,
+        default=defaults.DEFAULT_TOKEN_DELAY_S,
+        metavar="SECONDS",
+        help=f"mock engine delay per token (default {defaults.DEFAULT_TOKEN_DELAY_S:g})",
+    )
+    worker.add_argument(
+        "--replies",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='mock engine: scripted replies, JSON Lines {"when": SUBSTRING, ...} with one of segments, '
+        "text or token_ids; the first whose when occurs in the last user message is streamed",
+    )
+    worker.add_argument(
+        "--reply-format",
+        default="echo",
+        choices=REPLY_FORMATS,
+        help="mock engine, when no scripted reply matches: the echo as plain text (default), or in the "
+        "model's own answer format (think channel, response, a call of the first declared tool)",
     )
     worker.add_argument(
         "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
@@ -178,9 +217,10 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--drain-timeout",
         type=float,
-        default=5.0,
+        default=defaults.DEFAULT_DRAIN_TIMEOUT_S,
         metavar="SECONDS",
-        help="on SIGTERM, how long in-flight requests may finish",
+        help="on SIGTERM, how long in-flight requests may finish "
+        f"(default {defaults.DEFAULT_DRAIN_TIMEOUT_S:g})",
     )
     worker.add_argument(
         "--metrics-port",
@@ -382,7 +422,7 @@ def _render_json(output: dict[str, Any]) -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from dynamo_prep.worker import run_worker  # noqa: PLC0415
+    from dynamo_prep.worker.process import run_worker  # noqa: PLC0415
 
     return run_worker(
         model_path=args.model_path,
@@ -399,6 +439,8 @@ def _worker(args: argparse.Namespace) -> int:
         engine=args.engine,
         flavor=args.flavor,
         token_delay_s=args.token_delay,
+        replies=args.replies,
+        reply_format=args.reply_format,
         migration_limit=args.migration_limit,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,

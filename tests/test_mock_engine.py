@@ -13,7 +13,9 @@ import pytest
 import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.mock import EngineContractError, Flavor, MockEngine, MockOutput, count_occurrences
+from dynamo_prep.engines.base import EngineContractError, Flavor
+from dynamo_prep.engines.mock import MockEngine, MockOutput
+from dynamo_prep.engines.mock_prompt import count_occurrences
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
@@ -72,11 +74,13 @@ def test_declared_tokens(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
     assert engines["qwen-vl-demo", "vllm"].declared_image_token is None
 
 
-def test_unknown_flavor_and_negative_delay_are_rejected() -> None:
+def test_unknown_flavor_reply_format_and_negative_delay_are_rejected() -> None:
     with pytest.raises(ValueError, match="unknown mock engine flavor"):
         MockEngine("kimi-k3-demo", flavor="trtllm")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="token_delay_s"):
         MockEngine("kimi-k3-demo", flavor="vllm", token_delay_s=-1)
+    with pytest.raises(ValueError, match="unknown reply format 'xml'"):
+        MockEngine("kimi-k3-demo", flavor="vllm", reply_format="xml")  # type: ignore[arg-type]
 
 
 # --- the contracts -------------------------------------------------------------------------------

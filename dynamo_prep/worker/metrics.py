@@ -17,10 +17,11 @@ from wsgiref.simple_server import WSGIServer
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from dynamo_prep.engines.mock import EngineContractError
+from dynamo_prep.engines.base import CheckFn, EngineContractError
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import ErrorReply, Generate, Output
+from dynamo_prep.worker.generate import Reply
 
 __all__ = ["PREFIX", "MetricsServer", "WorkerMetrics"]
 
@@ -28,9 +29,7 @@ log = structlog.get_logger("dynamo_prep.worker")
 
 PREFIX = "dynamo_worker_"
 DEFAULT_METRICS_HOST = "0.0.0.0"
-Reply = Callable[[wire.FromWorker], Awaitable[None]]
 GenerateHandler = Callable[[Generate, Reply], Awaitable[None]]
-Check = Callable[[PreprocessedRequest], None]
 
 
 class WorkerMetrics:
@@ -68,7 +67,7 @@ class WorkerMetrics:
 
         return on_generate
 
-    def counting_check(self, check: Check, flavor: str) -> Check:
+    def counting_check(self, check: CheckFn, flavor: str) -> CheckFn:
         """``check`` that counts each ``EngineContractError`` it raises under ``flavor``."""
 
         def checked(request: PreprocessedRequest) -> None:

@@ -11,51 +11,39 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
 
 import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines import sglang, vllm
+from dynamo_prep.engines.base import Flavor, GenerateFn
+from dynamo_prep.engines.declare import declared_image_token
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
-from dynamo_prep.worker import Worker
-from dynamo_prep.worker_generate import GenerateFn, GenerationServer
+from dynamo_prep.worker.config import DEFAULT_ENDPOINT_HOST
+from dynamo_prep.worker.generate import GenerationServer
+from dynamo_prep.worker.server import Worker
 
-__all__ = ["declared_image_token", "register"]
+__all__ = ["register"]
 
-log = structlog.get_logger("dynamo_prep.engines")
-
-EngineFlavor = Literal["sglang", "vllm"]
-
-
-def declared_image_token(engine: object, flavor: EngineFlavor) -> str | None:
-    """The token ``engine`` declares, read by the adapter for its ``flavor``."""
-    if flavor == "sglang":
-        return sglang.declared_image_token(engine)
-    if flavor == "vllm":
-        vllm.declared_image_token(engine)  # always None: vLLM expands the checkpoint default itself
-        return None
-    raise ValueError(f"unknown engine flavor {flavor!r} (known: sglang, vllm)")
+log = structlog.get_logger("dynamo_prep.worker")
 
 
 async def register(
     engine: object,
     *,
-    flavor: EngineFlavor,
+    flavor: Flavor,
     model_path: str | Path,
     discovery: Sequence[str],
     served_name: str | None = None,
     namespace: str = DEFAULT_NAMESPACE,
-    endpoint_host: str = "127.0.0.1",
+    endpoint_host: str = DEFAULT_ENDPOINT_HOST,
     generate: GenerateFn | None = None,
     migration_limit: int = 0,
 ) -> Worker:
     """Build the card with the engine's declaration, start a serving ``Worker`` and return it.
 
-    ``generate`` streams the engine's outputs for a ``PreprocessedRequest`` (objects with
-    ``token_ids``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens``); without it the
-    worker only publishes its card and serves its files.
+    ``generate`` streams the engine's outputs for a ``PreprocessedRequest`` (``EngineOutput``s, in
+    ``engines.base``); without it the worker only publishes its card and serves its files.
     """
     token = declared_image_token(engine, flavor)
     log.info(
