@@ -15,7 +15,6 @@ import structlog
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.formatter import (
     DEFAULT_IMAGE_PLACEHOLDER,
-    DEFAULT_KIMI_IMAGE_PLACEHOLDER,
     JinjaFormatter,
     KimiK3Formatter,
     checkpoint_image_placeholder,
@@ -228,7 +227,7 @@ def test_is_kimi_k3_model_type_first_then_the_served_name() -> None:
 )
 def test_checkpoint_image_placeholder(config: dict[str, Any], expected: str | None) -> None:
     assert checkpoint_image_placeholder(config) == expected
-    assert DEFAULT_KIMI_IMAGE_PLACEHOLDER == DEFAULT_IMAGE_PLACEHOLDER == "<|kimi_image_placeholder|>"
+    assert DEFAULT_IMAGE_PLACEHOLDER == "<|kimi_image_placeholder|>"
 
 
 def test_prompt_formatter_for_uses_the_config_it_is_given() -> None:

@@ -26,7 +26,6 @@ from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 __all__ = [
     "DEFAULT_IMAGE_PLACEHOLDER",
-    "DEFAULT_KIMI_IMAGE_PLACEHOLDER",
     "IMAGE_PART_TYPES",
     "TEXT_PART_TYPES",
     "JinjaFormatter",
@@ -44,8 +43,6 @@ __all__ = [
     "prompt_formatter_for",
 ]
 
-# The old name, still imported by engines/vllm.py; the same value as DEFAULT_IMAGE_PLACEHOLDER.
-DEFAULT_KIMI_IMAGE_PLACEHOLDER = DEFAULT_IMAGE_PLACEHOLDER
 
 
 class PromptFormatter(Protocol):

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from dynamo_prep.engines.base import FLAVORS
 from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 
@@ -38,7 +39,6 @@ log = structlog.get_logger("dynamo_prep.up")
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
-FLAVORS = ("sglang", "vllm")
 DEFAULT_UP_DISCOVERY = "tcp://127.0.0.1:7555"
 DEFAULT_UP_MODEL = "kimi-k3-demo"
 DEFAULT_WATCH_ADDRESS = "tcp://127.0.0.1:7557"
