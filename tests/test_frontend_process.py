@@ -86,7 +86,7 @@ def test_workers_before_and_after_a_late_frontend_converge_at_once(
     assert time.monotonic() - joined < 6  # far below the 30 s heartbeat
     assert added["model"] == DEMO
     assert added["instance_id"] == instance_id(early)
-    declared = early.wait_event("worker_started")["image_placeholder_token"]  # depends on --flavor
+    declared = early.wait_event("worker_started")["declared_token"]  # depends on --flavor
     assert added["declared_token"] == declared
     assert added["rendered_token"] == (declared or KIMI_DEFAULT)
     assert added["formatter"] == "kimi_k3"

@@ -126,7 +126,7 @@ async def test_streamed_generation_with_usage(
     assert final.prompt_tokens == len(request.token_ids)
     assert final.completion_tokens == len(mock.tokenizer.encode(mock.reply_text(request)))
     declared = proc.wait_event("worker_declared_image_token")
-    assert (declared["token"], declared["source"]) == (MEDIA_PAD, "engine")
+    assert (declared["declared_token"], declared["source"]) == (MEDIA_PAD, "engine")
 
 
 async def test_checkpoint_default_sent_to_sglang_is_a_400(workers: Any, client: RequestPlaneClient) -> None:

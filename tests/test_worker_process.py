@@ -52,7 +52,7 @@ def test_worker_announces_the_declared_token_and_withdraws_on_sigterm(
     )
     procs.append(worker)
     started = worker.wait_event("worker_started")
-    assert started["image_placeholder_token"] == MEDIA_PAD
+    assert started["declared_token"] == MEDIA_PAD
     assert started["endpoint"].startswith("tcp://127.0.0.1:")
     message = collector.wait_messages(announces)[0]
     assert isinstance(message, Announce)

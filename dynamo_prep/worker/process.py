@@ -103,7 +103,7 @@ def _declared_token(config: WorkerConfig, engine: MockContinuation) -> str | Non
     else:
         token = engine.engine.declared_image_token
         source = "engine" if token is not None else "none"
-    log.info("worker_declared_image_token", token=token, source=source)
+    log.info("worker_declared_image_token", declared_token=token, source=source)
     return token
 
 

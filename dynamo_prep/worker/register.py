@@ -48,7 +48,7 @@ async def register(
     token = declared_image_token(engine, flavor)
     log.info(
         "worker_declared_image_token",
-        token=token,
+        declared_token=token,
         source="engine" if token is not None else "none",
         flavor=flavor,
     )

@@ -165,7 +165,7 @@ class Worker:
             model=self.card.display_name,
             instance_id=self.instance_id,
             endpoint=self.endpoint,
-            image_placeholder_token=self.card.runtime_config.image_placeholder_token,
+            declared_token=self.card.runtime_config.image_placeholder_token,
             legacy_runtime=dict(self._legacy_runtime or {}),
             mdcsum=self.card.mdcsum(),
         )
