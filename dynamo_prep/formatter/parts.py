@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Final
 
 from dynamo_prep.prompt import PromptRenderError
 from dynamo_prep.protocol.preprocessed import ImageRef
 
-__all__ = ["IMAGE_PART_TYPES", "TEXT_PART_TYPES", "collect_images"]
+__all__ = ["IMAGE_PART_TYPES", "TEXT_PART_TYPES", "collect_images", "image_uuid"]
 
 # tuples, not sets: a formatter may test a client's unhashable ``type`` value against them
 TEXT_PART_TYPES: Final = ("text",)
@@ -50,4 +51,9 @@ def _image_ref(part: dict[str, Any], where: str) -> ImageRef:
         raise PromptRenderError(
             f"{where}: image_url.url must be an http(s) URL or a data: URL, got {url[:40]!r}"
         )
-    return ImageRef(url=url, detail=detail if isinstance(detail, str) else None)
+    return ImageRef(url=url, detail=detail if isinstance(detail, str) else None, uuid=image_uuid(url))
+
+
+def image_uuid(url: str) -> str:
+    """An image's identity: the first 128 bits of the sha256 of its URL, in hex."""
+    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:32]

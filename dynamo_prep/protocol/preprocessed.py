@@ -37,10 +37,16 @@ class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ImageRef(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One image of the request, in prompt order: an http(s) URL or a ``data:`` URL."""
+    """One image of the request, in prompt order: an http(s) URL or a ``data:`` URL.
+
+    ``uuid`` is the image's identity, a content hash of its URL (a ``data:`` URL is the image
+    itself): the frontend routes by it and hands it to the engine (vLLM's multimodal UUID), so
+    the engine's KV-cache events name the same image.
+    """
 
     url: str
     detail: str | None = None
+    uuid: str = ""
 
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
