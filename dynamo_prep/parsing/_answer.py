@@ -119,16 +119,17 @@ CallIds = Callable[[], str]
 class DeltaList(list[AnswerDelta]):
     """Deltas of one ``feed``/``finish`` call; adjacent text of one kind is merged into one delta."""
 
+    def text(self, kind: type[ReasoningDelta] | type[ContentDelta], text: str) -> None:
+        if not text:
+            return
+        last = self[-1] if self else None
+        if isinstance(last, kind):
+            self[-1] = kind(last.text + text)
+        else:
+            self.append(kind(text))
+
     def reasoning(self, text: str) -> None:
-        if text:
-            if self and type(self[-1]) is ReasoningDelta:
-                self[-1] = ReasoningDelta(self[-1].text + text)
-            else:
-                self.append(ReasoningDelta(text))
+        self.text(ReasoningDelta, text)
 
     def content(self, text: str) -> None:
-        if text:
-            if self and type(self[-1]) is ContentDelta:
-                self[-1] = ContentDelta(self[-1].text + text)
-            else:
-                self.append(ContentDelta(text))
+        self.text(ContentDelta, text)

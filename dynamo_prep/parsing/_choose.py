@@ -39,18 +39,17 @@ K3_FAMILY: Final = ParserChoice(KIMI_K3_PARSER, KIMI_K3_PARSER)
 HERMES_FAMILY: Final = ParserChoice("qwen3", HERMES_TOOL_PARSER)
 PLAIN: Final = ParserChoice(None, None)
 
-_warned: set[tuple[str, ...]] = set()
+_warned: set[tuple[str | None, ...]] = set()
 
 
-def _warn_once(event: str, model: str, **fields: str | None) -> None:
-    """One structured warning per model and situation, however many requests run into it."""
-    key = (event, model, *(f"{k}={v}" for k, v in sorted(fields.items())))
+def _first_time(*key: str | None) -> bool:
+    """True once per key (a model and what is wrong with it): warnings are per model, not per request."""
     if key in _warned:
-        return
+        return False
     if len(_warned) >= _WARNED_MAX:
         _warned.clear()
     _warned.add(key)
-    log.warning(event, model=model, **fields)
+    return True
 
 
 def family_parsers(card: ModelDeploymentCard, tokenizer: Tokenizer) -> ParserChoice:
@@ -70,28 +69,33 @@ def parser_choice(card: ModelDeploymentCard, tokenizer: Tokenizer) -> ParserChoi
     reasoning, tools = declared.reasoning_parser, declared.tool_call_parser
     model = card.display_name
     if reasoning is not None and reasoning not in REASONING_PARSERS:
-        _warn_once("answer_parser_unknown", model, reasoning_parser=reasoning, using=family.reasoning)
+        if _first_time("unknown", model, "reasoning", reasoning):
+            log.warning(
+                "answer_parser_unknown", model=model, reasoning_parser=reasoning, using=family.reasoning
+            )
         reasoning = None
     if tools is not None and tools not in TOOL_CALL_PARSERS:
-        _warn_once("answer_parser_unknown", model, tool_call_parser=tools, using=family.tool_calls)
+        if _first_time("unknown", model, "tools", tools):
+            log.warning("answer_parser_unknown", model=model, tool_call_parser=tools, using=family.tool_calls)
         tools = None
     choice = ParserChoice(reasoning or family.reasoning, tools or family.tool_calls)
     if KIMI_K3_PARSER not in choice:
         return choice
     if not all(tokenizer.is_special_token(marker) for marker in MARKER_STRINGS):
         fallback = PLAIN if family == K3_FAMILY else family
-        _warn_once(
-            "answer_parser_unusable",
-            card.display_name,
-            parser=KIMI_K3_PARSER,
-            reason="the tokenizer does not register the four K3 markers",
-            using=str(fallback.tool_calls or fallback.reasoning),
-        )
+        if _first_time("unusable", model, *choice):
+            log.warning(
+                "answer_parser_unusable",
+                model=model,
+                parser=KIMI_K3_PARSER,
+                reason="the tokenizer does not register the four K3 markers",
+                using=fallback.tool_calls or fallback.reasoning,
+            )
         return fallback
-    if choice != K3_FAMILY:
-        _warn_once(
+    if choice != K3_FAMILY and _first_time("mixed", model, *choice):
+        log.warning(
             "answer_parsers_mixed",
-            card.display_name,
+            model=model,
             reasoning_parser=choice.reasoning,
             tool_call_parser=choice.tool_calls,
             using=KIMI_K3_PARSER,

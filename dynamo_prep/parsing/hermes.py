@@ -8,14 +8,13 @@ into one is held back until the next text decides. Grammar and recoveries: docs/
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Final
 
 from dynamo_prep.parsing import _json
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import AnswerDelta, CallIds, DeltaList, ToolCallDelta, new_call_id
-from dynamo_prep.parsing._recoveries import Recoveries
-from dynamo_prep.parsing._tokens import Utf8, Vocab
+from dynamo_prep.parsing._stream import IdStreamParser
+from dynamo_prep.parsing._tokens import Vocab
 
 __all__ = [
     "CALL_CLOSE",
@@ -34,7 +33,7 @@ CALL_CLOSE: Final = "</tool_call>"
 _REASONING, _CONTENT, _CALL = range(3)
 
 
-class HermesAnswerParser:
+class HermesAnswerParser(IdStreamParser[str]):
     """One response. ``think_tags`` / ``tool_calls`` switch each half of the grammar on;
     ``start_in_reasoning`` says the prompt opened the think block (text before ``</think>`` is
     reasoning). A ``<think>`` is honoured only at the very start (after whitespace at most)."""
@@ -52,43 +51,16 @@ class HermesAnswerParser:
         tags: tuple[str, ...] = (THINK_OPEN, THINK_CLOSE) if think_tags else ()
         tags += (CALL_OPEN, CALL_CLOSE) if tool_calls else ()
         specials = vocab.special_tokens
-        self._vocab = vocab
-        self._id_tags = {specials[tag]: tag for tag in tags if tag in specials}
+        super().__init__(vocab, {specials[tag]: tag for tag in tags if tag in specials})
         self._text_tags = frozenset(tag for tag in tags if tag not in specials)
         self._tools_enabled = tools_enabled
         self._call_ids = call_ids or new_call_id
-        self._recoveries = Recoveries()
-        self._utf8 = Utf8()
         self._state = _REASONING if think_tags and start_in_reasoning else _CONTENT
         self._start = think_tags  # nothing but whitespace yet: a <think> may still open the answer
         self._pending = ""  # decoded text not yet released (whitespace at the start, a partial tag)
         self._body: list[str] = []
         self._after_call = False  # a call just ended: whitespace alone is not content
         self._calls = 0
-
-    @property
-    def recoveries(self) -> Mapping[str, int]:
-        return self._recoveries.view
-
-    def feed(self, token_ids: Sequence[int]) -> list[AnswerDelta]:
-        out = DeltaList()
-        id_tags, is_text = self._id_tags, self._vocab.is_text
-        run: list[int] = []
-        for token_id in token_ids:
-            tag = id_tags.get(token_id)
-            if tag is None and is_text(token_id):
-                run.append(token_id)
-                continue
-            if run:
-                self._text(self._vocab.bytes_of(run), out)
-                run = []
-            if tag is not None:
-                self._id_tag(tag, out)
-            elif (kind := self._vocab.stray_kind(token_id)) is not None:
-                self._recoveries.add(kind)
-        if run:
-            self._text(self._vocab.bytes_of(run), out)
-        return out
 
     def finish(self, finish_reason: str) -> list[AnswerDelta]:
         out = DeltaList()
@@ -110,11 +82,11 @@ class HermesAnswerParser:
 
     # ------------------------------------------------------------------ text
 
-    def _text(self, data: bytes, out: DeltaList) -> None:
-        self._pending += self._utf8.push(data)
+    def _on_text(self, token_ids: list[int], out: DeltaList) -> None:
+        self._pending += self._utf8.push(self._vocab.bytes_of(token_ids))
         self._scan(out, final=False)
 
-    def _id_tag(self, tag: str, out: DeltaList) -> None:
+    def _on_tag(self, tag: str, out: DeltaList) -> None:
         self._pending += self._utf8.flush()
         if tag == THINK_OPEN and self._start:
             self._pending = ""  # whitespace before the opening tag

@@ -12,15 +12,22 @@ and the same recoveries however they are chunked.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Final, Literal
 
 from dynamo_prep.formatter.kimi_k3 import CLOSE, END_OF_MSG, OPEN, SEP
 from dynamo_prep.parsing import _json
 from dynamo_prep.parsing import _recoveries as kinds
-from dynamo_prep.parsing._answer import AnswerDelta, CallIds, DeltaList, ToolCallDelta, new_call_id
-from dynamo_prep.parsing._recoveries import Recoveries
-from dynamo_prep.parsing._tokens import Utf8, Vocab, is_blank
+from dynamo_prep.parsing._answer import (
+    AnswerDelta,
+    CallIds,
+    ContentDelta,
+    DeltaList,
+    ReasoningDelta,
+    ToolCallDelta,
+    new_call_id,
+)
+from dynamo_prep.parsing._stream import IdStreamParser
+from dynamo_prep.parsing._tokens import Vocab, is_blank
 from dynamo_prep.parsing._xtml import (
     ARGUMENT,
     CALL,
@@ -43,7 +50,10 @@ MAX_HEADER_TOKENS: Final = 256
 """A tag header longer than this without its ``<|sep|>`` is taken as a missing sep (its text flows on)."""
 
 _OPEN, _CLOSE, _SEP, _END = range(4)
-_TEXT_CHANNELS: Final = {THINK: "reasoning", RESPONSE: "content"}
+_TEXT_CHANNELS: Final[dict[str | None, type[ReasoningDelta] | type[ContentDelta]]] = {
+    THINK: ReasoningDelta,
+    RESPONSE: ContentDelta,
+}
 _VALUE_TYPES_RAW: Final = ("string", None)
 
 
@@ -65,7 +75,7 @@ class _Call:
         return "{" + ",".join(f"{_json.dumps_string(k)}:{v}" for k, v in self.arguments.items()) + "}"
 
 
-class KimiK3AnswerParser:
+class KimiK3AnswerParser(IdStreamParser[int]):
     """One K3 response. ``prompt_form="hosted"`` starts at message level (the model opens its own
     channel); the reference form starts inside ``think`` (``thinking``) or ``response``."""
 
@@ -78,13 +88,10 @@ class KimiK3AnswerParser:
         tools_enabled: bool = True,
         call_ids: CallIds | None = None,
     ) -> None:
-        self._vocab = vocab
         specials = vocab.special_tokens
-        self._markers = {specials[s]: kind for kind, s in enumerate(MARKER_STRINGS)}
+        super().__init__(vocab, {specials[s]: kind for kind, s in enumerate(MARKER_STRINGS)})
         self._tools_enabled = tools_enabled
         self._call_ids = call_ids or new_call_id
-        self._recoveries = Recoveries()
-        self._utf8 = Utf8()
         self._stack: list[str] = [MESSAGE]
         if prompt_form == "reference":
             self._stack.append(THINK if thinking else RESPONSE)
@@ -92,7 +99,7 @@ class KimiK3AnswerParser:
         self._closed = False  # the message is over (closed, ended, or finished)
         self._header: list[int] | None = None
         self._header_kind = _OPEN
-        self._sink: str | None = None  # the text channel the decoder is feeding
+        self._sink: type[ReasoningDelta] | type[ContentDelta] | None = None  # what the decoder feeds
         self._held = bytearray()  # message-level whitespace, dropped unless text follows
         self._outside = False  # this stretch of message-level text flows as content
         self._garbage = False  # this stretch of misplaced text is already counted
@@ -100,34 +107,6 @@ class KimiK3AnswerParser:
         self._value = bytearray()
         self._value_attrs: dict[str, str] = {}
         self._calls = 0
-
-    @property
-    def recoveries(self) -> Mapping[str, int]:
-        return self._recoveries.view
-
-    # ------------------------------------------------------------------ ids in
-
-    def feed(self, token_ids: Sequence[int]) -> list[AnswerDelta]:
-        out = DeltaList()
-        markers, is_text = self._markers, self._vocab.is_text
-        run: list[int] = []
-        for token_id in token_ids:
-            marker = markers.get(token_id)
-            if marker is None and is_text(token_id):
-                run.append(token_id)
-                continue
-            if run:
-                self._text_ids(run, out)
-                run = []
-            if marker is None:
-                kind = self._vocab.stray_kind(token_id)
-                if kind is not None:
-                    self._recoveries.add(kind)
-            else:
-                self._marker(marker, out)
-        if run:
-            self._text_ids(run, out)
-        return out
 
     def finish(self, finish_reason: str) -> list[AnswerDelta]:
         out = DeltaList()
@@ -149,7 +128,9 @@ class KimiK3AnswerParser:
         self._recoveries.muted = False
         return out
 
-    def _text_ids(self, ids: list[int], out: DeltaList) -> None:
+    # ------------------------------------------------------------------ ids in
+
+    def _on_text(self, ids: list[int], out: DeltaList) -> None:
         if self._header is not None:
             room = MAX_HEADER_TOKENS - len(self._header)
             self._header.extend(ids[:room])
@@ -159,7 +140,7 @@ class KimiK3AnswerParser:
             ids = ids[room:]
         self._text(self._vocab.bytes_of(ids), out)
 
-    def _marker(self, marker: int, out: DeltaList) -> None:
+    def _on_tag(self, marker: int, out: DeltaList) -> None:
         self._end_stretch(out)
         if self._header is not None:
             self._end_header(out, terminated=marker == _SEP)
@@ -179,12 +160,12 @@ class KimiK3AnswerParser:
     def _text(self, data: bytes, out: DeltaList) -> None:
         """Text between markers, routed by where it stands."""
         top = self._stack[-1] if not self._closed else None
-        channel = _TEXT_CHANNELS.get(top) if top is not None else None
+        channel = _TEXT_CHANNELS.get(top)
         if channel is not None:
             if self._fresh and not is_blank(data):
                 self._fresh = False
             self._sink = channel
-            self._emit(channel, self._utf8.push(data), out)
+            out.text(channel, self._utf8.push(data))
         elif top in (ARGUMENT, JSON):
             self._value += data
         elif top == MESSAGE:
@@ -203,23 +184,16 @@ class KimiK3AnswerParser:
             self._held.clear()
             self._outside = True
             self._recoveries.add(kinds.TEXT_OUTSIDE_CHANNEL)
-        self._sink = "content"
-        self._emit("content", self._utf8.push(data), out)
+        self._sink = ContentDelta
+        out.text(ContentDelta, self._utf8.push(data))
 
     def _end_stretch(self, out: DeltaList, *, cut: bool = False) -> None:
         tail = self._utf8.flush(cut=cut)
         if self._sink is not None:
-            self._emit(self._sink, tail, out)
+            out.text(self._sink, tail)
         self._sink = None
         self._held.clear()
         self._outside = self._garbage = False
-
-    @staticmethod
-    def _emit(channel: str, text: str, out: DeltaList) -> None:
-        if channel == "reasoning":
-            out.reasoning(text)
-        else:
-            out.content(text)
 
     # ------------------------------------------------------------------ tags
 
