@@ -114,7 +114,9 @@ def answer_parser_for(
 ) -> AnswerParser:
     """A fresh parser for one response of ``card``'s model.
 
-    ``thinking``: for K3, the prompt ended in the ``think`` channel (else ``response``); for the
+    ``thinking``: for K3, the prompt ended in the ``think`` channel (else ``response``; from a
+    rendered prompt: ``open_channel == "think"``, and ``prompt_form`` is ``"hosted"`` when no channel
+    is open); for the
     think-tag parsers, the prompt opened a ``<think>`` block (``prompt_ends_in_think``), so text
     before ``</think>`` is reasoning (``deepseek_r1`` always assumes so, as vLLM's does).
     ``tools_enabled=False`` (``tool_choice: "none"``) drops every call.
