@@ -170,5 +170,16 @@ def _print_report(results: list[TargetResult], wall: float) -> None:
             print(f"\n[{result.name}] NEW FAILURE\n{failure}")
 
 
+# ---------------------------------------------------------------------------- answer parsers
+# Random output ids through the answer parsers (K3 on ids, Hermes on text and on ids). The target
+# lives with its seeded slice in tests/test_parsing_fuzz.py; it is added here rather than to
+# strategies.TARGETS, whose seeded slice tests/test_fuzz.py keeps to its own list.
+
+import test_parsing_fuzz  # noqa: E402  (lives in tests/, like strategies)
+
+strategies.TARGETS.setdefault(
+    "answer_parser", (test_parsing_fuzz.answer_ids(), test_parsing_fuzz.check_answer_ids)
+)
+
 if __name__ == "__main__":
     raise SystemExit(main())
