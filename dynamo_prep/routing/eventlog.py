@@ -81,6 +81,10 @@ class KvLog:
         error = f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS]
         self._limited("error", "kv_sink_failed", operation, now, operation=operation, error=error)
 
+    def serve_failed(self, exc: Exception, *, now: float) -> None:
+        error = f"{type(exc).__name__}: {exc}"[:DETAIL_CHARS]
+        self._limited("error", "kv_subscriber_failed", type(exc).__name__, now, error=error)
+
     def _limited(self, level: str, event: str, key: str, now: float, **fields: Any) -> None:
         """At most one ``event`` line per ``key`` (a reason or outcome) per interval."""
         suppressed = self._limiter.allow(f"{event}:{key}", now)

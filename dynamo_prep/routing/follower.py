@@ -95,6 +95,7 @@ class InstanceFollower:
         metrics: KvMetrics,
         clock: Callable[[], float],
         timeout_s: float = REPLAY_TIMEOUT_S,
+        max_pending: int = MAX_PENDING_BATCHES,
         log: KvLog | None = None,
     ) -> None:
         self.instance_id = instance_id
@@ -109,6 +110,7 @@ class InstanceFollower:
         self._metrics = metrics
         self._clock = clock
         self._timeout_s = timeout_s
+        self._max_pending = max_pending
         self._log = log or KvLog(instance_id)
 
     @property
@@ -211,7 +213,7 @@ class InstanceFollower:
     def _buffer(self, seq: int, payload: bytes) -> None:
         self.pending.append((seq, payload))
         self._pending_bytes += len(payload)
-        if len(self.pending) > MAX_PENDING_BATCHES or self._pending_bytes > MAX_PENDING_BYTES:
+        if len(self.pending) > self._max_pending or self._pending_bytes > MAX_PENDING_BYTES:
             self._give_up("pending_overflow")
 
     def _start_replay(self, start: int, reason: str) -> None:

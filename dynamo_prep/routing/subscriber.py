@@ -53,6 +53,7 @@ MAX_FRAME_BYTES = 2 * MAX_BATCH_BYTES
 LIVE_RCVHWM = 100_000  # vLLM's send HWM: a burst the loop has not drained yet is not dropped
 REPLAY_RCVHWM = 100_000  # above the publisher's buffer (10,000): a whole replay fits in the pipe
 RECONNECT_DELAY_S = 0.2
+ERROR_BACKOFF_S = 1.0
 _monitor_ids = itertools.count()
 
 
@@ -300,7 +301,11 @@ class KvEventSubscriber:
     async def _serve(self, followed: _Followed) -> None:
         try:
             while not followed.closed:
-                await self._wake(followed)
+                try:
+                    await self._wake(followed)
+                except Exception as exc:  # a bug here must not end the instance's stream for good
+                    followed.log.serve_failed(exc, now=self._clock())
+                    await asyncio.sleep(ERROR_BACKOFF_S)
         finally:
             followed.close_sockets()
 
