@@ -28,6 +28,7 @@ import structlog
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from strategies import ByteMutation, Outcome, byte_mutations
+from support.kv_wire import ManualClock, RecordingChannel
 
 from dynamo_prep.protocol.kv_events import BlockStored, KVEvent
 from dynamo_prep.routing.follower import MAX_PENDING_BATCHES, InstanceFollower
@@ -177,26 +178,6 @@ class _Sink:
         self.history.append("reset")
 
 
-@dataclass
-class _Channel:
-    requests: list[int] = field(default_factory=list)
-    cancels: int = 0
-
-    def request(self, start_seq: int) -> None:
-        self.requests.append(start_seq)
-
-    def cancel(self) -> None:
-        self.cancels += 1
-
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def check_follow(data: FollowInput) -> Outcome:
     with structlog.testing.capture_logs() as logs:
         outcome = _follow(data)
@@ -206,7 +187,7 @@ def check_follow(data: FollowInput) -> Outcome:
 
 
 def _follow(data: FollowInput) -> Outcome:
-    sink, channel, clock = _Sink(), _Channel(), _Clock()
+    sink, channel, clock = _Sink(), RecordingChannel(), ManualClock()
     metrics = KvMetrics(CollectorRegistry())
     follower = InstanceFollower(
         "w0", sink, topic=TOPIC, replay=channel if data.with_replay else None, metrics=metrics, clock=clock
@@ -228,7 +209,9 @@ def _follow(data: FollowInput) -> Outcome:
     return "ok" if applied else "rejected:KvEventDecodeError"
 
 
-def _check_state(follower: InstanceFollower, channel: _Channel, with_replay: bool, *, asked: bool) -> None:
+def _check_state(
+    follower: InstanceFollower, channel: RecordingChannel, with_replay: bool, *, asked: bool
+) -> None:
     assert follower.replaying == (follower.deadline() is not None)
     assert follower.replaying or not follower.pending, "live batches wait only during a replay"
     assert len(follower.pending) <= MAX_PENDING_BATCHES

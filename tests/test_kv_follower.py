@@ -8,12 +8,12 @@ middle of a replay, the live buffer overflowing, a failing sink.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
-from support.kv_wire import END, RecordingSink, be8, seq_batch
+from support.kv_wire import END, ManualClock, RecordingChannel, RecordingSink, be8, seq_batch
 
 from dynamo_prep.protocol.kv_events import KVEvent
 from dynamo_prep.routing.follower import InstanceFollower
@@ -23,33 +23,11 @@ TIMEOUT_S = 2.0
 
 
 @dataclass
-class RecordingChannel:
-    """A test double of ``ReplayChannel``: what was asked, and how often a replay was given up."""
-
-    requests: list[int] = field(default_factory=list)
-    cancels: int = 0
-
-    def request(self, start_seq: int) -> None:
-        self.requests.append(start_seq)
-
-    def cancel(self) -> None:
-        self.cancels += 1
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@dataclass
 class Rig:
     follower: InstanceFollower
     sink: RecordingSink
     channel: RecordingChannel
-    clock: Clock
+    clock: ManualClock
     metrics: KvMetrics
 
     def live(self, seq: int, payload: bytes | None = None) -> None:
@@ -72,7 +50,7 @@ class Rig:
 
 def rig(*, replay: bool = True, max_pending: int = 100, sink: Any = None) -> Rig:
     sink = sink or RecordingSink()
-    channel, clock, metrics = RecordingChannel(), Clock(), KvMetrics(CollectorRegistry())
+    channel, clock, metrics = RecordingChannel(), ManualClock(), KvMetrics(CollectorRegistry())
     follower = InstanceFollower(
         "w0",
         sink,

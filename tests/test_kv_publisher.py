@@ -7,30 +7,26 @@ through the project's own decoder, so a shared misreading of the wire cannot hid
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from support import kv_wire
 from support.kv_wire import END, TIMEOUT_S, be8
 
 from dynamo_prep.engines.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+context = kv_wire.context  # a fixture
 
 
 def stored(n: int) -> BlockStored:
     return BlockStored(
         block_hashes=[n], parent_block_hash=n - 1 if n else None, token_ids=[n] * 4, block_size=4
     )
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -9,18 +9,18 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 import pytest
-import structlog
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
-from structlog.testing import LogCapture
+from support import kv_wire
 from support.kv_wire import (
     TIMEOUT_S,
+    Logs,
     RawKvPublisher,
     RecordingSink,
     batch,
@@ -44,7 +44,8 @@ from dynamo_prep.protocol.kv_events import (
 from dynamo_prep.routing.metrics import KvMetrics
 from dynamo_prep.routing.subscriber import MAX_FRAME_BYTES, KvEventSubscriber
 
-Logs = list[MutableMapping[str, Any]]
+context, logs = kv_wire.context, kv_wire.logs  # fixtures
+
 REPLAY_TIMEOUT_S = 0.5
 
 
@@ -62,24 +63,6 @@ def find(logs: Logs, event: str, **fields: Any) -> Logs:
 
 
 # -- fixtures ------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def logs() -> Iterator[Logs]:
-    capture = LogCapture()
-    old = structlog.get_config()
-    structlog.configure(processors=[capture], cache_logger_on_first_use=False)
-    try:
-        yield capture.entries
-    finally:
-        structlog.configure(**old)
-
-
-@pytest.fixture
-def context() -> Iterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture

@@ -318,9 +318,9 @@ class KvEventSubscriber:
         if channel is not None and channel.socket is not None:
             poller.register(channel.socket, zmq.POLLIN)
         await poller.poll(self._timeout_ms(followed))
-        drained = self._drain_live(followed)
+        drained = self._drain(followed, followed.shadow, follower.on_live)
         if channel is not None:
-            drained = max(drained, self._drain_replay(followed, channel))
+            drained = max(drained, self._drain(followed, channel.shadow, follower.on_replay, channel))
         if followed.closed:
             return
         follower.expire()
@@ -340,29 +340,23 @@ class KvEventSubscriber:
             waits.append(followed.reconnect_at - time.monotonic())
         return max(0, math.ceil(min(waits) * 1000)) if waits else None
 
-    def _drain_live(self, followed: _Followed) -> int:
-        shadow, follower = followed.shadow, followed.follower
+    def _drain(
+        self,
+        followed: _Followed,
+        shadow: zmq.Socket[Any] | None,
+        handle: Callable[[list[bytes]], None],
+        channel: _DealerChannel | None = None,
+    ) -> int:
+        """Up to ``max_drain`` messages of one socket, without Futures. The follower may give a
+        replay up mid-drain, which replaces ``channel``'s DEALER: the old one is not read again."""
         received = 0
-        while received < self._max_drain and not followed.closed:
-            try:
-                frames = shadow.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            received += 1
-            follower.on_live(frames)
-        return received
-
-    def _drain_replay(self, followed: _Followed, channel: _DealerChannel) -> int:
-        shadow, follower = channel.shadow, followed.follower
-        received = 0
-        # The follower may give the replay up mid-drain, which replaces the DEALER: stop there.
-        while shadow is not None and channel.shadow is shadow and received < self._max_drain:
-            if followed.closed:
+        while shadow is not None and received < self._max_drain and not followed.closed:
+            if channel is not None and channel.shadow is not shadow:
                 break
             try:
                 frames = shadow.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             received += 1
-            follower.on_replay(frames)
+            handle(frames)
         return received

@@ -7,8 +7,11 @@ them, so the tests check the project's reading of the wire against the wire itse
 * ``stored`` / ``removed`` / ``cleared`` / ``batch``: events and payloads in either shape.
 * ``RawKvPublisher``: an XPUB (so a test can wait for the subscription instead of sleeping) and a
   ROUTER whose replies the test controls (answer, hold, stay silent, answer garbage).
-* ``RecordingSink``: a test double of ``KvEventSink`` that records every call in order.
+* ``RecordingSink`` / ``RecordingChannel``: test doubles of ``KvEventSink`` and ``ReplayChannel``
+  that record every call in order; ``ManualClock``: a clock the test moves.
 * ``until``: await a condition with a deadline.
+* Fixtures ``context`` (a fresh ZeroMQ context) and ``logs`` (every structlog line as a dict):
+  import them into a test module to use them.
 """
 
 from __future__ import annotations
@@ -16,17 +19,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
+import pytest
+import structlog
 import zmq
 import zmq.asyncio
+from structlog.testing import LogCapture
 
 from dynamo_prep.protocol.discovery import KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import BlockStored, KVEvent
 
+Logs = list[MutableMapping[str, Any]]
 Shape = Literal["map", "array"]
 ReplayMode = Literal["answer", "hold", "silent", "garbage"]
 TIMEOUT_S = 10.0
@@ -42,6 +49,25 @@ async def until(predicate: Callable[[], Any], what: str, timeout: float = TIMEOU
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(0.005)
     return value
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def logs() -> Iterator[Logs]:
+    """Every structlog line, as dicts (loggers are bound when the code under test is built)."""
+    capture = LogCapture()
+    old = structlog.get_config()
+    structlog.configure(processors=[capture], cache_logger_on_first_use=False)
+    try:
+        yield capture.entries
+    finally:
+        structlog.configure(**old)
 
 
 def be8(seq: int) -> bytes:
@@ -127,6 +153,30 @@ class RecordingSink:
 
     def resets(self, instance_id: str) -> int:
         return sum(1 for op, iid, _ in self.calls if op == "reset" and iid == instance_id)
+
+
+@dataclass
+class RecordingChannel:
+    """What was asked of the replay channel, and how often a replay was given up."""
+
+    requests: list[int] = field(default_factory=list)
+    cancels: int = 0
+
+    def request(self, start_seq: int) -> None:
+        self.requests.append(start_seq)
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+
+class ManualClock:
+    """``time.monotonic`` as the test decides (``now`` moves only when the test moves it)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def _as_int(value: int | bytes) -> int:
