@@ -2,7 +2,8 @@
 
 ``python -m benchmarks.fuzz [--cases N] [--seed S] [--target NAME ...]`` runs every target of
 ``tests/strategies.py`` (card payloads and round trips, discovery envelopes and registry sequences,
-chat requests on both demo models, the Kimi-K3 renderer). The strategies live in ``tests/`` so the
+chat requests on both demo models, the Kimi-K3 renderer) and of ``tests/kv_strategies.py`` (the KV
+subscriber's frame handling). The strategies live in ``tests/`` so the
 seeded slice in ``make test`` and this run share one definition; this module puts ``tests/`` on
 ``sys.path`` to import them.
 
@@ -30,10 +31,12 @@ TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
+import kv_strategies  # noqa: E402  (lives in tests/, shared with tests/test_kv_fuzz.py)
 import strategies  # noqa: E402  (lives in tests/, shared with tests/test_fuzz.py)
 
 DEFAULT_CASES = 10_000
 MIN_CASES = 10_000
+TARGETS = {**strategies.TARGETS, **kv_strategies.TARGETS}
 
 
 @dataclass
@@ -62,7 +65,7 @@ class TargetResult:
 
 def run_target(name: str, cases: int, seed_value: int) -> TargetResult:
     """Run one target; a new failure stops it after hypothesis has shrunk the example."""
-    strategy, check = strategies.TARGETS[name]
+    strategy, check = TARGETS[name]
     result = TargetResult(name)
 
     @settings(
@@ -115,10 +118,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=DEFAULT_CASES, help="hypothesis cases per target")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (a run is reproducible)")
-    parser.add_argument("--target", action="append", choices=sorted(strategies.TARGETS), help="repeatable")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="repeatable")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results")
     args = parser.parse_args(argv)
-    names = args.target or list(strategies.TARGETS)
+    names = args.target or list(TARGETS)
     suite = Suite("fuzz")
     total_started = time.perf_counter()
     results = []
