@@ -23,12 +23,11 @@ from dynamo_prep.discovery.registry import (
     ModelRemoved,
     RuntimeConfigConflict,
 )
-from dynamo_prep.logging import RateLimiter
+from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
 from dynamo_prep.protocol.discovery import OPEN_PLANE_HINT, declared_label, reachable_from_elsewhere
 
 __all__ = ["DiscoveryLog"]
 
-DETAIL_CHARS = 300
 DRAIN_HINT = (
     "drain all old workers of this model before deploying a new version, or serve it under a new name"
 )

@@ -27,6 +27,7 @@ import structlog
 import zmq
 import zmq.asyncio
 
+from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
 from dynamo_prep.protocol.discovery import KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import (
     END_SEQ,
@@ -91,6 +92,7 @@ class KvEventPublisher:
         self._endpoints: KvEventsEndpoint | None = None
         self._task: asyncio.Task[None] | None = None
         self._rejected: Counter[str] = Counter()
+        self._limiter = RateLimiter()
 
     @property
     def endpoints(self) -> KvEventsEndpoint:
@@ -189,8 +191,8 @@ class KvEventPublisher:
     def _parse_request(self, frames: list[bytes]) -> int | None:
         """``[identity, b"", start_seq]`` (a DEALER's or a REQ's); anything else is dropped.
 
-        A peer can send these at message rate, so the 1st, 2nd, 4th, 8th, ... rejection per reason
-        is logged (with the running total), not each one.
+        A peer can send these at message rate: at most one line per reason per second, with the
+        running total and how many were suppressed.
         """
         try:
             if len(frames) != 3 or frames[1] != b"":
@@ -198,9 +200,15 @@ class KvEventPublisher:
             return decode_seq(frames[2])
         except KvEventDecodeError as exc:
             self._rejected[exc.reason] += 1
-            total = self._rejected[exc.reason]
-            if total & (total - 1) == 0:
-                log.warning("kv_replay_request_rejected", reason=exc.reason, detail=exc.detail, total=total)
+            suppressed = self._limiter.allow(exc.reason, self._clock())
+            if suppressed is not None:
+                log.warning(
+                    "kv_replay_request_rejected",
+                    reason=exc.reason,
+                    detail=exc.detail[:DETAIL_CHARS],
+                    total=self._rejected[exc.reason],
+                    suppressed=suppressed,
+                )
             return None
 
     async def _answer(self, router: zmq.Socket[Any], identity: bytes, start: int) -> None:

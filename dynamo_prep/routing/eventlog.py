@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from dynamo_prep.discovery.eventlog import DETAIL_CHARS, RateLimiter
+from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
 from dynamo_prep.protocol.discovery import KvEventsEndpoint
 
 __all__ = ["KvLog"]
