@@ -238,6 +238,21 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
             assert match is not None and match[2] == "1", out[:400]
             served.add(match[1])
         assert served == {"sglang", "vllm"}
+        # The tool-calling exchange it prints: a call of get_weather, then the answer to its result.
+        _, call_curl, result_curl = [line for line in up.raw if line.startswith("curl ")]
+        called = json.loads(
+            subprocess.run(
+                shlex.split(call_curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        )
+        assert called["choices"][0]["finish_reason"] == "tool_calls"
+        assert called["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        answered = json.loads(
+            subprocess.run(
+                shlex.split(result_curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        )
+        assert "sunny, 21 C" in answered["choices"][0]["message"]["content"]
         assert f"dynamo-prep watch --bind {watch_address}" in "\n".join(up.raw)
         # The printed watch command shows the running cluster at once: both workers, each its token.
         watch = start_dynamo("watch", "--bind", watch_address, "--json", log_level="info")

@@ -32,7 +32,7 @@ from dynamo_prep.engines.base import FLAVORS
 from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 
-__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up"]
+__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up", "tool_curl_commands"]
 
 log = structlog.get_logger("dynamo_prep.up")
 
@@ -131,8 +131,46 @@ def curl_command(base_url: str, model: str, image_url: str = DEMO_IMAGE_URL) -> 
             }
         ],
     }
+    return _curl(base_url, body, stream=True)
+
+
+DEMO_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+DEMO_QUESTION = "What is the weather in Paris?"
+
+
+def tool_curl_commands(base_url: str, model: str) -> tuple[str, str]:
+    """A tool-calling exchange, ready to paste: the question (answered with a call of get_weather),
+    then the conversation with the call and the tool's result (answered in plain text)."""
+    call = {
+        "id": "call_demo",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    question = {"role": "user", "content": DEMO_QUESTION}
+    asked = {"model": model, "tools": [DEMO_TOOL], "messages": [question]}
+    answered = {
+        "model": model,
+        "tools": [DEMO_TOOL],
+        "messages": [
+            question,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_demo", "content": "sunny, 21 C"},
+        ],
+    }
+    return _curl(base_url, asked, stream=False), _curl(base_url, answered, stream=False)
+
+
+def _curl(base_url: str, body: dict[str, Any], *, stream: bool) -> str:
+    flags = "-sN" if stream else "-s"
     return (
-        f"curl -sN {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"curl {flags} {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d {shlex.quote(json.dumps(body))}"
     )
 
@@ -199,6 +237,11 @@ def _print_banner(base_url: str, model: str, directory: Path, watch_address: str
         "Try (run it twice: requests alternate between the sglang and the vllm worker):",
         "",
         curl_command(base_url, model),
+        "",
+        "A tool call (the mock calls the first tool a request declares, as a model would), then the",
+        "answer once the tool has run (the call and its result sent back):",
+        "",
+        *tool_curl_commands(base_url, model),
         "",
         f"Watch the discovery plane live: dynamo-prep watch --bind {watch_address}",
         "Ctrl-C stops everything.",
