@@ -261,6 +261,7 @@ def _add_frontend(commands: Any) -> None:
         "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
     )
     _add_http(frontend)
+    _add_routing(frontend)
     frontend.set_defaults(handler=_frontend)
 
 
@@ -292,6 +293,33 @@ def _add_http(command: Any) -> None:
         metavar="SECONDS",
         help="per-request deadline, queueing included (env DYN_REQUEST_TIMEOUT; "
         f"default {defaults.DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
+
+
+def _add_routing(command: Any) -> None:
+    """The routing flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
+    defaults = frontend_defaults
+    command.add_argument(
+        "--router-mode",
+        default=_env("DYN_ROUTER_MODE", defaults.DEFAULT_ROUTER_MODE),
+        choices=defaults.ROUTER_MODES,
+        help="round-robin, or kv: each request goes to the instance whose KV cache holds most of its "
+        "prefix, balanced by load (from the engines' own KV events; env DYN_ROUTER_MODE; "
+        f"default {defaults.DEFAULT_ROUTER_MODE})",
+    )
+    command.add_argument(
+        "--kv-overlap-score-weight",
+        type=float,
+        default=_env_float("DYN_KV_OVERLAP_SCORE_WEIGHT", defaults.DEFAULT_KV_OVERLAP_SCORE_WEIGHT),
+        help="kv mode: weight of the blocks still to prefill against the blocks already busy "
+        f"(env DYN_KV_OVERLAP_SCORE_WEIGHT; default {defaults.DEFAULT_KV_OVERLAP_SCORE_WEIGHT:g})",
+    )
+    command.add_argument(
+        "--router-temperature",
+        type=float,
+        default=_env_float("DYN_ROUTER_TEMPERATURE", defaults.DEFAULT_ROUTER_TEMPERATURE),
+        help="kv mode: 0 picks the cheapest instance; higher samples among them "
+        f"(env DYN_ROUTER_TEMPERATURE; default {defaults.DEFAULT_ROUTER_TEMPERATURE:g})",
     )
 
 
@@ -462,6 +490,9 @@ def _frontend(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
+        router_mode=args.router_mode,
+        kv_overlap_score_weight=args.kv_overlap_score_weight,
+        router_temperature=args.router_temperature,
     )
 
 

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -62,12 +62,13 @@ from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     Announce,
     DiscoveryDecodeError,
+    Instance,
     declared_label,
     decode_message,
     topic,
 )
 
-__all__ = ["DiscoveryWatcher"]
+__all__ = ["DiscoveryWatcher", "InstanceListener"]
 MAX_DRAIN_PER_WAKE = 512
 MAX_POLL_S = 1.0
 # After a drain, wait this long before the next poll (bounds the wake rate, adds at most this latency).
@@ -84,6 +85,15 @@ BUILD_BACKOFF_S = (1.0, 30.0)
 BUILD_THREADS = 2
 # Builds started and not finished at once; a model beyond it waits for a later announce of its own.
 MAX_BUILDS_IN_FLIGHT = 16
+
+
+class InstanceListener(Protocol):
+    """Told about every admitted instance (a new one, or a live one's changed record) and every
+    removal, with the same ``Instance`` records the catalog gets (e.g. the KV router)."""
+
+    def instance_added(self, card: ModelDeploymentCard, instance: Instance) -> None: ...
+
+    def instance_removed(self, model: str, instance: Instance) -> None: ...
 
 
 @dataclass(slots=True)
@@ -120,6 +130,7 @@ class DiscoveryWatcher:
         max_drain: int = MAX_DRAIN_PER_WAKE,
         on_endpoint_lost: Callable[[str], None] | None = None,
         metrics: DiscoveryMetrics | None = None,
+        listeners: Sequence[InstanceListener] = (),
     ) -> None:
         if not bind and not connect:
             raise ValueError("the discovery watcher needs at least one bind or connect address")
@@ -149,6 +160,7 @@ class DiscoveryWatcher:
         self._shadow: zmq.Socket[Any] | None = None
         self._authenticator: ThreadAuthenticator | None = None
         self._on_endpoint_lost = on_endpoint_lost
+        self._listeners = tuple(listeners)
         self._compositions: dict[str, frozenset[str]] = {}
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
 
@@ -313,6 +325,8 @@ class DiscoveryWatcher:
                 self._on_instance(event)
             case InstanceRemoved():
                 self.catalog.remove_instance(event.model, event.instance.instance_id)
+                for listener in self._listeners:
+                    listener.instance_removed(event.model, event.instance)
                 self._log.instance_removed(event)
                 if event.reason == "expired" and self._on_endpoint_lost is not None:
                     self._on_endpoint_lost(event.instance.endpoint)  # it died: fail its streams now
@@ -344,6 +358,10 @@ class DiscoveryWatcher:
         live = self.catalog.get(event.model)
         known = live is not None and event.instance.instance_id in live.instances
         self.catalog.set_instance(event.model, event.instance)
+        card = self.registry.model_card(event.model)
+        if card is not None:
+            for listener in self._listeners:
+                listener.instance_added(card, event.instance)
         self._log.instance_added(event, instances=max(self.registry.instance_count(event.model), 1))
         label = declared_label(event.instance.declared_token)
         if known or label not in self._compositions.get(event.model, ()):

@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-
 class PromptFormatter(Protocol):
     """What the preprocessor needs from a formatter."""
 

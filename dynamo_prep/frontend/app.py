@@ -34,6 +34,7 @@ from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
+from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
@@ -69,17 +70,19 @@ def create_app(
     client: RequestPlaneClient,
     *,
     router: Router | None = None,
+    kv: KvRouting | None = None,
     settings: HttpSettings | None = None,
     metrics: FrontendMetrics | None = None,
 ) -> ASGIApp:
     """The ASGI app serving ``catalog``'s live models through ``client``.
 
-    ``metrics`` is the frontend's own registry (shared with its watcher and router); without one
-    the app gets a private registry, never prometheus_client's global one.
+    ``kv`` routes by KV-cache overlap (else ``router``'s round robin). ``metrics`` is the
+    frontend's own registry (shared with its watcher and router); without one the app gets a
+    private registry, never prometheus_client's global one.
     """
     metrics = metrics if metrics is not None else FrontendMetrics()
     declarations = DeclarationPreprocessors(metrics.discovery)
-    migration = Migration(catalog, router or Router(), client, declarations)
+    migration = Migration(catalog, router or Router(), client, declarations, kv)
     handlers = _Handlers(catalog, migration, settings or HttpSettings(), metrics)
     app = Starlette(
         routes=[

@@ -30,6 +30,7 @@ from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import OpenAIError
+from dynamo_prep.frontend.kv_routing import KvRouting, RoutingPrompt
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.preprocessor import TokenizedPrompt
@@ -37,6 +38,7 @@ from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
+from dynamo_prep.routing.policy import Decision
 
 __all__ = ["Journey", "Migration", "continuation"]
 
@@ -64,6 +66,7 @@ class Journey:
     renders: dict[str | None, PreprocessedRequest] = field(default_factory=dict)
     streamed: list[int] = field(default_factory=list)
     last_error: WorkerLost | WorkerError | None = None
+    decision: Decision | None = None  # the KV router's last choice, when it chose
 
 
 class Migration:
@@ -75,11 +78,13 @@ class Migration:
         router: Router,
         client: RequestPlaneClient,
         declarations: DeclarationPreprocessors,
+        kv: KvRouting | None = None,
     ) -> None:
         self.catalog = catalog
         self.router = router
         self.client = client
         self.declarations = declarations
+        self.kv = kv
 
     async def begin(
         self,
@@ -122,31 +127,56 @@ class Migration:
         model = journey.model
         while True:
             current = self.catalog.get(model.name) or model
-            instance = self.router.pick(current, excluded=journey.tried | self._unreachable(current))
-            if instance is None:
-                instance = self.router.pick(current, excluded=journey.tried)
+            instance = await self._choose(current, journey)
             if instance is None:
                 if journey.last_error is not None:
                     raise journey.last_error
                 raise OpenAIError(503, f"no live instance of model {model.name!r} can take the request")
             journey.tried.add(instance.instance_id)
-            base = await self._render(instance, journey)
-            journey.record.routed(instance)
+            base = await self._render(instance.declared_token, journey)
+            journey.record.routed(instance, journey.decision)
             log.debug(
                 "request_routed", instance_id=instance.instance_id, declared_token=instance.declared_token
             )
+            if self.kv is not None and journey.decision is not None:
+                self.kv.dispatch(model.name, journey.request_id, journey.decision)
             try:
                 async for output in self._stream(instance, base, journey):
                     yield output
                 return
             except (WorkerLost, WorkerError) as exc:
                 self._move_or_raise(exc, instance, journey)
+            finally:
+                if self.kv is not None:
+                    self.kv.release(model.name, journey.request_id)
 
-    async def _render(self, instance: Instance, journey: Journey) -> PreprocessedRequest:
-        """The prompt for ``instance``'s declaration (rendered once per declaration per request)."""
-        declared = instance.declared_token
+    async def _choose(self, model: LiveModel, journey: Journey) -> Instance | None:
+        """The next instance: one the request has not tried, preferably one that answers; by the
+        router's turn, or where its prefix is cached (KV routing)."""
+        untried = [i for instance_id, i in model.instances.items() if instance_id not in journey.tried]
+        unreachable = self.client.unreachable_endpoints()
+        candidates = [instance for instance in untried if instance.endpoint not in unreachable] or untried
+        if not candidates:
+            return None
+        if self.kv is None:
+            chosen = {instance.instance_id for instance in candidates}
+            return self.router.pick(model, excluded=model.instances.keys() - chosen)
+        prompts = {
+            declared: RoutingPrompt(
+                await self._render(declared, journey), self.declarations.placeholder(model, declared)
+            )
+            for declared in {instance.declared_token for instance in candidates}
+        }
+        journey.decision = self.kv.decide(model.name, candidates, prompts)
+        return model.instances[journey.decision.instance_id]
+
+    async def _render(self, declared: str | None, journey: Journey) -> PreprocessedRequest:
+        """The prompt for a declaration (rendered once per declaration per request; a request
+        without images renders the same ids for every declaration, so it is rendered once)."""
         if declared in journey.renders:
             return journey.renders[declared]
+        if not journey.prompt.images:
+            return next(iter(journey.renders.values()))
         started = time.perf_counter()
         preprocessor = self.declarations.get(journey.model, declared)
         if preprocessor is None:  # a new declaration: its formatter reads the model's files once
@@ -180,15 +210,6 @@ class Migration:
             async for output in steps:
                 journey.streamed.extend(output.token_ids)
                 yield _as_sent(output, base, earlier)
-
-    def _unreachable(self, model: LiveModel) -> set[str]:
-        """Instance ids of the model whose endpoints never answered a recent request."""
-        endpoints = self.client.unreachable_endpoints()
-        if not endpoints:
-            return set()
-        return {
-            instance_id for instance_id, instance in model.instances.items() if instance.endpoint in endpoints
-        }
 
     @staticmethod
     def _move_or_raise(exc: WorkerLost | WorkerError, instance: Instance, journey: Journey) -> None:

@@ -19,6 +19,7 @@ from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
+from dynamo_prep.routing.policy import Decision
 
 __all__ = ["CLIENT_GONE", "RequestRecord"]
 
@@ -55,6 +56,8 @@ class RequestRecord:
     finish_reason: str | None = None
     tool_calls: int = 0
     reasoning_tokens: int = 0
+    kv_overlap_blocks: int | None = None
+    prompt_blocks: int | None = None
     _inflight: bool = False
     _last_token_at: float | None = None
 
@@ -69,10 +72,13 @@ class RequestRecord:
             self._inflight = True
             self.metrics.inflight.labels(model=name).inc()
 
-    def routed(self, instance: Instance) -> None:
-        """The instance serving the request now (the last one, after a migration)."""
+    def routed(self, instance: Instance, decision: Decision | None = None) -> None:
+        """The instance serving the request now (the last one, after a migration), and what the KV
+        router knew when it chose it."""
         self.instance_id = instance.instance_id
         self.endpoint = instance.endpoint
+        if decision is not None:
+            self.kv_overlap_blocks, self.prompt_blocks = decision.overlap_blocks, decision.prompt_blocks
 
     def preprocessed(self, request: PreprocessedRequest, seconds: float) -> None:
         self.metrics.preprocess_duration.labels(model=self.model).observe(seconds)
@@ -137,6 +143,8 @@ class RequestRecord:
             "endpoint": self.endpoint,
             "tool_calls": self.tool_calls,
             "reasoning_tokens": self.reasoning_tokens,
+            "kv_overlap_blocks": self.kv_overlap_blocks,
+            "prompt_blocks": self.prompt_blocks,
         }
         if self.error is None:
             log.info("request_finished", finish_reason=self.finish_reason, **fields)

@@ -348,3 +348,42 @@ def mm_extra_keys(spans: Sequence[ImageSpan], block_start: int, block_size: int)
         for span in spans
         if span.start < block_end and span.start + span.length > block_start
     ]
+
+
+def placeholder_starts(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
+    """Start positions of the non-overlapping occurrences of ``pattern`` (an image placeholder's
+    ids) in ``token_ids``, left to right: where each image of a prompt sits, in prompt order."""
+    if not pattern:
+        return []
+    first, width = pattern[0], len(pattern)
+    target = list(pattern)
+    starts: list[int] = []
+    position = 0
+    last = len(token_ids) - width
+    ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+    while position <= last:
+        try:
+            position = ids.index(first, position, last + 1)
+        except ValueError:
+            break
+        if width == 1 or ids[position : position + width] == target:
+            starts.append(position)
+            position += width
+        else:
+            position += 1
+    return starts
+
+
+def image_spans(
+    token_ids: Sequence[int], placeholder: Sequence[int], identifiers: Sequence[str]
+) -> list[ImageSpan]:
+    """The prompt's images as spans: the k-th occurrence of ``placeholder`` is the k-th image.
+
+    Fewer occurrences than identifiers (the engine expands images itself, or the prompt was cut)
+    give spans for the ones found; extra occurrences have no identity and are left out.
+    """
+    starts = placeholder_starts(token_ids, placeholder)
+    return [
+        ImageSpan(identifier=identifier, start=start, length=len(placeholder))
+        for identifier, start in zip(identifiers, starts, strict=False)
+    ]

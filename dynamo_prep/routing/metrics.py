@@ -7,11 +7,15 @@ never instance ids: per-instance detail is in the log lines, which all carry ``i
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dynamo_prep.discovery.metrics import PREFIX
+from dynamo_prep.routing.policy import Decision
 
 __all__ = ["EVENT_KINDS", "REPLAY_OUTCOMES", "KvMetrics"]
+
+_DECISION_SECONDS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3)
+_OVERLAP_RATIO = (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 
 EVENT_KINDS = ("stored", "removed", "cleared")
 # filled: every batch from the requested seq on; truncated: a first catch-up whose publisher no longer
@@ -71,3 +75,29 @@ class KvMetrics:
         self.cleared_events = self.events_applied.labels(kind="cleared")
         self.stored_blocks = self.blocks_applied.labels(kind="stored")
         self.removed_blocks = self.blocks_applied.labels(kind="removed")
+        self.decisions = Counter(
+            f"{PREFIX}kv_decisions",
+            "KV routing decisions, by reason (overlap: the cheapest instance; balance: no instance held "
+            "half the prompt, the least loaded one)",
+            ["reason"],
+            registry=reg,
+        )
+        self.decision_seconds = Histogram(
+            f"{PREFIX}kv_decision_seconds",
+            "Time to hash a request, match it against the index and choose an instance",
+            buckets=_DECISION_SECONDS,
+            registry=reg,
+        )
+        self.overlap_ratio = Histogram(
+            f"{PREFIX}kv_overlap_ratio",
+            "Share of a request's prompt blocks already cached on the chosen instance",
+            buckets=_OVERLAP_RATIO,
+            registry=reg,
+        )
+
+    def decided(self, decision: Decision, seconds: float) -> None:
+        """One routing decision: its reason, how long it took, how much of the prompt was cached."""
+        self.decisions.labels(reason=decision.reason).inc()
+        self.decision_seconds.observe(seconds)
+        if decision.prompt_blocks:
+            self.overlap_ratio.observe(decision.overlap_blocks / decision.prompt_blocks)
