@@ -19,6 +19,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
+from support import kv_wire
 from support.kv_wire import END, be8, until
 from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, tcp_endpoint
 
@@ -38,6 +39,7 @@ MEDIA_PAD = "<|media_pad|>"
 BLOCK = 16  # the demo card's kv_cache_block_size
 TIMEOUT_S = 10.0
 PREAMBLE = " ".join(f"rule {n}: answer in plain words and cite the page you used." for n in range(8))
+context = kv_wire.context  # fixture
 CAT = "https://example.com/cat.png"
 DOG = "https://example.com/dog.png"
 
@@ -133,13 +135,6 @@ def plane() -> Iterator[tuple[str, SubCollector]]:
     address = tcp_endpoint()
     with SubCollector(address, bind=True) as collector:
         yield address, collector
-
-
-@pytest.fixture
-async def context() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 @pytest.fixture
