@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS
+from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, FLAVORS, REPLY_FORMATS
 from dynamo_prep.frontend import config as frontend_defaults
 from dynamo_prep.frontend import up as up_defaults
 from dynamo_prep.lifecycle import EXIT_FAILED
@@ -206,10 +206,10 @@ def _add_worker(commands: Any) -> None:
     )
     worker.add_argument(
         "--reply-format",
-        default="echo",
+        default=DEFAULT_REPLY_FORMAT,
         choices=REPLY_FORMATS,
-        help="mock engine, when no scripted reply matches: the echo as plain text (default), or in the "
-        "model's own answer format (think channel, response, a call of the first declared tool)",
+        help="mock engine, when no scripted reply matches: the echo in the model's own answer format "
+        "(think channel, response, a call of the first declared tool; the default), or as plain text",
     )
     worker.add_argument(
         "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"

@@ -33,7 +33,7 @@ MESSAGES: list[dict[str, Any]] = [
 @pytest.fixture(scope="module")
 def engines() -> dict[tuple[str, Flavor], MockEngine]:
     return {
-        (model, flavor): MockEngine(model, flavor=flavor)
+        (model, flavor): MockEngine(model, flavor=flavor, reply_format="echo")
         for model in ("kimi-k3-demo", "qwen-vl-demo")
         for flavor in ("sglang", "vllm")
     }
@@ -161,7 +161,7 @@ def test_a_text_only_model_rejects_any_image(tmp_path: Path, flavor: Flavor) -> 
     shutil.copytree(DEMO_MODELS_DIR / "qwen-vl-demo", model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
-    engine = MockEngine(model_dir, flavor=flavor)
+    engine = MockEngine(model_dir, flavor=flavor, reply_format="echo")
     assert engine.declared_image_token is None
     text_only = preprocess("qwen-vl-demo", None, [{"role": "user", "content": "hi"}])
     engine.check_contract(text_only)
@@ -242,7 +242,7 @@ async def test_a_stop_string_inside_a_token_drops_that_token(
 
 
 async def test_cancellation_stops_the_generator_promptly() -> None:
-    engine = MockEngine("kimi-k3-demo", flavor="sglang", token_delay_s=0.05)
+    engine = MockEngine("kimi-k3-demo", flavor="sglang", token_delay_s=0.05, reply_format="echo")
     request = rendered_for(engine)
     received: list[MockOutput] = []
 

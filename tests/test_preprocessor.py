@@ -294,7 +294,7 @@ def test_preprocessed_request_fields(k3_sglang: OpenAIPreprocessor) -> None:
     tokenizer = k3_sglang.tokenizer
     assert out.model == "m"
     assert out.stop_conditions.max_tokens == 7
-    assert out.stop_conditions.stop == ["\n\n"]
+    assert out.stop_conditions.stop == []  # the frontend applies them to content, not the engine
     assert out.stop_conditions.stop_token_ids == [5]
     hidden = out.stop_conditions.stop_token_ids_hidden
     assert set(hidden) == {tokenizer.token_to_id("<|end_of_msg|>"), tokenizer.token_to_id("[EOS]")}

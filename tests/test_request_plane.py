@@ -37,7 +37,7 @@ LONG_TEXT = "Please describe every detail of this picture, slowly and carefully,
 @pytest.fixture(scope="module")
 def mock() -> MockEngine:
     """The same engine the sglang worker runs: the expected replies, computed locally."""
-    return MockEngine(DEMO, flavor="sglang")
+    return MockEngine(DEMO, flavor="sglang", reply_format="echo")
 
 
 def chat(text: str = "Describe it.", **fields: Any) -> ChatCompletionRequest:
@@ -78,6 +78,19 @@ def record() -> RequestRecord:
     return RequestRecord("r", "/v1/chat/completions", FrontendMetrics())
 
 
+async def through(
+    policy: Migration,
+    model: LiveModel,
+    request: ChatCompletionRequest,
+    request_id: str,
+    served_by: RequestRecord,
+) -> AsyncIterator[Output]:
+    """The outputs of one request through the migration policy (rendered, picked, streamed)."""
+    journey = await policy.begin(model, request, request_id=request_id, record=served_by, timeout_s=30)
+    async for output in policy.outputs(journey):
+        yield output
+
+
 @pytest.fixture
 def plane() -> Iterator[str]:
     address = tcp_endpoint()
@@ -91,7 +104,16 @@ def workers(plane: str) -> Iterator[Any]:
 
     def start(*extra: str) -> tuple[DynamoProcess, str]:
         proc = start_dynamo(
-            "worker", "--model-path", DEMO, "--flavor", "sglang", "--discovery", plane, *extra
+            "worker",
+            "--model-path",
+            DEMO,
+            "--flavor",
+            "sglang",
+            "--reply-format",
+            "echo",
+            "--discovery",
+            plane,
+            *extra,
         )
         started.append(proc)
         return proc, proc.wait_event("worker_started")["endpoint"]
@@ -211,7 +233,7 @@ async def test_migration_finishes_on_another_worker(
     policy, model = migration(client, [a, b], migration_limit=1)
     served = record()
     outputs: list[Output] = []
-    stream = policy.outputs(model, chat(LONG_TEXT), request_id="m1", record=served, timeout_s=30)
+    stream = through(policy, model, chat(LONG_TEXT), "m1", served)
     async for output in stream:
         outputs.append(output)
         if len(outputs) == 5:
@@ -235,9 +257,7 @@ async def test_migration_moves_to_another_declaration_with_a_prompt_rendered_for
     vllm = Instance(instance_id="b", endpoint=second_endpoint, declared_token=None)
     policy, model = migration(client, [sglang, vllm], migration_limit=1)
     outputs: list[Output] = []
-    async for output in policy.outputs(
-        model, chat(LONG_TEXT), request_id="x1", record=record(), timeout_s=30
-    ):
+    async for output in through(policy, model, chat(LONG_TEXT), "x1", record()):
         outputs.append(output)
         if len(outputs) == 3:
             first.kill()
@@ -254,7 +274,7 @@ async def test_migration_limit_zero_reraises(workers: Any, client: RequestPlaneC
     a = Instance(instance_id="a", endpoint=endpoint, declared_token=MEDIA_PAD)
     b = Instance(instance_id="b", endpoint=other, declared_token=MEDIA_PAD)
     policy, model = migration(client, [a, b], migration_limit=0)
-    stream = policy.outputs(model, chat(), request_id="z1", record=record(), timeout_s=30)
+    stream = through(policy, model, chat(), "z1", record())
     await anext(stream)
     first.kill()
     client.endpoint_lost(endpoint)
@@ -315,21 +335,14 @@ async def test_an_instance_that_never_answers_is_failed_over_fast_and_then_avoid
         policy, model = migration(client, [hole, real], migration_limit=0)
         first = record()
         started = time.monotonic()
-        outputs = [
-            o async for o in policy.outputs(model, chat(), request_id="h1", record=first, timeout_s=30)
-        ]
+        outputs = [o async for o in through(policy, model, chat(), "h1", first)]
         assert outputs[-1].finish_reason == "stop" and first.instance_id == "b"
         assert time.monotonic() - started < client.stall_timeout_s + 1.0  # the connect timeout, not a stall
         assert hole.endpoint in client.unreachable_endpoints()
         received = len(_drain(silent))
         for index in range(3):
             again = record()
-            [
-                o
-                async for o in policy.outputs(
-                    model, chat(), request_id=f"h{index + 2}", record=again, timeout_s=30
-                )
-            ]
+            [o async for o in through(policy, model, chat(), f"h{index + 2}", again)]
             assert again.instance_id == "b"
         assert len(_drain(silent)) == 0 and received >= 1  # never sent there again
     finally:

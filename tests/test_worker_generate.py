@@ -63,7 +63,7 @@ def generate(request: PreprocessedRequest, request_id: str = "r1", timeout_s: fl
 
 @pytest.fixture(scope="module")
 def engine() -> MockEngine:
-    return MockEngine(DEMO, flavor="sglang", token_delay_s=0.05)
+    return MockEngine(DEMO, flavor="sglang", token_delay_s=0.05, reply_format="echo")
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def server(engine: MockEngine) -> GenerationServer:
 
 
 async def test_streams_every_token_then_one_final(server: GenerationServer, engine: MockEngine) -> None:
-    fast = MockEngine(DEMO, flavor="sglang")
+    fast = MockEngine(DEMO, flavor="sglang", reply_format="echo")
     server = GenerationServer(fast.generate, check=fast.check_contract)
     request = preprocess(MEDIA_PAD)
     replies = Replies()
@@ -147,7 +147,7 @@ async def test_drain_refuses_new_work_and_cancels_leftovers_with_503(server: Gen
 
 
 async def test_mock_continues_a_migrated_request(engine: MockEngine) -> None:
-    continuing = MockContinuation(MockEngine(DEMO, flavor="sglang"))
+    continuing = MockContinuation(MockEngine(DEMO, flavor="sglang", reply_format="echo"))
     request = preprocess(MEDIA_PAD)
     full = engine.tokenizer.encode(engine.reply_text(request))
     assert continuing.already_streamed(request) == 0
@@ -190,7 +190,7 @@ async def test_register_sglang_declares_its_processor_token_and_serves(
 ) -> None:
     """SGLang stand-in (real SGLang needs a GPU): the card declares ``<|media_pad|>``; Generate works."""
     address, collector = plane
-    fast = MockEngine(DEMO, flavor="sglang")
+    fast = MockEngine(DEMO, flavor="sglang", reply_format="echo")
 
     def stream(request: PreprocessedRequest) -> AsyncIterator[MockOutput]:
         return fast.generate(request)

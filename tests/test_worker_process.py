@@ -158,7 +158,7 @@ def test_worker_config_defaults_and_resolution() -> None:
     config = WorkerConfig.from_options(model_path=DEMO, discovery=["tcp://127.0.0.1:7555"])
     assert config.model_dir == DEMO_MODELS_DIR / DEMO
     assert config.discovery == ("tcp://127.0.0.1:7555",)
-    assert (config.engine, config.flavor, config.reply_format) == ("mock", "sglang", "echo")
+    assert (config.engine, config.flavor, config.reply_format) == ("mock", "sglang", "model")
     assert config.replies is None and config.curve is None
     replies = WorkerConfig.from_options(
         model_path=DEMO, discovery=["tcp://a:1"], replies="r.jsonl", reply_format="model", flavor="vllm"
@@ -268,10 +268,10 @@ async def test_a_worker_streams_scripted_replies_and_model_format_answers(
     assert 'call tool="get_weather"' in expected.tokenizer.decode(token_ids)
 
 
-async def test_the_default_reply_format_is_the_plain_echo(
+async def test_the_echo_reply_format_is_the_plain_echo(
     plane: tuple[str, SubCollector], procs: list[DynamoProcess], client: RequestPlaneClient
 ) -> None:
-    endpoint = start_worker(procs, plane)
+    endpoint = start_worker(procs, plane, "--reply-format", "echo")
     request = preprocess("Hello", tools=[WEATHER])
     outputs = [o async for o in client.generate(endpoint, request, request_id="echo", timeout_s=10)]
     text = MockEngine(DEMO, flavor="sglang").tokenizer.decode([t for o in outputs for t in o.token_ids])

@@ -28,6 +28,9 @@ Flavor = Literal["sglang", "vllm"]
 FLAVORS: tuple[Flavor, ...] = get_args(Flavor)
 # How the mock engine words a reply nothing scripted: plain echo text, or the model's own format.
 ReplyFormat = Literal["echo", "model"]
+# Without a scripted reply the mock answers in the model's own format (K3 channels, Hermes calls);
+# "echo" is the bare echo text, for tests of the raw token path.
+DEFAULT_REPLY_FORMAT: ReplyFormat = "model"
 REPLY_FORMATS: tuple[ReplyFormat, ...] = get_args(ReplyFormat)
 
 

@@ -26,7 +26,14 @@ import structlog
 
 from dynamo_prep.card import ModelCardError
 from dynamo_prep.engines import vllm
-from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS, EngineContractError, Flavor, ReplyFormat
+from dynamo_prep.engines.base import (
+    DEFAULT_REPLY_FORMAT,
+    FLAVORS,
+    REPLY_FORMATS,
+    EngineContractError,
+    Flavor,
+    ReplyFormat,
+)
 from dynamo_prep.engines.declare import declared_image_token
 from dynamo_prep.engines.mock_answer import AnswerWriter, ToolCall, schema_arguments
 from dynamo_prep.engines.mock_prompt import PromptReader, PromptView, count_occurrences
@@ -93,7 +100,7 @@ class MockEngine:
         flavor: Flavor,
         token_delay_s: float = 0.0,
         replies: str | Path | None = None,
-        reply_format: ReplyFormat = "echo",
+        reply_format: ReplyFormat = DEFAULT_REPLY_FORMAT,
     ) -> None:
         """Raises ValueError for a bad option, ``RepliesError`` (a ValueError) for a bad replies file."""
         if flavor not in FLAVORS:

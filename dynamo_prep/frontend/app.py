@@ -29,17 +29,16 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
+from dynamo_prep.frontend.answers import answer_stream_for
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
-from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
-from dynamo_prep.frontend.openai_stream import Completion, sse, visible_text
+from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
-from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ModelEntry,
@@ -123,31 +122,29 @@ class _Handlers:
         structlog.contextvars.bind_contextvars(model=model.name)
         # Unique on the request plane even when a client reuses its x-request-id.
         plane_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
-        outputs = _observed(
-            self.migration.outputs(
-                model,
-                chat,
-                request_id=plane_id,
-                record=record,
-                timeout_s=self.settings.request_timeout_s,
-                in_thread=len(body) > THREAD_ABOVE_BYTES,
-            ),
-            record,
+        journey = await self.migration.begin(
+            model,
+            chat,
+            request_id=plane_id,
+            record=record,
+            timeout_s=self.settings.request_timeout_s,
+            in_thread=len(body) > THREAD_ABOVE_BYTES,
         )
+        outputs = _observed(self.migration.outputs(journey), record)
         completion = Completion(
             id=f"chatcmpl-{request_id}",
             model=chat.model,
             created=int(time.time()),
-            detokenizer=Detokenizer(model.preprocessor.tokenizer, stop_strings(chat.stop)),
+            answer=answer_stream_for(model.card, model.preprocessor.tokenizer, chat, journey.prompt.rendered),
         )
         first = await _first(outputs)  # errors before the first token keep their HTTP status
         if chat.stream:
             include_usage = bool((chat.stream_options or {}).get("include_usage"))
-            body_iterator = sse(_prepend(first, outputs), completion, include_usage=include_usage)
+            body_iterator = sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
             return StreamingResponse(body_iterator, media_type="text/event-stream", headers=_NO_CACHE)
         async with contextlib.aclosing(outputs):
-            pieces = visible_text(_prepend(first, outputs), completion)
-            await _unless_disconnected(request, _drain(pieces))
+            deltas = answer_deltas(_prepend(first, outputs), completion, record)
+            await _unless_disconnected(request, _drain(deltas))
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
 
     # -- models, tokenize, health ------------------------------------------------------------
@@ -256,9 +253,9 @@ async def _observed(
         raise
 
 
-async def _drain(pieces: AsyncGenerator[str, None]) -> None:
-    async with contextlib.aclosing(pieces):
-        async for _ in pieces:
+async def _drain(items: AsyncGenerator[Any, None]) -> None:
+    async with contextlib.aclosing(items):
+        async for _ in items:
             pass
 
 

@@ -10,6 +10,7 @@ real outcome (the error's status, or 499 when the client went away) instead of t
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -52,6 +53,8 @@ class RequestRecord:
     images: int | None = None
     ttft_s: float | None = None
     finish_reason: str | None = None
+    tool_calls: int = 0
+    reasoning_tokens: int = 0
     _inflight: bool = False
     _last_token_at: float | None = None
 
@@ -97,6 +100,16 @@ class RequestRecord:
             if output.finish_reason in _FAILED_FINISH:
                 self.fail(*_FAILED_FINISH[output.finish_reason])
 
+    def answered(
+        self, finish_reason: str | None, tool_calls: int, reasoning_tokens: int, recoveries: Mapping[str, int]
+    ) -> None:
+        """What the client was answered (its finish reason, e.g. ``tool_calls``, replaces the
+        worker's), and what the answer parser made of the output; recoveries are counted by kind."""
+        self.finish_reason = finish_reason or self.finish_reason
+        self.tool_calls, self.reasoning_tokens = tool_calls, reasoning_tokens
+        for kind, count in recoveries.items():
+            self.metrics.output_parse_errors.labels(model=self.model, kind=kind).inc(count)
+
     def fail(self, status: int, error: str) -> None:
         """The first failure is the request's outcome (later ones are its consequences)."""
         if self.status is None:
@@ -122,6 +135,8 @@ class RequestRecord:
             "duration_ms": round(duration_s * 1000, 1),
             "instance_id": self.instance_id,
             "endpoint": self.endpoint,
+            "tool_calls": self.tool_calls,
+            "reasoning_tokens": self.reasoning_tokens,
         }
         if self.error is None:
             log.info("request_finished", finish_reason=self.finish_reason, **fields)

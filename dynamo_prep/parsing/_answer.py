@@ -62,6 +62,11 @@ class AnswerParser(Protocol):
     @property
     def recoveries(self) -> Mapping[str, int]: ...
 
+    @property
+    def reasoning_tokens(self) -> int:
+        """Text ids that arrived while the answer was in its reasoning part."""
+        ...
+
 
 class ParsedAnswer(msgspec.Struct):
     """The non-streamed answer: reasoning and content joined, the tool calls in order."""

@@ -22,10 +22,20 @@ class IdStreamParser(Generic[Tag]):
         self._tags = tags
         self._recoveries = Recoveries()
         self._utf8 = Utf8()
+        self._reasoning_tokens = 0
 
     @property
     def recoveries(self) -> Mapping[str, int]:
         return self._recoveries.view
+
+    @property
+    def reasoning_tokens(self) -> int:
+        """Text ids that arrived while the answer was in its reasoning part."""
+        return self._reasoning_tokens
+
+    def _in_reasoning(self) -> bool:
+        """Whether text arriving now is reasoning (a subclass with a reasoning part says when)."""
+        return False
 
     def feed(self, token_ids: Sequence[int]) -> list[AnswerDelta]:
         out = DeltaList()
@@ -37,15 +47,20 @@ class IdStreamParser(Generic[Tag]):
                 run.append(token_id)
                 continue
             if run:
-                self._on_text(run, out)
+                self._text_run(run, out)
                 run = []
             if tag is not None:
                 self._on_tag(tag, out)
             elif (kind := self._vocab.stray_kind(token_id)) is not None:
                 self._recoveries.add(kind)
         if run:
-            self._on_text(run, out)
+            self._text_run(run, out)
         return out
+
+    def _text_run(self, run: list[int], out: DeltaList) -> None:
+        if self._in_reasoning():
+            self._reasoning_tokens += len(run)
+        self._on_text(run, out)
 
     def _on_text(self, token_ids: list[int], out: DeltaList) -> None:
         raise NotImplementedError

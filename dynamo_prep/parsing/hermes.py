@@ -82,6 +82,9 @@ class HermesAnswerParser(IdStreamParser[str]):
 
     # ------------------------------------------------------------------ text
 
+    def _in_reasoning(self) -> bool:
+        return self._state == _REASONING
+
     def _on_text(self, token_ids: list[int], out: DeltaList) -> None:
         self._pending += self._utf8.push(self._vocab.bytes_of(token_ids))
         self._scan(out, final=False)

@@ -130,6 +130,9 @@ class KimiK3AnswerParser(IdStreamParser[int]):
 
     # ------------------------------------------------------------------ ids in
 
+    def _in_reasoning(self) -> bool:
+        return not self._closed and self._header is None and self._stack[-1] == THINK
+
     def _on_text(self, ids: list[int], out: DeltaList) -> None:
         if self._header is not None:
             room = MAX_HEADER_TOKENS - len(self._header)

@@ -131,17 +131,17 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
 
 
-class FunctionCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ChunkFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str | msgspec.UnsetType = msgspec.UNSET
     arguments: str | msgspec.UnsetType = msgspec.UNSET
 
 
-class ToolCallDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """A streamed call: its first delta carries ``id``, ``type`` and the name; later ones argument
+class ChunkToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed call: its first chunk carries ``id``, ``type`` and the name; later ones argument
     fragments, which concatenate to the call's ``arguments``."""
 
     index: int
-    function: FunctionCallDelta
+    function: ChunkFunction
     id: str | msgspec.UnsetType = msgspec.UNSET
     type: str | msgspec.UnsetType = msgspec.UNSET
 
@@ -150,7 +150,7 @@ class ChunkDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
     reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
-    tool_calls: list[ToolCallDelta] | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ChunkToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):

@@ -8,7 +8,11 @@ import msgspec
 
 
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """When generation ends. ``stop_token_ids_hidden`` are the model's EOS ids (not echoed)."""
+    """When generation ends. ``stop_token_ids_hidden`` are the model's EOS ids (not echoed).
+
+    ``stop`` (stop strings) is Dynamo's field; this frontend leaves it empty and applies the
+    client's stop strings to the answer's content itself, cancelling the generation at a match.
+    """
 
     max_tokens: int
     min_tokens: int | None = None

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast, get_args
 
-from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS, Flavor, ReplyFormat
+from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, FLAVORS, REPLY_FORMATS, Flavor, ReplyFormat
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
 
@@ -62,7 +62,7 @@ class WorkerConfig:
     flavor: Flavor = "sglang"
     token_delay_s: float = DEFAULT_TOKEN_DELAY_S
     replies: Path | None = None
-    reply_format: ReplyFormat = "echo"
+    reply_format: ReplyFormat = DEFAULT_REPLY_FORMAT
     migration_limit: int = 0
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     metrics_port: int | None = None
@@ -89,7 +89,7 @@ class WorkerConfig:
         flavor: str = "sglang",
         token_delay_s: float = DEFAULT_TOKEN_DELAY_S,
         replies: str | Path | None = None,
-        reply_format: str = "echo",
+        reply_format: str = DEFAULT_REPLY_FORMAT,
         migration_limit: int = 0,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         metrics_port: int | None = None,
