@@ -228,6 +228,28 @@ def _add_worker(commands: Any) -> None:
         default=None,
         help="serve dynamo_worker_* Prometheus metrics on this port (default off; 0: a free port, logged)",
     )
+    worker.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="mock engine: keep a paged prefix cache (blocks of the card's kv_cache_block_size) and publish "
+        "its KV events (vLLM's wire; the addresses go into the announce)",
+    )
+    worker.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --kv-events: cache capacity in blocks, unused ones evicted least recently used first "
+        f"(default {defaults.DEFAULT_KV_BLOCKS})",
+    )
+    worker.add_argument(
+        "--prefill-ms-per-1k",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="with --kv-events: prefill delay per 1000 prompt tokens not in the cache "
+        f"(default {defaults.DEFAULT_PREFILL_MS_PER_1K:g})",
+    )
     _add_discovery_client(worker)
     worker.set_defaults(handler=_worker)
 
@@ -472,6 +494,9 @@ def _worker(args: argparse.Namespace) -> int:
         migration_limit=args.migration_limit,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
+        kv_events=args.kv_events,
+        kv_blocks=args.kv_blocks,
+        prefill_ms_per_1k=args.prefill_ms_per_1k,
     )
 
 

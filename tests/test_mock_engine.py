@@ -218,9 +218,16 @@ async def test_max_tokens_finishes_with_length(engines: dict[tuple[str, Flavor],
     assert outputs[-1].completion_tokens == 5
 
 
+def with_stop_strings(request: PreprocessedRequest, stop: list[str]) -> PreprocessedRequest:
+    """Dynamo's ``stop`` field set by hand: this frontend applies stop strings itself and leaves it
+    empty, but an engine (the mock included) honours it."""
+    conditions = msgspec.structs.replace(request.stop_conditions, stop=stop)
+    return msgspec.structs.replace(request, stop_conditions=conditions)
+
+
 async def test_a_stop_string_cuts_the_reply(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
     engine = engines["kimi-k3-demo", "vllm"]
-    request = rendered_for(engine, stop=["You said"])
+    request = with_stop_strings(rendered_for(engine), ["You said"])
     outputs = await collect(engine, request)
     reply = reply_of(engine, outputs)
     full = engine.reply_text(request)
@@ -234,7 +241,7 @@ async def test_a_stop_string_inside_a_token_drops_that_token(
     engines: dict[tuple[str, Flavor], MockEngine],
 ) -> None:
     engine = engines["qwen-vl-demo", "sglang"]
-    outputs = await collect(engine, rendered_for(engine, stop=["mag"]))  # inside "image"
+    outputs = await collect(engine, with_stop_strings(rendered_for(engine), ["mag"]))  # inside "image"
     reply = reply_of(engine, outputs)
     assert "mag" not in reply
     assert reply.startswith("[mock sglang] 2")

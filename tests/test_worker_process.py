@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, tcp_endpoint, write_model_dir
@@ -56,6 +57,7 @@ def test_worker_announces_the_declared_token_and_withdraws_on_sigterm(
     assert started["endpoint"].startswith("tcp://127.0.0.1:")
     message = collector.wait_messages(announces)[0]
     assert isinstance(message, Announce)
+    assert message.kv_events is msgspec.UNSET  # no --kv-events: the key is not on the wire
     assert message.instance_id == started["instance_id"]
     assert message.endpoint == started["endpoint"]
     decoded = decode_card(message.card)
@@ -162,6 +164,11 @@ def test_worker_config_defaults_and_resolution() -> None:
         model_path=DEMO, discovery=["tcp://a:1"], replies="r.jsonl", reply_format="model", flavor="vllm"
     )
     assert (replies.replies, replies.reply_format, replies.flavor) == (Path("r.jsonl"), "model", "vllm")
+    assert (config.kv_events, config.kv_blocks, config.prefill_ms_per_1k) == (False, 2048, 0.0)
+    kv = WorkerConfig.from_options(
+        model_path=DEMO, discovery=["tcp://a:1"], kv_events=True, kv_blocks=64, prefill_ms_per_1k=12.5
+    )
+    assert (kv.kv_events, kv.kv_blocks, kv.prefill_ms_per_1k) == (True, 64, 12.5)
 
 
 @pytest.mark.parametrize(
@@ -179,6 +186,11 @@ def test_worker_config_defaults_and_resolution() -> None:
         ({"migration_limit": -1}, "--migration-limit must be >= 0, got -1"),
         ({"drain_timeout_s": float("nan")}, "--drain-timeout must be >= 0, got nan"),
         ({"metrics_port": 70000}, "--metrics-port must be in 0..65535, got 70000"),
+        ({"kv_blocks": 64}, "--kv-blocks needs --kv-events"),
+        ({"prefill_ms_per_1k": 5.0}, "--prefill-ms-per-1k needs --kv-events"),
+        ({"kv_events": True, "kv_blocks": 0}, "--kv-blocks must be >= 1, got 0"),
+        ({"kv_events": True, "prefill_ms_per_1k": -1.0}, "--prefill-ms-per-1k must be a finite number >= 0"),
+        ({"kv_events": True, "prefill_ms_per_1k": float("inf")}, "--prefill-ms-per-1k must be a finite"),
     ],
 )
 def test_worker_config_names_the_bad_option(options: dict[str, Any], message: str) -> None:

@@ -9,6 +9,10 @@
 * ``mock``: ``MockEngine``, which enforces either engine's real image contract on the token ids
   it receives and streams a deterministic reply, like Dynamo's mocker (``mock_prompt`` reads the
   prompt, ``mock_replies`` loads scripted replies, ``mock_answer`` writes the model's format).
+* ``kv_cache``: ``PagedPrefixCache``, the mock's paged prefix cache emitting vLLM's KV events;
+  ``kv_publisher``: ``KvEventPublisher``, vLLM's ZeroMQ publisher with its replay ROUTER;
+  ``mock_kv``: ``MockKvEngine``, the mock behind that cache (``--kv-events``).
+* ``kv_config``: what a real engine's ``--kv-events-config`` advertises in the announce.
 
 Each accessor takes the engine as a plain ``object`` and reads it with ``getattr``, so this
 package never imports SGLang or vLLM.

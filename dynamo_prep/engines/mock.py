@@ -48,7 +48,7 @@ from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["MockContinuation", "MockEngine", "MockOutput"]
+__all__ = ["NO_PREFILL", "MockContinuation", "MockEngine", "MockOutput", "Prefill"]
 
 log = structlog.get_logger("dynamo_prep.engines")
 
@@ -64,6 +64,17 @@ class MockOutput(msgspec.Struct, frozen=True):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+
+
+class Prefill(NamedTuple):
+    """What a request's prefill costs: the prompt tokens reused from a prefix cache, and the delay
+    charged (before the first token) for the rest."""
+
+    cached_tokens: int = 0
+    seconds: float = 0.0
+
+
+NO_PREFILL = Prefill()
 
 
 class _ImageContract(NamedTuple):
@@ -116,6 +127,12 @@ class MockEngine:
         """What a worker running this engine declares in its card (vLLM: nothing)."""
         return declared_image_token(self._sglang_engine, self.flavor)
 
+    @property
+    def image_pattern(self) -> tuple[int, ...] | None:
+        """The id sequence that stands for one image in a prompt, as the engine counts it (None: the
+        model takes no images)."""
+        return self._contract.pattern
+
     def check_contract(self, request: PreprocessedRequest) -> None:
         """Raise ``EngineContractError`` when the prompt's image placeholders do not match its images."""
         expected = len(request.images)
@@ -140,24 +157,30 @@ class MockEngine:
             )
         self._violation(expected=expected, found=found, message=message)
 
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[MockOutput]:
+    async def generate(
+        self, request: PreprocessedRequest, *, prefill: Prefill = NO_PREFILL
+    ) -> AsyncIterator[MockOutput]:
         """Stream the reply one token per output; raises ``EngineContractError`` before any output.
 
         Cancellation is honoured at every token (``asyncio.sleep`` even with no delay).
         """
         self.check_contract(request)
-        token_ids, finish_reason = self.plan(request)
-        async for step in self.stream(token_ids, finish_reason, len(request.token_ids)):
+        token_ids, finish_reason = self.plan(request, prefill=prefill)
+        prompt_tokens = len(request.token_ids)
+        async for step in self.stream(token_ids, finish_reason, prompt_tokens, prefill_s=prefill.seconds):
             yield step
 
     async def stream(
-        self, token_ids: Sequence[int], finish_reason: str, prompt_tokens: int
+        self, token_ids: Sequence[int], finish_reason: str, prompt_tokens: int, *, prefill_s: float = 0.0
     ) -> AsyncIterator[MockOutput]:
-        """``token_ids`` one per output, ``token_delay_s`` apart; the last output has ``finish_reason``."""
-        if not token_ids:
-            yield MockOutput([], finish_reason, prompt_tokens, 0)
-            return
+        """``token_ids`` one per output, ``token_delay_s`` apart, the first after ``prefill_s`` more;
+        the last output has ``finish_reason``."""
         try:
+            if prefill_s > 0:
+                await asyncio.sleep(prefill_s)
+            if not token_ids:
+                yield MockOutput([], finish_reason, prompt_tokens, 0)
+                return
             for index, token_id in enumerate(token_ids, start=1):
                 await asyncio.sleep(self.token_delay_s)
                 last = index == len(token_ids)
@@ -166,9 +189,12 @@ class MockEngine:
             log.debug("mock_generate_cancelled", flavor=self.flavor, prompt_tokens=prompt_tokens)
             raise
 
-    def plan(self, request: PreprocessedRequest, *, streamed: int = 0) -> tuple[list[int], str]:
+    def plan(
+        self, request: PreprocessedRequest, *, streamed: int = 0, prefill: Prefill = NO_PREFILL
+    ) -> tuple[list[int], str]:
         """The reply as it will stream (stop conditions applied) and its finish reason; logged
-        (``streamed``: how many of its tokens a migrated request already carries)."""
+        (``streamed``: how many of its tokens a migrated request already carries; ``prefill``: what
+        its prefill reuses and costs)."""
         token_ids, source = self._reply(request)
         token_ids, finish_reason = self._limit(token_ids, request.stop_conditions)
         log.debug(
@@ -179,6 +205,8 @@ class MockEngine:
             prompt_tokens=len(request.token_ids),
             completion_tokens=len(token_ids),
             streamed=streamed,
+            cached_tokens=prefill.cached_tokens,
+            prefill_ms=round(prefill.seconds * 1000, 3),
         )
         return token_ids, finish_reason
 
@@ -322,14 +350,20 @@ class MockContinuation:
     def check_contract(self, request: PreprocessedRequest) -> None:
         self.engine.check_contract(request)
 
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[MockOutput]:
+    async def generate(
+        self, request: PreprocessedRequest, *, prefill: Prefill = NO_PREFILL
+    ) -> AsyncIterator[MockOutput]:
         streamed = self.already_streamed(request)
         if not streamed:
-            async for step in self.engine.generate(request):
+            async for step in self.engine.generate(request, prefill=prefill):
                 yield step
             return
-        token_ids, finish_reason = self.engine.plan(_shortened(request, streamed), streamed=streamed)
-        async for step in self.engine.stream(token_ids[streamed:], finish_reason, len(request.token_ids)):
+        shortened = _shortened(request, streamed)
+        token_ids, finish_reason = self.engine.plan(shortened, streamed=streamed, prefill=prefill)
+        remaining = token_ids[streamed:]
+        async for step in self.engine.stream(
+            remaining, finish_reason, len(request.token_ids), prefill_s=prefill.seconds
+        ):
             yield step
 
     def already_streamed(self, request: PreprocessedRequest) -> int:

@@ -22,7 +22,15 @@ from typing import Any, Literal
 from dynamo_prep.formatter.kimi_k3 import CLOSE, OPEN, SEP
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["PromptReader", "PromptView", "Tool", "ToolResult", "count_occurrences", "strip_pattern"]
+__all__ = [
+    "PromptReader",
+    "PromptView",
+    "Tool",
+    "ToolResult",
+    "count_occurrences",
+    "occurrences",
+    "strip_pattern",
+]
 
 Family = Literal["kimi_k3", "chatml", "plain"]
 Opened = Literal["message", "think", "response"]
@@ -246,7 +254,7 @@ class PromptReader:
 
 def count_occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> int:
     """Non-overlapping occurrences of ``pattern`` in ``token_ids``, scanning left to right."""
-    return len(_occurrences(token_ids, pattern))
+    return len(occurrences(token_ids, pattern))
 
 
 def strip_pattern(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
@@ -255,14 +263,14 @@ def strip_pattern(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]
         return list(token_ids)
     kept: list[int] = []
     previous = 0
-    for start in _occurrences(token_ids, pattern):
+    for start in occurrences(token_ids, pattern):
         kept.extend(token_ids[previous:start])
         previous = start + len(pattern)
     kept.extend(token_ids[previous:])
     return kept
 
 
-def _occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
+def occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
     """Start positions of the non-overlapping occurrences of ``pattern``."""
     if not pattern:
         return []

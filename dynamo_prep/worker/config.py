@@ -6,6 +6,7 @@ needs the model (the engine, the card, a replies file) is loaded when the proces
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,8 @@ if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import Zero
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
     "DEFAULT_ENDPOINT_HOST",
+    "DEFAULT_KV_BLOCKS",
+    "DEFAULT_PREFILL_MS_PER_1K",
     "DEFAULT_TOKEN_DELAY_S",
     "ENGINES",
     "EngineKind",
@@ -30,13 +33,20 @@ __all__ = [
 DEFAULT_ENDPOINT_HOST = "127.0.0.1"
 DEFAULT_TOKEN_DELAY_S = 0.02
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
+DEFAULT_KV_BLOCKS = 2048
+DEFAULT_PREFILL_MS_PER_1K = 0.0
 EngineKind = Literal["mock"]
 ENGINES: tuple[EngineKind, ...] = get_args(EngineKind)
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
-    """Validated worker options (what the CLI flags mean, checked once)."""
+    """Validated worker options (what the CLI flags mean, checked once).
+
+    ``kv_events``: the mock engine keeps a paged prefix cache of ``kv_blocks`` blocks (the card's
+    ``kv_cache_block_size`` tokens each), publishes its KV events and charges ``prefill_ms_per_1k``
+    per 1000 prompt tokens it does not hold.
+    """
 
     model_dir: Path
     discovery: tuple[str, ...]
@@ -56,6 +66,9 @@ class WorkerConfig:
     migration_limit: int = 0
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     metrics_port: int | None = None
+    kv_events: bool = False
+    kv_blocks: int = DEFAULT_KV_BLOCKS
+    prefill_ms_per_1k: float = DEFAULT_PREFILL_MS_PER_1K
 
     @classmethod
     def from_options(
@@ -80,8 +93,14 @@ class WorkerConfig:
         migration_limit: int = 0,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         metrics_port: int | None = None,
+        kv_events: bool = False,
+        kv_blocks: int | None = None,
+        prefill_ms_per_1k: float | None = None,
     ) -> WorkerConfig:
-        """Raises ValueError (TrustError for CURVE key files) naming the option that is wrong."""
+        """Raises ValueError (TrustError for CURVE key files) naming the option that is wrong.
+
+        ``kv_blocks`` and ``prefill_ms_per_1k`` (None: the default) are options of ``kv_events``.
+        """
         if not discovery:
             raise ValueError("--discovery needs at least one address")
         if declared_image_token is not None and legacy_expands_image_pad_token:
@@ -107,6 +126,7 @@ class WorkerConfig:
                 raise ValueError(f"{option} must be >= 0, got {number}")
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {metrics_port}")
+        _check_kv_options(kv_events, kv_blocks, prefill_ms_per_1k)
         return cls(
             model_dir=resolve_model_dir(model_path),
             discovery=tuple(discovery),
@@ -126,7 +146,20 @@ class WorkerConfig:
             migration_limit=migration_limit,
             drain_timeout_s=drain_timeout_s,
             metrics_port=metrics_port,
+            kv_events=kv_events,
+            kv_blocks=DEFAULT_KV_BLOCKS if kv_blocks is None else kv_blocks,
+            prefill_ms_per_1k=DEFAULT_PREFILL_MS_PER_1K if prefill_ms_per_1k is None else prefill_ms_per_1k,
         )
+
+
+def _check_kv_options(kv_events: bool, kv_blocks: int | None, prefill_ms_per_1k: float | None) -> None:
+    for option, value in (("--kv-blocks", kv_blocks), ("--prefill-ms-per-1k", prefill_ms_per_1k)):
+        if value is not None and not kv_events:
+            raise ValueError(f"{option} needs --kv-events")
+    if kv_blocks is not None and not kv_blocks >= 1:
+        raise ValueError(f"--kv-blocks must be >= 1, got {kv_blocks}")
+    if prefill_ms_per_1k is not None and not 0 <= prefill_ms_per_1k < math.inf:
+        raise ValueError(f"--prefill-ms-per-1k must be a finite number >= 0, got {prefill_ms_per_1k}")
 
 
 def _client_curve(secret_key: Path | None, server_key: Path | None) -> ClientCurve | None:

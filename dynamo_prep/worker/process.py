@@ -1,5 +1,9 @@
 """The ``dynamo-prep worker`` process: validated options, the mock engine, a Worker until a signal.
 
+With ``--kv-events`` the mock engine runs behind a paged prefix cache (``engines.mock_kv``) whose
+events a ``KvEventPublisher`` bound on ``endpoint_host`` publishes; the Worker starts it, announces
+its addresses and closes it after the drain.
+
 A worker that cannot start logs ``worker_start_failed`` before anything is announced (never a
 worker that announces and then cannot serve): exit code 2 for wrong options
 (``WorkerConfig.from_options``), 1 for a model directory, replies file or socket it cannot use.
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +24,11 @@ import zmq.asyncio
 
 from dynamo_prep.card import ModelCardError, ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.discovery.trust import TrustError
+from dynamo_prep.engines.base import GenerateFn
+from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.engines.kv_publisher import KvEventPublisher
 from dynamo_prep.engines.mock import MockContinuation, MockEngine
+from dynamo_prep.engines.mock_kv import MockKvEngine
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer
@@ -74,6 +83,21 @@ def _worker(
 ) -> Worker:
     metrics = WorkerMetrics()
     legacy = {"expands_image_pad_token": True} if config.legacy_expands_image_pad_token else None
+    generate: GenerateFn = engine.generate
+    kv_publisher = None
+    if config.kv_events:
+        address = f"tcp://{config.endpoint_host}:*"
+        kv_publisher = KvEventPublisher(address, replay_endpoint=address, context=context)
+        # A seed per process, as vLLM's unseeded hashes: engine hashes mean nothing outside it.
+        cache = PagedPrefixCache(card.kv_cache_block_size, config.kv_blocks, seed=os.urandom(16))
+        metrics.track_kv_blocks(lambda: len(cache))
+        generate = MockKvEngine(
+            engine,
+            cache,
+            kv_publisher.publish,
+            prefill_ms_per_1k=config.prefill_ms_per_1k,
+            on_admit=metrics.count_prefill,
+        ).generate
     return Worker(
         card,
         config.model_dir,
@@ -86,11 +110,12 @@ def _worker(
         curve=config.curve,
         context=context,
         generation=GenerationServer(
-            engine.generate, check=metrics.counting_check(engine.check_contract, config.flavor)
+            generate, check=metrics.counting_check(engine.check_contract, config.flavor)
         ),
         drain_timeout_s=config.drain_timeout_s,
         metrics=metrics,
         metrics_port=config.metrics_port,
+        kv_publisher=kv_publisher,
     )
 
 

@@ -5,9 +5,14 @@ every announce as ``endpoint``); a ``CardPublisher`` announces the card on the d
 The request loop is a dispatcher on message type: ``FetchFile`` always, plus Generate / Cancel /
 Ping when the worker runs an engine (``GenerationServer``, in ``worker.generate``).
 
+With KV events, every announce also carries where the engine publishes them (``kv_events``):
+either a fixed address (a real engine's publisher, ``register``) or the bound addresses of a
+``KvEventPublisher`` the worker starts and closes itself (the mock engine's).
+
 Stopping is graceful in Dynamo's order: withdraw the card first (frontends stop routing here),
 then drain (new Generate gets a retryable 503, in-flight requests may finish for
-``drain_timeout_s``), then cancel what is left and close the request plane.
+``drain_timeout_s``), then cancel what is left, close the KV publisher (the drained requests'
+last events are out) and close the request plane.
 """
 
 from __future__ import annotations
@@ -28,8 +33,14 @@ from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.files import FileServer
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
 from dynamo_prep.discovery.trust import ClientCurve
+from dynamo_prep.engines.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
+from dynamo_prep.protocol.discovery import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_NAMESPACE,
+    DEFAULT_TTL_MS,
+    KvEventsEndpoint,
+)
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
 from dynamo_prep.worker.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_ENDPOINT_HOST
 from dynamo_prep.worker.generate import GenerationServer, Reply
@@ -79,7 +90,11 @@ class RequestDispatcher:
 
 
 class Worker:
-    """One worker instance: request-plane ROUTER plus card publisher, started and stopped together."""
+    """One worker instance: request-plane ROUTER plus card publisher, started and stopped together.
+
+    ``kv_events`` (a real engine's publisher address) or ``kv_publisher`` (started here, its bound
+    addresses advertised), not both.
+    """
 
     def __init__(
         self,
@@ -99,7 +114,11 @@ class Worker:
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         metrics: WorkerMetrics | None = None,
         metrics_port: int | None = None,
+        kv_events: KvEventsEndpoint | None = None,
+        kv_publisher: KvEventPublisher | None = None,
     ) -> None:
+        if kv_events is not None and kv_publisher is not None:
+            raise ValueError("give kv_events (a fixed address) or kv_publisher (started here), not both")
         self.card = card
         self.metrics = metrics if metrics is not None else WorkerMetrics()
         self.instance_id = instance_id or uuid.uuid4().hex
@@ -127,6 +146,8 @@ class Worker:
         self._runner: asyncio.Task[None] | None = None
         self._metrics_port = metrics_port
         self.metrics_server: MetricsServer | None = None
+        self.kv_events = kv_events
+        self.kv_publisher = kv_publisher
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -140,13 +161,14 @@ class Worker:
             raise
         self._router = router
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self._metrics_port is not None:
-            try:
+        try:
+            if self._metrics_port is not None:
                 self.metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
-            except OSError:
-                router.close(linger=0)
-                self._router = None
-                raise
+            if self.kv_publisher is not None:
+                self.kv_events = self.kv_publisher.start()
+        except (OSError, zmq.ZMQError):
+            await self._close_bound()
+            raise
         self._publisher = CardPublisher(
             self.card,
             endpoint=self.endpoint,
@@ -158,6 +180,7 @@ class Worker:
             legacy_runtime=self._legacy_runtime,
             curve=self._curve,
             context=self._context,
+            kv_events=self.kv_events,
         )
         structlog.contextvars.bind_contextvars(instance_id=self.instance_id, model=self.card.display_name)
         log.info(
@@ -165,6 +188,8 @@ class Worker:
             model=self.card.display_name,
             instance_id=self.instance_id,
             endpoint=self.endpoint,
+            kv_events=None if self.kv_events is None else self.kv_events.endpoint,
+            kv_replay_endpoint=None if self.kv_events is None else self.kv_events.replay_endpoint,
             declared_token=self.card.runtime_config.image_placeholder_token,
             legacy_runtime=dict(self._legacy_runtime or {}),
             mdcsum=self.card.mdcsum(),
@@ -209,13 +234,19 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._runner
             self._runner = None
+        await self._close_bound()
+        log.info("worker_stopped", instance_id=self.instance_id)
+
+    async def _close_bound(self) -> None:
+        """Close what ``start()`` bound: the KV publisher, the request plane, the metrics server."""
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         if self._router is not None:
             self._router.close(linger=ROUTER_LINGER_MS)
             self._router = None
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.close)
             self.metrics_server = None
-        log.info("worker_stopped", instance_id=self.instance_id)
 
     async def _serve(self, router: zmq.asyncio.Socket) -> None:
         while True:
