@@ -25,11 +25,11 @@ from dynamo_prep.engines.kv_cache import PagedPrefixCache
 from dynamo_prep.engines.kv_config import kv_events_endpoint
 from dynamo_prep.engines.mock import MockContinuation, MockEngine, MockOutput, Prefill
 from dynamo_prep.engines.mock_kv import MockKvEngine, image_spans
-from dynamo_prep.engines.mock_prompt import occurrences
 from dynamo_prep.formatter.parts import image_uuid
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.discovery import Announce, KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import BlockRemoved, BlockStored, ImageSpan, KVEvent
+from dynamo_prep.protocol.kv_events import placeholder_starts as occurrences
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.routing.hashing import request_block_hashes
 from dynamo_prep.routing.index import KvIndex

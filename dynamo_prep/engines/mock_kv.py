@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from dynamo_prep.engines.kv_cache import PagedPrefixCache
 from dynamo_prep.engines.mock import MockContinuation, MockOutput, Prefill
-from dynamo_prep.engines.mock_prompt import occurrences
 from dynamo_prep.formatter.parts import image_uuid
 from dynamo_prep.protocol.kv_events import ImageSpan, KVEvent
+from dynamo_prep.protocol.kv_events import image_spans as spans_of
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 
 __all__ = ["MockKvEngine", "image_spans"]
@@ -102,8 +102,5 @@ def image_spans(request: PreprocessedRequest, pattern: Sequence[int] | None) -> 
     """
     if not pattern or not request.images:
         return []
-    starts = occurrences(request.token_ids, pattern)
-    return [
-        ImageSpan(identifier=image.uuid or image_uuid(image.url), start=start, length=len(pattern))
-        for image, start in zip(request.images, starts, strict=False)
-    ]
+    identifiers = [image.uuid or image_uuid(image.url) for image in request.images]
+    return spans_of(request.token_ids, pattern, identifiers)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dynamo_prep.formatter.kimi_k3 import CLOSE, OPEN, SEP
+from dynamo_prep.protocol.kv_events import placeholder_starts
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = [
@@ -28,7 +29,6 @@ __all__ = [
     "Tool",
     "ToolResult",
     "count_occurrences",
-    "occurrences",
     "strip_pattern",
 ]
 
@@ -254,7 +254,7 @@ class PromptReader:
 
 def count_occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> int:
     """Non-overlapping occurrences of ``pattern`` in ``token_ids``, scanning left to right."""
-    return len(occurrences(token_ids, pattern))
+    return len(placeholder_starts(token_ids, pattern))
 
 
 def strip_pattern(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
@@ -263,28 +263,11 @@ def strip_pattern(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]
         return list(token_ids)
     kept: list[int] = []
     previous = 0
-    for start in occurrences(token_ids, pattern):
+    for start in placeholder_starts(token_ids, pattern):
         kept.extend(token_ids[previous:start])
         previous = start + len(pattern)
     kept.extend(token_ids[previous:])
     return kept
-
-
-def occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
-    """Start positions of the non-overlapping occurrences of ``pattern``."""
-    if not pattern:
-        return []
-    width = len(pattern)
-    target = list(pattern)
-    starts: list[int] = []
-    position = 0
-    while position <= len(token_ids) - width:
-        if list(token_ids[position : position + width]) == target:
-            starts.append(position)
-            position += width
-        else:
-            position += 1
-    return starts
 
 
 def _index(token_ids: Sequence[int], token_id: int, start: int) -> int | None:
