@@ -30,6 +30,7 @@ class Fleet:
     tmp_path: Path
     procs: list[DynamoProcess]
     planes: list[str] = field(default_factory=lambda: [tcp_endpoint(), tcp_endpoint()])
+    watch_plane: str = field(default_factory=tcp_endpoint)  # for ``dynamo-prep watch --bind``
     frontends: list[tuple[DynamoProcess, str]] = field(default_factory=list)
     workers: dict[str, DynamoProcess] = field(default_factory=dict)  # instance_id -> process
 
@@ -46,7 +47,7 @@ class Fleet:
 
     def worker(self, flavor: str) -> str:
         args = (
-            "--model-path", K3, "--discovery", ",".join(self.planes), "--flavor", flavor,
+            "--model-path", K3, "--discovery", ",".join([*self.planes, self.watch_plane]), "--flavor", flavor,
             "--token-delay", "0", "--kv-events", "--kv-blocks", "4096", "--heartbeat", "0.2",
             "--ttl-ms", "1000",
         )  # fmt: skip
@@ -121,6 +122,15 @@ def test_affinity_spread_images_and_removal(fleet: Fleet) -> None:
     dog = ask(url, frontend, conversation("What animal is this?", DOG), "kv-dog")
     assert cat_again["instance_id"] == cat["instance_id"]
     assert dog["kv_overlap_blocks"] < cat_again["kv_overlap_blocks"]
+
+    # dynamo-prep watch follows the same events: the blocks each instance holds.
+    watch = start_dynamo(
+        "watch", "--bind", fleet.watch_plane, "--json", "--once-after", "3", log_level="info"
+    )
+    fleet.procs.append(watch)
+    assert watch.wait(30) == 0
+    rows = {row["instance_id"]: row for row in watch.find("snapshot")[0]["instances"]}
+    assert rows[start["instance_id"]]["kv_blocks"] >= again["kv_overlap_blocks"] > 0
 
     # Removal: the worker holding the preamble dies; its blocks leave the index with it.
     holder = start["instance_id"]

@@ -1,9 +1,10 @@
 """``dynamo-prep up``: a whole local cluster in one command, for trying the project out.
 
-It starts the frontend (embedded discovery plane, HTTP on ``--http-port``) and two mock workers
-of the demo model, one enforcing SGLang's image contract and one vLLM's, so the router's mixed
-pool is what you talk to: consecutive requests alternate between the flavors and each reply says
-which one served it. Children are plain ``dynamo-prep`` processes whose logs go to files (their
+It starts the frontend (embedded discovery plane, HTTP on ``--http-port``, KV routing) and two
+mock workers of the demo model with a prefix cache publishing KV events, one enforcing SGLang's
+image contract and one vLLM's, so the router's mixed pool is what you talk to: a new prompt goes
+where there is room, a repeated one where its prefix is cached, and each reply says which flavor
+served it. Children are plain ``dynamo-prep`` processes whose logs go to files (their
 directory is printed). Ctrl-C or SIGTERM stops the workers and the frontend (SIGTERM, a grace
 period, then SIGKILL for stragglers) and exits 0.
 """
@@ -91,18 +92,22 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
     children: list[_Child] = []
     try:
         children.append(
-            _start(
-                "frontend",
-                directory,
-                log_level,
-                ["frontend", "--discovery-bind", discovery_bind, "--http-port", str(http_port)],
-            )
+            _start("frontend", directory, log_level, ["frontend", *_frontend_args(discovery_bind, http_port)])
         )
         for flavor in FLAVORS:
             # Workers also announce to the watch address: `dynamo-prep watch --bind` there sees them
             # at once (they re-announce on its subscription); nobody listening there costs nothing.
             announce_to = f"{connect},{watch_address}"
-            worker = ["worker", "--model-path", model, "--discovery", announce_to, "--flavor", flavor]
+            worker = [
+                "worker",
+                "--model-path",
+                model,
+                "--discovery",
+                announce_to,
+                "--flavor",
+                flavor,
+                "--kv-events",
+            ]
             children.append(_start(f"worker-{flavor}", directory, log_level, worker))
         log.info("up_starting", url=base_url, model=model, log_dir=str(directory))
         served_as = _wait_ready(base_url, model, children, stopping)
@@ -113,6 +118,11 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
     finally:
         _stop_all(children)
         log.info("up_stopped", log_dir=str(directory))
+
+
+def _frontend_args(discovery_bind: str, http_port: int) -> list[str]:
+    """The frontend of a local cluster: the embedded plane, and KV routing over its workers' caches."""
+    return ["--discovery-bind", discovery_bind, "--http-port", str(http_port), "--router-mode", "kv"]
 
 
 def curl_command(base_url: str, model: str, image_url: str = DEMO_IMAGE_URL) -> str:
@@ -234,7 +244,8 @@ def _print_banner(base_url: str, model: str, directory: Path, watch_address: str
         "",
         f"dynamo-prep is up: {base_url}  (model {model}; mock workers: {', '.join(FLAVORS)})",
         f"logs: {directory}/{{frontend,worker-sglang,worker-vllm}}.log",
-        "Try (run it twice: requests alternate between the sglang and the vllm worker):",
+        "Try (run it twice: the second run goes to the worker whose KV cache holds the prompt;",
+        "the frontend log's request_finished says kv_overlap_blocks):",
         "",
         curl_command(base_url, model),
         "",
