@@ -16,15 +16,15 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -38,7 +38,7 @@ from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
-from dynamo_prep.frontend.request_record import RequestRecord
+from dynamo_prep.frontend.request_record import CLIENT_GONE, RequestRecord
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
@@ -114,7 +114,7 @@ class _Handlers:
     # -- chat completions --------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _read_body(request, self.settings.max_body_bytes)
+        body = await _read_body(request, self.settings)
         chat = parse_chat_request(body)
         record: RequestRecord = request.state.record
         if self.catalog.status(chat.model) != "unknown":
@@ -143,11 +143,12 @@ class _Handlers:
         first = await _first(outputs)  # errors before the first token keep their HTTP status
         if chat.stream:
             include_usage = bool((chat.stream_options or {}).get("include_usage"))
-            body_iterator = sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
-            return StreamingResponse(body_iterator, media_type="text/event-stream", headers=_NO_CACHE)
+            return _EventStream(
+                sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
+            )
         async with contextlib.aclosing(outputs):
             deltas = answer_deltas(_prepend(first, outputs), completion, record)
-            await _unless_disconnected(request, _drain(deltas))
+            await _unless_disconnected(request.receive, _drain(deltas))
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
 
     # -- models, tokenize, health ------------------------------------------------------------
@@ -163,7 +164,7 @@ class _Handlers:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``, rendered with the model's canonical declaration."""
-        body = await _read_body(request, self.settings.max_body_bytes)
+        body = await _read_body(request, self.settings)
         with decoding(RequestError.of):
             tokenize = msgspec.json.decode(body, type=TokenizeRequest)
         model = self._live_model(tokenize.model)
@@ -211,18 +212,26 @@ class _Handlers:
 _NO_CACHE = {"cache-control": "no-cache"}
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 past ``limit`` (by Content-Length, and as it streams in)."""
+async def _read_body(request: Request, settings: HttpSettings) -> bytes:
+    """The body, refused with 413 past the size limit (by Content-Length, and as it streams in),
+    with 408 when it takes longer than ``body_timeout_s``; a client leaving mid-upload is a 499."""
+    limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise OpenAIError(413, f"request body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body took longer than {settings.body_timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise OpenAIError(CLIENT_GONE, "client disconnected during the upload") from None
     return b"".join(chunks)
 
 
@@ -262,10 +271,10 @@ async def _drain(items: AsyncGenerator[Any, None]) -> None:
             pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+async def _unless_disconnected(receive: Receive, work: Awaitable[_T]) -> _T:
     """Await ``work``, cancelling it (and so the worker's generation) if the client goes away."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request.receive))
+    gone = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -276,8 +285,37 @@ async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
                 await task
     if task.cancelled():
         log.info("client_disconnected")
-        raise OpenAIError(499, "client disconnected")
+        raise OpenAIError(CLIENT_GONE, "client disconnected")
     return task.result()
+
+
+class _EventStream(Response):
+    """A ``text/event-stream`` response: each item of ``events`` is one body write, and a client
+    that goes away cancels the stream (closing it cancels the generation on the worker); the
+    response then never completes, which the request's record logs as 499."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(headers=_NO_CACHE)
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            await _unless_disconnected(receive, self._pump(send))
+        except OpenAIError:  # the client left: nobody to answer
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send) -> None:
+        async with contextlib.aclosing(self.events):
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+
+    def init_headers(self, headers: Mapping[str, str] | None = None) -> None:
+        super().init_headers(headers)
+        self.raw_headers = [(name, value) for name, value in self.raw_headers if name != b"content-length"]
 
 
 async def _disconnected(receive: Receive) -> None:

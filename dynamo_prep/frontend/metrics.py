@@ -5,9 +5,15 @@ watcher gets ``.discovery``, the router and the HTTP app get the whole object), 
 frontends can run in one Python process (tests) without sharing counters. Names and labels follow
 Dynamo's frontend (``dynamo_frontend_`` prefix) so existing dashboards fit; docs/operations.md
 lists each one with what it means.
+
+Several HTTP processes (``--http-workers``) share prometheus_client's multiprocess mode: when
+``PROMETHEUS_MULTIPROC_DIR`` is set (by their supervisor, ``workers.py``) every value lives in that
+directory's per-process files and ``exposition`` merges them, so any process answers for all.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,11 +22,14 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 from dynamo_prep.discovery.metrics import PREFIX, DiscoveryMetrics
 
-__all__ = ["CONTENT_TYPE", "UNKNOWN_MODEL", "FrontendMetrics"]
+__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "UNKNOWN_MODEL", "FrontendMetrics"]
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Requests naming a model nobody announced share one label value: clients cannot grow the label set.
@@ -47,7 +56,13 @@ class FrontendMetrics:
             ["model", "status"],
             registry=reg,
         )
-        self.inflight = Gauge(f"{PREFIX}inflight_requests", "Requests being served", ["model"], registry=reg)
+        self.inflight = Gauge(
+            f"{PREFIX}inflight_requests",
+            "Requests being served",
+            ["model"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.request_duration = self._histogram("request_duration_seconds", "Request duration", _SECONDS)
         self.time_to_first_token = self._histogram(
             "time_to_first_token_seconds", "From request arrival to the first generated token", _SECONDS
@@ -74,5 +89,11 @@ class FrontendMetrics:
         return Histogram(f"{PREFIX}{name}", documentation, ["model"], buckets=buckets, registry=self.registry)
 
     def exposition(self) -> bytes:
-        """The registry in Prometheus' text format (what ``GET /metrics`` returns)."""
-        return generate_latest(self.registry)
+        """The registry in Prometheus' text format (what ``GET /metrics`` returns); in multiprocess
+        mode, every process's values merged."""
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=directory)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
+from prometheus_client import Histogram
 
 from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from dynamo_prep.protocol.discovery import Instance
@@ -60,6 +61,7 @@ class RequestRecord:
     prompt_blocks: int | None = None
     _inflight: bool = False
     _last_token_at: float | None = None
+    _itl: Histogram | None = None  # this model's inter-token histogram, looked up once
 
     def name_model(self, name: str) -> None:
         """The label for a model the plane knows (live or pending); others stay ``unknown``."""
@@ -93,10 +95,11 @@ class RequestRecord:
             self.ttft_s = now - self.started
             self.metrics.time_to_first_token.labels(model=self.model).observe(self.ttft_s)
         elif count and self._last_token_at is not None:
-            gap = (now - self._last_token_at) / count
-            histogram = self.metrics.inter_token_latency.labels(model=self.model)
+            gap = (now - self._last_token_at) / count  # an Output may carry several tokens
+            if self._itl is None:
+                self._itl = self.metrics.inter_token_latency.labels(model=self.model)
             for _ in range(count):
-                histogram.observe(gap)
+                self._itl.observe(gap)
         if count:
             self._last_token_at = now
         self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
