@@ -5,7 +5,8 @@ frontend's own stack is ``uvicorn-uvloop-httptools``; the others swap the server
 this process only, before the CLI runs.
 
 * ``uvicorn-asyncio-h11``: uvicorn with asyncio's loop and the h11 parser (main's stack before
-  this work, with the TCP_NODELAY fix of ``bind_http``);
+  this work, with the TCP_NODELAY fix of ``bind_http``; run with ``PYTHONPATH`` on an export of
+  an older ``dynamo_prep`` it measures that revision as it was);
 * ``granian``: granian's embedded server (Rust HTTP, ASGI on this loop; experimental upstream),
   binding the port the frontend reserved.
 """
@@ -17,6 +18,8 @@ import contextlib
 import socket
 import sys
 from typing import Any
+
+from uvicorn import config as uvicorn_config
 
 from dynamo_prep import cli
 from dynamo_prep.frontend import http_server, process
@@ -59,6 +62,7 @@ def main() -> int:
     if stack == "uvicorn-asyncio-h11":
         process.new_event_loop = asyncio.new_event_loop  # type: ignore[assignment]
         http_server._protocol = lambda header_timeout_s: "h11"  # type: ignore[assignment,misc]
+        uvicorn_config.HTTP_PROTOCOLS["auto"] = uvicorn_config.HTTP_PROTOCOLS["h11"]  # main's "auto"
     elif stack == "granian":
         process.HttpServer = _GranianServer  # type: ignore[assignment,misc]
     elif stack != STACKS[0]:

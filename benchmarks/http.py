@@ -29,7 +29,8 @@ import itertools
 import os
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -202,10 +203,15 @@ async def measure(
     return pooled
 
 
-async def half_load(senders: dict[str, Send], pooled: dict[str, dict[str, Any]]) -> dict[str, Any]:
+async def half_load(
+    senders: dict[str, Send], pooled: dict[str, dict[str, Any]], frontends: Iterable[Frontend]
+) -> dict[str, Any]:
     """Each HTTP mode and its direct counterpart, paced at half the HTTP mode's saturated rate."""
     results: dict[str, Any] = {}
-    for mode, direct in DIRECT_OF.items():
+    pairs = [(spec.mode(mode), direct) for spec in frontends for mode, direct in DIRECT_OF.items()]
+    for mode, direct in pairs:
+        if mode not in senders:
+            continue
         rate = 0.5 * len(pooled[mode]["ms"]) / pooled[mode]["wall"]
         direct_ms, direct_failures = await paced(senders[direct], rate, HALF_LOAD_S)
         http_ms, http_failures = await paced(senders[mode], rate, HALF_LOAD_S)
@@ -287,28 +293,49 @@ def preprocessed(max_tokens: int) -> PreprocessedRequest:
     return preprocessor.preprocess(chat_body(max_tokens, stream=False))
 
 
-async def run(frontend: FileProcess, worker: FileProcess, args: argparse.Namespace) -> dict[str, Any]:
-    port = frontend.wait_event("frontend_started")["http_port"]
+@dataclass(frozen=True)
+class Frontend:
+    """One frontend under test: its label in mode names ("" alone), server stack, HTTP processes."""
+
+    label: str
+    stack: str
+    http_workers: int = 1
+
+    def mode(self, mode: str) -> str:
+        return f"{self.label} | {mode}" if self.label else mode
+
+    @property
+    def cpu_key(self) -> str:
+        return self.label or "frontend"
+
+
+async def run(
+    frontends: dict[Frontend, FileProcess], worker: FileProcess, args: argparse.Namespace
+) -> dict[str, Any]:
     endpoint = worker.wait_event("worker_started")["endpoint"]
     context = zmq.asyncio.Context()
     client = RequestPlaneClient(context)
     senders: dict[str, Send] = {}
+    pids = {"worker": [worker.pid], "client": [os.getpid()]}
     for mode, (tokens, kind) in MODES.items():
         if kind == "direct":
             senders[mode] = direct_sender(client, endpoint, preprocessed(tokens))
-        else:
-            raw = encode_post(CHAT_PATH, chat_body(tokens, stream=kind == "sse"))
-            senders[mode] = HttpSender(port, raw, stream=kind == "sse")
+    for spec, proc in frontends.items():
+        port = proc.wait_event("frontend_started")["http_port"]
+        pids[spec.cpu_key] = [proc.pid, *(event["pid"] for event in proc.find("http_worker_started"))]
+        for mode, (tokens, kind) in MODES.items():
+            if kind != "direct" and mode in args.modes:
+                raw = encode_post(CHAT_PATH, chat_body(tokens, stream=kind == "sse"))
+                senders[spec.mode(mode)] = HttpSender(port, raw, stream=kind == "sse")
+    profiled = next(iter(frontends.values()))
     try:
         raw_profile = Path(tempfile.gettempdir()) / f"http-profile-{os.getpid()}.raw"
-        children = [event["pid"] for event in frontend.find("http_worker_started")]
-        pids = {"frontend": [frontend.pid, *children], "worker": [worker.pid], "client": [os.getpid()]}
-        spy = start_profile(frontend.pid, args.profile_seconds, raw_profile) if args.profile else None
+        spy = start_profile(profiled.pid, args.profile_seconds, raw_profile) if args.profile else None
         pooled = await measure(senders, args, pids)
         if spy is not None:
             await asyncio.to_thread(spy.wait, 60)
             _write_profile(raw_profile, args.profile)
-        half = await half_load(senders, pooled)
+        half = await half_load(senders, pooled, frontends)
     finally:
         for send in senders.values():
             if isinstance(send, HttpSender):
@@ -327,33 +354,42 @@ def _write_profile(raw: Path, label: str) -> None:
     print(f"wrote {path} (raw samples: {raw})")
 
 
-def serve_and_measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Start a worker and a frontend (on ``args.stack``), measure, stop them."""
-    address = tcp_endpoint()
+def serve_and_measure(args: argparse.Namespace, specs: list[Frontend]) -> dict[str, Any]:
+    """Start one worker and the frontends of ``specs`` (each its own plane), measure, stop them."""
     procs: list[FileProcess] = []
     with tempfile.TemporaryDirectory(prefix="bench-http-") as tmp:
         try:
-            frontend = FileProcess(
-                [
-                    "--log-level", "info", "frontend", "--discovery-bind", address,
-                    "--http-host", "127.0.0.1", "--http-port", "0", "--model-path", DEMO_MODEL,
-                    "--cache-dir", str(Path(tmp) / "cache"), "--http-workers", str(args.http_workers),
-                ],
-                Path(tmp) / "frontend.log",
-                module=("benchmarks._stack", args.stack),
-            )  # fmt: skip
-            procs.append(frontend)
-            frontend.wait_event("frontend_started")
+            addresses = []
+            frontends: dict[Frontend, FileProcess] = {}
+            for index, spec in enumerate(specs):
+                address = tcp_endpoint()
+                frontend = FileProcess(
+                    [
+                        "--log-level", "info", "frontend", "--discovery-bind", address,
+                        "--http-host", "127.0.0.1", "--http-port", "0", "--model-path", DEMO_MODEL,
+                        "--cache-dir", str(Path(tmp) / f"cache-{index}"),
+                        *(["--http-workers", str(spec.http_workers)] if spec.http_workers > 1 else []),
+                    ],
+                    Path(tmp) / f"frontend-{index}.log",
+                    module=("benchmarks._stack", spec.stack),
+                )  # fmt: skip
+                procs.append(frontend)
+                frontend.wait_event("frontend_started")
+                frontends[spec] = frontend
+                addresses.append(address)
             worker = FileProcess(
-                ["--log-level", "info", "worker", "--model-path", DEMO_MODEL, "--discovery", address,
-                 "--token-delay", "0"],
+                ["--log-level", "info", "worker", "--model-path", DEMO_MODEL,
+                 "--discovery", ",".join(addresses), "--token-delay", "0"],
                 Path(tmp) / "worker.log",
             )  # fmt: skip
             procs.append(worker)
-            wait_for(
-                lambda: len(frontend.find("model_added")) >= args.http_workers, 30, message="model_added"
-            )
-            return asyncio.run(run(frontend, worker, args))
+            for spec, frontend in frontends.items():
+                wait_for(
+                    lambda f=frontend, n=spec.http_workers: len(f.find("model_added")) >= n,
+                    30,
+                    message="model_added",
+                )
+            return asyncio.run(run(frontends, worker, args))
         finally:
             reap(procs)
 
@@ -368,40 +404,45 @@ def main() -> int:
     parser.add_argument("--profile", default=None, metavar="LABEL", help="py-spy the frontend")
     parser.add_argument("--profile-seconds", type=float, default=12.0)
     parser.add_argument("--compare-stacks", action="store_true", help="every stack, and 2 HTTP workers")
+    parser.add_argument("--suite", default="http", help="the results' name (e.g. http-before)")
     args = parser.parse_args()
     configure_logging(level="warning", stream=open(os.devnull, "w"))  # noqa: SIM115 - the client's own logs
     if args.compare_stacks:
         return compare_stacks(args)
-    measured = serve_and_measure(args)
-    suite = Suite("http")
+    args.modes = list(MODES)
+    measured = serve_and_measure(args, [Frontend("", args.stack, args.http_workers)])
+    suite = Suite(args.suite)
     report(suite, measured["pooled"], measured["half"], args)
     print(f"wrote {suite.write()}")
     return 0
 
 
 def compare_stacks(args: argparse.Namespace) -> int:
-    """The figures that chose the stack: each server stack (and 2 HTTP workers), one after another."""
+    """The figures that chose the stack: a frontend per server stack (and one with 2 HTTP
+    processes), all against the same worker, their modes interleaved in the same rounds."""
     suite = Suite("http-stacks")
-    runs = [(stack, 1) for stack in STACKS] + [(STACKS[0], 2)]
-    for stack, workers in runs:
-        args.stack, args.http_workers = stack, workers
-        measured = serve_and_measure(args)
-        pooled = measured["pooled"]
-        label = stack if workers == 1 else f"{stack}, --http-workers {workers}"
-        suite.details[label] = {"half_load": measured["half"]}
-        for mode in ("http", "http stream 64"):
-            data = pooled[mode]
-            cpu = 1000 * data["cpu"]["frontend"] / max(len(data["ms"]), 1)
+    specs = [Frontend(stack, stack) for stack in STACKS]
+    specs.append(Frontend(f"{STACKS[0]}, --http-workers 2", STACKS[0], 2))
+    args.modes = ["http", "http stream 64"]
+    measured = serve_and_measure(args, specs)
+    pooled, half = measured["pooled"], measured["half"]
+    for spec in specs:
+        for mode in args.modes:
+            data = pooled[spec.mode(mode)]
+            cpu = 1000 * data["cpu"][spec.cpu_key] / max(len(data["ms"]), 1)
             direct = pooled[DIRECT_OF[mode]]
-            ratio = (len(data["ms"]) / data["wall"]) / (len(direct["ms"]) / direct["wall"])
-            added = measured["half"][mode]["http"]["p50"] - measured["half"][mode]["direct"]["p50"]
+            rate = len(data["ms"]) / data["wall"]
+            ratio = rate / (len(direct["ms"]) / direct["wall"])
+            load = half[spec.mode(mode)]
+            added = load["http"]["p50"] - load["direct"]["p50"]
             suite.record(
-                f"{label}: {mode} frontend CPU per request",
+                f"{spec.mode(mode)}: frontend CPU per request",
                 cpu,
                 "ms",
-                note=f"throughput {ratio:.2f}x {DIRECT_OF[mode]}; added p50 at half load {added:.2f} ms; "
-                f"{data['failures']} failed",
+                note=f"{rate:.0f} req/s, {ratio:.2f}x {DIRECT_OF[mode]}; "
+                f"added p50 at half load {added:.2f} ms; {data['failures']} failed",
             )
+    suite.details = {"half_load": half, "setup": {"requests_per_mode": args.requests, "rounds": args.rounds}}
     print(f"wrote {suite.write()}")
     return 0
 

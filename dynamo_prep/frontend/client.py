@@ -30,6 +30,7 @@ import itertools
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -119,14 +120,17 @@ class _Inbox:
         return items
 
 
-def merged(first: Output, later: Output) -> Output:
-    """Two consecutive Outputs of a stream as one: every token, the later usage and finish reason."""
+def merged(outputs: list[Output]) -> Output:
+    """Consecutive Outputs of a stream as one: every token, the last usage and finish reason."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
     return Output(
-        request_id=first.request_id,
-        token_ids=first.token_ids + later.token_ids,
-        finish_reason=later.finish_reason,
-        prompt_tokens=later.prompt_tokens or first.prompt_tokens,
-        completion_tokens=later.completion_tokens,
+        request_id=last.request_id,
+        token_ids=[token for output in outputs for token in output.token_ids],
+        finish_reason=last.finish_reason,
+        prompt_tokens=next((o.prompt_tokens for o in reversed(outputs) if o.prompt_tokens), 0),
+        completion_tokens=last.completion_tokens,
     )
 
 
@@ -192,10 +196,15 @@ class _Channel:
 
     def _deliver(self, payload: bytes) -> None:
         try:
-            reply = wire.decode_from_worker(payload)
-        except wire.WireDecodeError as exc:
-            log.warning("reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200])
-            return
+            reply = wire.from_worker_decoder.decode(payload)  # the hot path: no context manager
+        except (msgspec.DecodeError, RecursionError):
+            try:  # decode again, only to name the reason the one way every edge does
+                reply = wire.decode_from_worker(payload)
+            except wire.WireDecodeError as exc:
+                log.warning(
+                    "reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200]
+                )
+                return
         if isinstance(reply, Pong | wire.FileData):
             return
         inbox = self.queues.get(reply.request_id)
@@ -289,19 +298,19 @@ class RequestPlaneClient:
             deadline_ms = now_ms() + int(timeout_s * 1000)
             await channel.send(Generate(request_id=request_id, request=request, deadline_ms=deadline_ms))
             while not finished:
-                output: Output | None = None
+                outputs: list[Output] = []
                 failure: Exception | None = None
                 for item in await inbox.take():
                     if not isinstance(item, Output):
                         failure = _failure(item, endpoint)
                         finished = not isinstance(item, _Deadline)  # past the deadline: Cancel it
                         break
-                    output = item if output is None else merged(output, item)
+                    outputs.append(item)
                     if item.finish_reason is not None:
                         finished = True
                         break
-                if output is not None:
-                    yield output  # tokens that arrived before a failure still count (migration)
+                if outputs:
+                    yield merged(outputs)  # tokens that arrived before a failure still count (migration)
                 if failure is not None:
                     raise failure
         finally:

@@ -27,7 +27,7 @@ from prometheus_client import (
 
 from dynamo_prep.discovery.metrics import PREFIX, DiscoveryMetrics
 
-__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "UNKNOWN_MODEL", "FrontendMetrics"]
+__all__ = ["CONTENT_TYPE", "MULTIPROC_ENV", "UNKNOWN_MODEL", "FrontendMetrics", "ModelMetrics"]
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
@@ -84,6 +84,15 @@ class FrontendMetrics:
             ["model", "kind"],
             registry=reg,
         )
+        self._models: dict[str, ModelMetrics] = {}
+
+    def of(self, model: str) -> ModelMetrics:
+        """The per-model series of ``model``, looked up once (``labels`` costs a lock and a dict
+        per call; the label set is bounded by the served models plus ``unknown``)."""
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(f"{PREFIX}{name}", documentation, ["model"], buckets=buckets, registry=self.registry)
@@ -97,3 +106,26 @@ class FrontendMetrics:
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged, path=directory)  # type: ignore[no-untyped-call]
         return generate_latest(merged)
+
+
+class ModelMetrics:
+    """One model's children of the request metrics (``FrontendMetrics.of``)."""
+
+    def __init__(self, metrics: FrontendMetrics, model: str) -> None:
+        self._requests = metrics.requests
+        self._by_status: dict[int, Counter] = {}
+        self.model = model
+        self.inflight = metrics.inflight.labels(model=model)
+        self.request_duration = metrics.request_duration.labels(model=model)
+        self.time_to_first_token = metrics.time_to_first_token.labels(model=model)
+        self.inter_token_latency = metrics.inter_token_latency.labels(model=model)
+        self.preprocess_duration = metrics.preprocess_duration.labels(model=model)
+        self.input_tokens = metrics.input_tokens.labels(model=model)
+        self.output_tokens = metrics.output_tokens.labels(model=model)
+        self.image_parts = metrics.image_parts.labels(model=model)
+
+    def requests(self, status: int) -> Counter:
+        found = self._by_status.get(status)
+        if found is None:
+            found = self._by_status[status] = self._requests.labels(model=self.model, status=str(status))
+        return found
