@@ -5,17 +5,18 @@ so the test decides exactly which frames arrive, and when."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, merged
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
-from dynamo_prep.frontend.metrics import FrontendMetrics
+from dynamo_prep.frontend.metrics import FrontendMetrics, observe_many
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
@@ -190,3 +191,18 @@ async def started(stream: AsyncIterator[Output], worker: HandWorker) -> tuple[as
     """The stream's next Output in the making, and the Generate it sent ``worker``."""
     pending = asyncio.ensure_future(anext(stream))
     return pending, await worker.request()
+
+
+def test_observe_many_equals_as_many_observations() -> None:
+    def exposition(observe: Callable[[Histogram, float, int], None]) -> list[str]:
+        registry = CollectorRegistry()
+        histogram = Histogram("itl", "x", ["m"], buckets=(0.001, 0.01, 0.1), registry=registry).labels(m="a")
+        for value, count in [(0.0005, 3), (0.005, 1), (0.05, 7), (5.0, 2), (0.01, 4), (0.02, 0)]:
+            observe(histogram, value, count)
+        return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+    def one_by_one(histogram: Histogram, value: float, count: int) -> None:
+        for _ in range(count):
+            histogram.observe(value)
+
+    assert exposition(observe_many) == exposition(one_by_one)

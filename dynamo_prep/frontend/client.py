@@ -182,34 +182,36 @@ class _Channel:
             inbox.replace(error)
 
     async def receive(self) -> None:
-        """Wake when replies are waiting, then take every one of them without awaiting."""
+        """Wake when replies are waiting, then take every one of them without awaiting.
+
+        Per reply this is the frontend's hottest loop (a reply per token): no call but the
+        receive and the decode; an undecodable reply is named the one way every edge does."""
+        recv, decode, queues = self._shadow.recv, wire.from_worker_decoder.decode, self.queues
         while True:
             await self.socket.poll()  # POLLIN
             self._heard_at = self._loop.time()
             self.heard = True
             while True:
                 try:
-                    payload = self._shadow.recv(zmq.NOBLOCK)
+                    payload = recv(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                self._deliver(payload)
+                try:
+                    reply = decode(payload)
+                except (msgspec.DecodeError, RecursionError):
+                    self._reject(payload)
+                    continue
+                if reply.__class__ is Pong or reply.__class__ is wire.FileData:
+                    continue
+                inbox = queues.get(reply.request_id)
+                if inbox is not None:
+                    inbox.put(reply)  # type: ignore[arg-type]
 
-    def _deliver(self, payload: bytes) -> None:
+    def _reject(self, payload: bytes) -> None:
         try:
-            reply = wire.from_worker_decoder.decode(payload)  # the hot path: no context manager
-        except (msgspec.DecodeError, RecursionError):
-            try:  # decode again, only to name the reason the one way every edge does
-                reply = wire.decode_from_worker(payload)
-            except wire.WireDecodeError as exc:
-                log.warning(
-                    "reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200]
-                )
-                return
-        if isinstance(reply, Pong | wire.FileData):
-            return
-        inbox = self.queues.get(reply.request_id)
-        if inbox is not None:
-            inbox.put(reply)
+            wire.decode_from_worker(payload)
+        except wire.WireDecodeError as exc:
+            log.warning("reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200])
 
     def finish(self, request_id: str) -> None:
         """Forget a request; the endpoint's idle time starts with its last request."""

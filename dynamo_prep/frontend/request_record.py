@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
+from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, observe_many
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
@@ -94,9 +94,7 @@ class RequestRecord:
             self.metrics.of(self.model).time_to_first_token.observe(self.ttft_s)
         elif count and self._last_token_at is not None:
             gap = (now - self._last_token_at) / count  # an Output may carry several tokens
-            histogram = self.metrics.of(self.model).inter_token_latency
-            for _ in range(count):
-                histogram.observe(gap)
+            observe_many(self.metrics.of(self.model).inter_token_latency, gap, count)
         if count:
             self._last_token_at = now
         self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
