@@ -36,7 +36,7 @@ from typing import Any
 
 import zmq.asyncio
 
-from benchmarks._load import Connection, encode_post
+from benchmarks._load import Connection, HttpError, encode_post
 from benchmarks._plane import (
     DEMO_MODEL,
     FileProcess,
@@ -111,13 +111,21 @@ class HttpSender:
         self._idle: list[Connection] = []
 
     async def __call__(self) -> None:
-        while self._idle:  # the server closes connections idle past its keep-alive: open anew
-            connection = self._idle.pop()
-            if connection.open_:
+        reused = None
+        while self._idle:  # the server closes connections idle past its keep-alive
+            candidate = self._idle.pop()
+            if candidate.open_:
+                reused = candidate
                 break
-        else:
+        try:
+            connection = reused or await Connection.open("127.0.0.1", self.port)
+            body = await connection.request(self.raw)
+        except HttpError as exc:
+            if reused is None or "connection lost" not in str(exc):
+                raise
+            # closed by its keep-alive timeout as the request went out: it never arrived
             connection = await Connection.open("127.0.0.1", self.port)
-        body = await connection.request(self.raw)
+            body = await connection.request(self.raw)
         if self.stream and not body.endswith(b"data: [DONE]\n\n"):
             raise RuntimeError(f"stream ended without [DONE]: {body[-200:]!r}")
         if not self.stream and b'"finish_reason"' not in body:
@@ -317,16 +325,16 @@ async def run(
     client = RequestPlaneClient(context)
     senders: dict[str, Send] = {}
     pids = {"worker": [worker.pid], "client": [os.getpid()]}
+    ports = {spec: proc.wait_event("frontend_started")["http_port"] for spec, proc in frontends.items()}
+    for spec, proc in frontends.items():
+        pids[spec.cpu_key] = [proc.pid, *(event["pid"] for event in proc.find("http_worker_started"))]
     for mode, (tokens, kind) in MODES.items():
         if kind == "direct":
             senders[mode] = direct_sender(client, endpoint, preprocessed(tokens))
-    for spec, proc in frontends.items():
-        port = proc.wait_event("frontend_started")["http_port"]
-        pids[spec.cpu_key] = [proc.pid, *(event["pid"] for event in proc.find("http_worker_started"))]
-        for mode, (tokens, kind) in MODES.items():
-            if kind != "direct" and mode in args.modes:
-                raw = encode_post(CHAT_PATH, chat_body(tokens, stream=kind == "sse"))
-                senders[spec.mode(mode)] = HttpSender(port, raw, stream=kind == "sse")
+            continue
+        raw = encode_post(CHAT_PATH, chat_body(tokens, stream=kind == "sse"))
+        for spec in frontends if mode in args.modes else ():
+            senders[spec.mode(mode)] = HttpSender(ports[spec], raw, stream=kind == "sse")
     profiled = next(iter(frontends.values()))
     try:
         raw_profile = Path(tempfile.gettempdir()) / f"http-profile-{os.getpid()}.raw"
