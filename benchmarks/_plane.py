@@ -448,7 +448,17 @@ def profile_summary(raw: Path, title: str, limit: int = 20) -> str:
         busy += count
         own[frames[-1]] += count
         parts[_component(frames[-1])] += count
-    lines = [f"# {title}", f"busy samples: {busy}", "", "## self time by component"]
+    lines = [
+        f"# {title}",
+        f"busy samples: {busy}",
+        "",
+        "py-spy samples the main thread's wall time: a syscall that wakes another process (a socket",
+        "write on loopback runs the peer's TCP receive too; a ZeroMQ send wakes its I/O thread) counts",
+        "for as long as it takes, waiting for a CPU included on a saturated machine. CPU per request",
+        "comes from /proc (results/http.json); read these shares as where the time goes, not the CPU.",
+        "",
+        "## self time by component",
+    ]
     lines += [f"{100 * n / max(busy, 1):5.1f}%  {part}" for part, n in parts.most_common()]
     lines += ["", "## top frames, self time"]
     lines += [f"{100 * n / max(busy, 1):5.1f}%  {frame}" for frame, n in own.most_common(limit)]

@@ -149,7 +149,8 @@ class _GuardedProtocol(HttpToolsProtocol):
         suppressed = _timeouts.allow("header_timeout", time.monotonic())
         if suppressed is not None:
             log.info("http_header_timeout", client=_peer(self.client), suppressed=suppressed)
-        self.transport.write(_TIMED_OUT)
+        if self.cycle is None or self.cycle.response_complete:  # never inside a response body
+            self.transport.write(_TIMED_OUT)
         self.transport.close()
 
 
