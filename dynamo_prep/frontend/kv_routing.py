@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import structlog
 import zmq.asyncio
@@ -126,14 +126,16 @@ class KvRouting:
             raise RuntimeError(f"model {model_name!r} has no KV index (no instance was ever added)")
         block_size = model.index.block_size
         overlaps: dict[str, int] = {}
+        hashes: dict[str | None, list[int]] = {}
         by_declaration: dict[str | None, list[str]] = {}
         for instance in candidates:
             by_declaration.setdefault(instance.declared_token, []).append(instance.instance_id)
+        matched: dict[str, int] = {}
         for declared, ids in by_declaration.items():
-            prompt = prompts[declared]
-            tokens = prompt.request.token_ids
-            images = image_spans(tokens, prompt.placeholder, [image.uuid for image in prompt.request.images])
-            matched = model.index.match(request_block_hashes(tokens, block_size, images))
+            reused = bool(hashes) and not prompts[declared].request.images
+            hashes[declared] = self._hashes(prompts[declared], block_size, hashes)
+            if not reused:
+                matched = model.index.match(hashes[declared])
             overlaps.update((instance_id, matched.get(instance_id, 0)) for instance_id in ids)
         first = next(iter(prompts.values()))
         decision = choose(
@@ -147,20 +149,38 @@ class KvRouting:
             rng=self._rng,
             turn=model.turn,
         )
+        chosen = next(i.declared_token for i in candidates if i.instance_id == decision.instance_id)
+        decision = replace(decision, block_hashes=hashes[chosen])
         model.turn += 1
         self.metrics.decided(decision, time.perf_counter() - started)
         return decision
+
+    @staticmethod
+    def _hashes(prompt: RoutingPrompt, block_size: int, done: Mapping[str | None, list[int]]) -> list[int]:
+        """The prompt's block hashes; without images every declaration renders the same ids, so
+        the hashes of one already done are reused."""
+        request = prompt.request
+        if not request.images and done:
+            return next(iter(done.values()))
+        images = image_spans(request.token_ids, prompt.placeholder, [image.uuid for image in request.images])
+        return request_block_hashes(request.token_ids, block_size, images)
 
     def dispatch(self, model_name: str, request_id: str, decision: Decision) -> None:
         """The request went where ``decision`` says: its blocks count as that instance's load."""
         model = self._models.get(model_name)
         if model is not None:
-            model.load.dispatch(request_id, decision.instance_id, decision.prompt_blocks)
+            blocks, hashes = decision.prompt_blocks, decision.block_hashes
+            model.load.dispatch(request_id, decision.instance_id, blocks, hashes)
 
     def release(self, model_name: str, request_id: str) -> None:
         model = self._models.get(model_name)
         if model is not None:
             model.load.release(request_id)
+
+    def active_blocks(self, model_name: str) -> Mapping[str, int]:
+        """Blocks the running requests of each instance hold (``LoadTracker``), by instance id."""
+        model = self._models.get(model_name)
+        return model.load.active() if model is not None else {}
 
     def blocks_held(self, model_name: str) -> Mapping[str, int]:
         """Blocks each instance of the model holds, by instance id (what ``/metrics`` and logs show)."""

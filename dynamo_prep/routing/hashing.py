@@ -147,7 +147,7 @@ def _chain(parent: int, token_ids: Sequence[int], block_size: int, extras: dict[
         # All in C: the list is extended from an iterator over itself, so each (parent, block)
         # pair reads the hash appended just before it.
         hashes = [parent]
-        hashes.extend(map(hash, zip(iter(hashes), _block_ids(token_ids, block_size))))
+        hashes.extend(map(hash, zip(iter(hashes), _block_ids(token_ids, block_size), strict=False)))
         del hashes[0]
         return hashes
     hashes = []
