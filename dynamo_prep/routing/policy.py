@@ -237,10 +237,18 @@ class KvRouter:
         """The instance for this prompt among ``candidates`` (its images in prompt order)."""
         block_size = self.index.block_size
         hashes = request_block_hashes(token_ids, block_size, images)
+        blocks = count_blocks(len(token_ids), block_size)
+        return self.choose(self.index.match(hashes), blocks, dict.fromkeys(candidates, hashes))
+
+    def choose(
+        self, overlaps: Mapping[str, int], prompt_blocks: int, block_hashes: Mapping[str, Sequence[int]]
+    ) -> Decision:
+        """``choose`` among the instances of ``block_hashes`` (each one's hashes of the prompt, as
+        rendered for it) with this router's load, index and settings."""
         decision = choose(
-            candidates,
-            self.index.match(hashes),
-            count_blocks(len(token_ids), block_size),
+            list(block_hashes),
+            overlaps,
+            prompt_blocks,
             self.load.active(),
             self.index.held(),
             overlap_score_weight=self.overlap_score_weight,
@@ -249,7 +257,7 @@ class KvRouter:
             turn=self._turn,
         )
         self._turn += 1
-        return replace(decision, block_hashes=hashes)
+        return replace(decision, block_hashes=block_hashes[decision.instance_id])
 
     def dispatch(self, request_id: str, decision: Decision) -> None:
         """The request was sent where ``decision`` says: its prompt blocks count as active there."""
