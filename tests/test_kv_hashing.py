@@ -20,6 +20,7 @@ from dynamo_prep.protocol.kv_events import (
     decode_batch,
     encode_batch,
     mm_extra_keys,
+    placeholder_starts,
 )
 from dynamo_prep.routing.hashing import (
     extra_key_id,
@@ -194,3 +195,23 @@ def test_known_answers_pin_the_function_across_python_runs() -> None:
 
 KNOWN_PLAIN = [6911618607819387732, -7068133843613253821]
 KNOWN_IMAGE = [-2116384577650087745, -6641282797435504117, 8763713500171493009]
+
+
+@given(
+    st.lists(st.integers(0, 5), max_size=60),
+    st.lists(st.integers(0, 5), min_size=1, max_size=4),
+    st.none() | st.integers(0, 5),
+)
+def test_placeholder_starts_finds_the_non_overlapping_occurrences_left_to_right(
+    ids: list[int], pattern: list[int], limit: int | None
+) -> None:
+    expected: list[int] = []
+    position = 0
+    while position <= len(ids) - len(pattern) and (limit is None or len(expected) < limit):
+        if ids[position : position + len(pattern)] == pattern:
+            expected.append(position)
+            position += len(pattern)
+        else:
+            position += 1
+    assert placeholder_starts(ids, pattern, limit) == expected
+    assert placeholder_starts(tuple(ids), pattern, limit) == expected

@@ -125,6 +125,20 @@ def test_load_tracker_adds_at_dispatch_and_releases_once() -> None:
     assert tracker.active() == {}
 
 
+def test_load_counts_each_shared_block_once_per_instance() -> None:
+    """Two running requests on one instance that share a 3-block prefix hold 3 + 2 + 1 distinct
+    blocks, plus a partial last block each; the shared ones stay until the last holder ends."""
+    tracker = LoadTracker()
+    tracker.dispatch("a", "w0", 5, [1, 2, 3, 4])
+    tracker.dispatch("b", "w0", 6, [1, 2, 3, 5, 6])
+    tracker.dispatch("c", "w1", 4, [1, 2, 3, 7])
+    assert tracker.active() == {"w0": 6 + 2, "w1": 4}
+    tracker.release("a")
+    assert tracker.active_blocks("w0") == 5 + 1
+    tracker.release("b")
+    assert tracker.active() == {"w1": 4}
+
+
 def test_count_blocks_counts_a_partial_block() -> None:
     assert [count_blocks(n, 16) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
 

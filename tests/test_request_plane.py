@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import zmq
+import zmq.asyncio
 from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
@@ -23,10 +24,11 @@ from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import ChatCompletionRequest, parse_chat_request
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
-from dynamo_prep.protocol.wire import Output
+from dynamo_prep.protocol.wire import Cancel, Generate, Output
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -355,3 +357,47 @@ def _drain(socket: zmq.Socket[Any]) -> list[list[bytes]]:
     while socket.poll(0):
         frames.append(socket.recv_multipart())
     return frames
+
+
+async def test_a_worker_streaming_past_max_tokens_is_cut_there_and_cancelled(
+    client: RequestPlaneClient,
+) -> None:
+    """A worker that ignores ``max_tokens`` (here: a hand-written ROUTER streaming 30 tokens, one
+    frame of 10 at a time) is cut at the limit with ``length``, and told to stop."""
+    context = zmq.asyncio.Context()
+    rogue = context.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.bind("tcp://127.0.0.1:*")
+    received: list[Any] = []
+
+    async def serve() -> None:
+        while True:
+            identity, payload = await rogue.recv_multipart()
+            message = wire.decode_to_worker(payload)
+            received.append(message)
+            if isinstance(message, Generate):
+                for step in range(3):
+                    output = Output(
+                        request_id=message.request_id,
+                        token_ids=list(range(10)),
+                        completion_tokens=10 * (step + 1),
+                    )
+                    await rogue.send_multipart([identity, wire.encode(output)])
+
+    server = asyncio.create_task(serve())
+    try:
+        instance = Instance(
+            instance_id="rogue", endpoint=rogue.getsockopt_string(zmq.LAST_ENDPOINT), declared_token=MEDIA_PAD
+        )
+        policy, model = migration(client, [instance], migration_limit=0)
+        outputs = [o async for o in through(policy, model, chat(max_tokens=5), "cut1", record())]
+        assert sum(len(o.token_ids) for o in outputs) == 5
+        assert (outputs[-1].finish_reason, outputs[-1].completion_tokens) == ("length", 5)
+        deadline = time.monotonic() + 5
+        while not any(isinstance(m, Cancel) for m in received):
+            assert time.monotonic() < deadline, "the worker was never told to stop"
+            await asyncio.sleep(0.01)
+    finally:
+        server.cancel()
+        rogue.close(linger=0)
+        context.term()

@@ -547,3 +547,27 @@ async def test_curve_refuses_keys_outside_the_allow_list(
         assert watcher.counters["messages"] == 1
     finally:
         eve.close()
+
+
+async def test_a_key_removed_from_the_allow_list_takes_its_instances_with_it(
+    start: Start, logs: Logs, k3_card: ModelDeploymentCard, tmp_path: Path
+) -> None:
+    server_public, server_secret = generate_keys(tmp_path / "server", "frontend")
+    alice_public, alice_secret = generate_keys(tmp_path / "alice", "alice")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    (allow / alice_public.name).write_bytes(alice_public.read_bytes())
+    watcher, alice = await start(
+        curve=ServerCurve.load(server_secret, allow), peer_curve=ClientCurve.load(alice_secret, server_public)
+    )
+    await alice.publish(announce("alice", 1, card_bytes(k3_card), ttl_ms=60_000))
+    await wait_log(logs, "instance_added", instance_id="alice")
+    (allow / alice_public.name).unlink()
+    revoked = await wait_log(logs, "curve_keys_revoked")
+    assert revoked["keys"] == [ClientCurve.load(alice_secret, server_public).public_key.decode()]
+    await wait_log(logs, "instance_removed", instance_id="alice", reason="revoked")
+    assert watcher.registry.model_of("alice") is None
+    # The connection it already had is still open; what it sends on it is refused.
+    await alice.publish(announce("alice", 2, card_bytes(k3_card), ttl_ms=60_000))
+    await wait_log(logs, "card_rejected", reason="revoked_key")
+    assert watcher.registry.model_of("alice") is None

@@ -12,20 +12,30 @@ The XPUB side is open (frontends behind a broker trust the broker).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import structlog
 import zmq
 
-from dynamo_prep.discovery.trust import ServerCurve, TrustError, apply_server_curve, start_authenticator
+from dynamo_prep.discovery.trust import (
+    AllowList,
+    ServerCurve,
+    TrustError,
+    apply_server_curve,
+    authenticated_key,
+    start_authenticator,
+)
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.discovery import OPEN_PLANE_HINT, reachable_from_elsewhere
 
 __all__ = ["Broker", "run_broker"]
 
 log = structlog.get_logger("dynamo_prep.discovery")
 
+_dropped = RateLimiter()  # one line per revoked key per second
 POLL_MS = 100  # bounds how long a stop request waits
 BROKER_LINGER_MS = 200
 # Dropping at the high-water mark is harmless (full-card heartbeats); a deep queue only adds delay.
@@ -46,7 +56,11 @@ class Broker:
         self._context: zmq.Context[Any] = context or zmq.Context()
         self._curve = curve
         self._stopping = False
-        self._authenticator = start_authenticator(self._context, curve.allow_dir) if curve else None
+        self._authenticator = None
+        self._allow: AllowList | None = None
+        if curve is not None:
+            self._authenticator = start_authenticator(self._context, curve.allow_dir)
+            self._allow = AllowList(curve.allow_dir, self._authenticator)
         self._xsub = self._context.socket(zmq.XSUB)
         self._xpub = self._context.socket(zmq.XPUB)
         try:
@@ -79,9 +93,16 @@ class Broker:
         while not self._stopping:
             events = dict(poller.poll(POLL_MS))
             if self._xsub in events:
-                _forward(self._xsub, self._xpub)
+                _forward(self._xsub, self._xpub, self._allow)
             if self._xpub in events:
                 _forward(self._xpub, self._xsub)
+            self._follow_allow_list()
+
+    def _follow_allow_list(self) -> None:
+        """A key removed from the allow-list: its announcements are no longer forwarded."""
+        removed = self._allow.poll() if self._allow is not None else frozenset()
+        if removed and self._allow is not None:
+            log.warning("curve_keys_revoked", keys=sorted(removed), allowed=len(self._allow.keys))
 
     def close(self) -> None:
         for socket in (self._xsub, self._xpub):
@@ -91,13 +112,19 @@ class Broker:
             self._authenticator = None
 
 
-def _forward(source: zmq.Socket[Any], sink: zmq.Socket[Any]) -> None:
-    """Move every pending multipart message; never block (XPUB drops at HWM, XSUB queues)."""
+def _forward(source: zmq.Socket[Any], sink: zmq.Socket[Any], allow: AllowList | None = None) -> None:
+    """Move every pending multipart message; never block (XPUB drops at HWM, XSUB queues). With an
+    allow-list, a message whose sender's key is no longer in it is dropped."""
     while True:
         try:
             frames = source.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        if allow is not None and not allow.allows(key := authenticated_key(frames[0])):
+            suppressed = _dropped.allow(str(key), time.monotonic())
+            if suppressed is not None:
+                log.warning("broker_dropped_revoked", key=key, suppressed=suppressed)
+            continue
         try:
             sink.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:

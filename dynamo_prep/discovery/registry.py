@@ -69,7 +69,7 @@ MAX_SEQ_JUMP = 100_000
 
 DEFAULT_MAX_INSTANCES_PER_MODEL = 4_096
 
-RemovalReason = Literal["withdraw", "expired", "card_changed", "evicted"]
+RemovalReason = Literal["withdraw", "expired", "card_changed", "evicted", "revoked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,6 +309,13 @@ class DiscoveryRegistry:
         model.confirmed = True
         for instance_id in model.instances:
             self._evictable.pop(instance_id, None)
+
+    def revoke(self, keys: frozenset[str]) -> list[RegistryEvent]:
+        """Forget every instance bound to one of ``keys`` (removed from the CURVE allow-list)."""
+        events: list[RegistryEvent] = []
+        for instance in [i for i in self._instances.values() if i.user_id in keys]:
+            events.extend(self._forget(instance, "revoked"))
+        return events
 
     def expire(self, now: float) -> list[RegistryEvent]:
         """Remove every instance (and tombstone) whose deadline has passed."""

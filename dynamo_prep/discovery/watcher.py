@@ -53,6 +53,7 @@ from dynamo_prep.discovery.registry import (
     RuntimeConfigConflict,
 )
 from dynamo_prep.discovery.trust import (
+    AllowList,
     ServerCurve,
     apply_server_curve,
     authenticated_key,
@@ -159,6 +160,7 @@ class DiscoveryWatcher:
         self._socket: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket[Any] | None = None
         self._authenticator: ThreadAuthenticator | None = None
+        self._allow: AllowList | None = None
         self._on_endpoint_lost = on_endpoint_lost
         self._listeners = tuple(listeners)
         self._compositions: dict[str, frozenset[str]] = {}
@@ -178,6 +180,7 @@ class DiscoveryWatcher:
         try:
             if self.curve is not None:
                 self._authenticator = start_authenticator(self._context, self.curve.allow_dir)
+                self._allow = AllowList(self.curve.allow_dir, self._authenticator)
                 apply_server_curve(socket, self.curve)
             socket.setsockopt(zmq.SUBSCRIBE, self._topic)
             for address in self.bind:
@@ -220,6 +223,14 @@ class DiscoveryWatcher:
         self._drain()
         if self._clock() >= self._expire_after:
             self._handle(self.registry.expire(self._clock()))
+        self._follow_allow_list()
+
+    def _follow_allow_list(self) -> None:
+        """Keys removed from the allow-list: their instances go at once, their messages are refused."""
+        removed = self._allow.poll() if self._allow is not None else frozenset()
+        if removed and self._allow is not None:
+            self._pool_log.warning("curve_keys_revoked", keys=sorted(removed), allowed=len(self._allow.keys))
+            self._handle(self.registry.revoke(removed))
 
     def _notice_stall(self, planned_s: float) -> None:
         """A wake far later than planned means this process was frozen or starved (SIGSTOP, swap, CPU
@@ -286,6 +297,9 @@ class DiscoveryWatcher:
             return
         self.metrics.messages.labels(kind="announce" if isinstance(message, Announce) else "withdraw").inc()
         user_id = authenticated_key(frames[0]) if self.curve is not None else None
+        if self._allow is not None and not self._allow.allows(user_id):
+            self._reject("revoked_key", f"a key no longer in the allow-list: {user_id}", now)
+            return
         self._handle(self.registry.apply(message, now=now, user_id=user_id))
         if isinstance(message, Announce):
             self._maybe_retry_build(message.instance_id, message.endpoint, now)

@@ -9,7 +9,6 @@ stored under the same tokens and images matches, whatever the engine's own hash 
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -28,8 +27,7 @@ from dynamo_prep.routing.policy import (
     DEFAULT_OVERLAP_SCORE_WEIGHT,
     DEFAULT_TEMPERATURE,
     Decision,
-    LoadTracker,
-    choose,
+    KvRouter,
     count_blocks,
 )
 from dynamo_prep.routing.subscriber import KvEventSubscriber
@@ -45,13 +43,6 @@ class RoutingPrompt:
 
     request: PreprocessedRequest
     placeholder: Sequence[int]
-
-
-@dataclass(slots=True)
-class _Model:
-    index: KvIndex
-    load: LoadTracker
-    turn: int = 0
 
 
 class KvRouting:
@@ -73,18 +64,21 @@ class KvRouting:
         self.temperature = temperature
         self.metrics = metrics if metrics is not None else KvMetrics()
         self.subscriber = KvEventSubscriber(self, metrics=self.metrics, context=context)
-        self._models: dict[str, _Model] = {}
+        self._models: dict[str, KvRouter] = {}
         self._model_of: dict[str, str] = {}  # instance_id -> model
-        self._rng = random.Random(seed)
+        self._seed = seed
 
     # -- the watcher's instances -----------------------------------------------------------------
 
     def instance_added(self, card: ModelDeploymentCard, instance: Instance) -> None:
         """Follow a new instance's KV events (or its changed record's); one index per model."""
-        model = self._models.get(card.display_name)
-        if model is None:
-            model = _Model(KvIndex(card.kv_cache_block_size), LoadTracker())
-            self._models[card.display_name] = model
+        if card.display_name not in self._models:
+            self._models[card.display_name] = KvRouter(
+                KvIndex(card.kv_cache_block_size),
+                overlap_score_weight=self.overlap_score_weight,
+                temperature=self.temperature,
+                seed=self._seed,
+            )
         self._model_of[instance.instance_id] = card.display_name
         if instance.kv_events is not None:
             self.subscriber.add(instance)
@@ -95,9 +89,9 @@ class KvRouting:
         """An instance that expired or withdrew loses its blocks and its load."""
         self.subscriber.remove(instance.instance_id)
         self.reset(instance.instance_id)
-        model = self._models.get(model_name)
-        if model is not None:
-            model.load.forget(instance.instance_id)
+        router = self._models.get(model_name)
+        if router is not None:
+            router.load.forget(instance.instance_id)
         self._model_of.pop(instance.instance_id, None)
         if model_name not in self._model_of.values():  # its last instance: a new card starts afresh
             self._models.pop(model_name, None)
@@ -105,14 +99,14 @@ class KvRouting:
     # -- KvEventSink ------------------------------------------------------------------------------
 
     def apply(self, instance_id: str, events: Sequence[KVEvent]) -> None:
-        model = self._models.get(self._model_of.get(instance_id, ""))
-        if model is not None:
-            model.index.apply(instance_id, events)
+        router = self._models.get(self._model_of.get(instance_id, ""))
+        if router is not None:
+            router.index.apply(instance_id, events)
 
     def reset(self, instance_id: str) -> None:
-        model = self._models.get(self._model_of.get(instance_id, ""))
-        if model is not None:
-            model.index.reset(instance_id)
+        router = self._models.get(self._model_of.get(instance_id, ""))
+        if router is not None:
+            router.index.reset(instance_id)
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -121,48 +115,58 @@ class KvRouting:
     ) -> Decision:
         """The instance among ``candidates`` (the prompt each declaration renders in ``prompts``)."""
         started = time.perf_counter()
-        model = self._models.get(model_name)
-        if model is None:
+        router = self._models.get(model_name)
+        if router is None:
             raise RuntimeError(f"model {model_name!r} has no KV index (no instance was ever added)")
-        block_size = model.index.block_size
+        block_size = router.index.block_size
         overlaps: dict[str, int] = {}
+        hashes: dict[str | None, list[int]] = {}
         by_declaration: dict[str | None, list[str]] = {}
         for instance in candidates:
             by_declaration.setdefault(instance.declared_token, []).append(instance.instance_id)
+        matched: dict[str, int] = {}
         for declared, ids in by_declaration.items():
-            prompt = prompts[declared]
-            tokens = prompt.request.token_ids
-            images = image_spans(tokens, prompt.placeholder, [image.uuid for image in prompt.request.images])
-            matched = model.index.match(request_block_hashes(tokens, block_size, images))
+            reused = bool(hashes) and not prompts[declared].request.images
+            hashes[declared] = self._hashes(prompts[declared], block_size, hashes)
+            if not reused:
+                matched = router.index.match(hashes[declared])
             overlaps.update((instance_id, matched.get(instance_id, 0)) for instance_id in ids)
         first = next(iter(prompts.values()))
-        decision = choose(
-            [instance.instance_id for instance in candidates],
+        decision = router.choose(
             overlaps,
             count_blocks(len(first.request.token_ids), block_size),
-            model.load.active(),
-            model.index.held(),
-            overlap_score_weight=self.overlap_score_weight,
-            temperature=self.temperature,
-            rng=self._rng,
-            turn=model.turn,
+            {instance.instance_id: hashes[instance.declared_token] for instance in candidates},
         )
-        model.turn += 1
         self.metrics.decided(decision, time.perf_counter() - started)
         return decision
 
+    @staticmethod
+    def _hashes(prompt: RoutingPrompt, block_size: int, done: Mapping[str | None, list[int]]) -> list[int]:
+        """The prompt's block hashes; without images every declaration renders the same ids, so
+        the hashes of one already done are reused."""
+        request = prompt.request
+        if not request.images and done:
+            return next(iter(done.values()))
+        images = image_spans(request.token_ids, prompt.placeholder, [image.uuid for image in request.images])
+        return request_block_hashes(request.token_ids, block_size, images)
+
     def dispatch(self, model_name: str, request_id: str, decision: Decision) -> None:
         """The request went where ``decision`` says: its blocks count as that instance's load."""
-        model = self._models.get(model_name)
-        if model is not None:
-            model.load.dispatch(request_id, decision.instance_id, decision.prompt_blocks)
+        router = self._models.get(model_name)
+        if router is not None:
+            router.dispatch(request_id, decision)
 
     def release(self, model_name: str, request_id: str) -> None:
-        model = self._models.get(model_name)
-        if model is not None:
-            model.load.release(request_id)
+        router = self._models.get(model_name)
+        if router is not None:
+            router.release(request_id)
+
+    def active_blocks(self, model_name: str) -> Mapping[str, int]:
+        """Blocks the running requests of each instance hold (``LoadTracker``), by instance id."""
+        router = self._models.get(model_name)
+        return router.load.active() if router is not None else {}
 
     def blocks_held(self, model_name: str) -> Mapping[str, int]:
         """Blocks each instance of the model holds, by instance id (what ``/metrics`` and logs show)."""
-        model = self._models.get(model_name)
-        return model.index.held() if model is not None else {}
+        router = self._models.get(model_name)
+        return router.index.held() if router is not None else {}

@@ -206,10 +206,17 @@ class Migration:
         steps = self.client.generate(
             instance.endpoint, attempt, request_id=journey.request_id, timeout_s=timeout_s
         )
-        async with contextlib.aclosing(steps):
+        budget = attempt.stop_conditions.max_tokens
+        async with contextlib.aclosing(steps):  # leaving early cancels the generation on the worker
             async for output in steps:
-                journey.streamed.extend(output.token_ids)
-                yield _as_sent(output, base, earlier)
+                sent = len(journey.streamed) - earlier
+                allowed = (
+                    output if len(output.token_ids) <= budget - sent else _cut(output, budget - sent, sent)
+                )
+                journey.streamed.extend(allowed.token_ids)
+                yield _as_sent(allowed, base, earlier)
+                if allowed.finish_reason is not None:
+                    return
 
     @staticmethod
     def _move_or_raise(exc: WorkerLost | WorkerError, instance: Instance, journey: Journey) -> None:
@@ -245,6 +252,17 @@ def continuation(request: PreprocessedRequest, streamed: list[int]) -> Preproces
         request,
         token_ids=[*request.token_ids, *streamed],
         stop_conditions=msgspec.structs.replace(stop, max_tokens=remaining, min_tokens=min_tokens),
+    )
+
+
+def _cut(output: Output, room: int, sent: int) -> Output:
+    """The last output ``max_tokens`` allows: a worker that streams past it is cut, as an engine
+    would have stopped (``length``)."""
+    return msgspec.structs.replace(
+        output,
+        token_ids=output.token_ids[: max(room, 0)],
+        finish_reason="length",
+        completion_tokens=sent + max(room, 0),
     )
 
 

@@ -350,24 +350,30 @@ def mm_extra_keys(spans: Sequence[ImageSpan], block_start: int, block_size: int)
     ]
 
 
-def placeholder_starts(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
+def placeholder_starts(
+    token_ids: Sequence[int], pattern: Sequence[int], limit: int | None = None
+) -> list[int]:
     """Start positions of the non-overlapping occurrences of ``pattern`` (an image placeholder's
-    ids) in ``token_ids``, left to right: where each image of a prompt sits, in prompt order."""
+    ids) in ``token_ids``, left to right: where each image of a prompt sits, in prompt order. At
+    most ``limit`` of them."""
     if not pattern:
         return []
-    first, width = pattern[0], len(pattern)
-    target = list(pattern)
-    starts: list[int] = []
-    position = 0
-    last = len(token_ids) - width
+    width = len(pattern)
+    # Scan for the pattern's highest id: BPE ranks rise with rarity, so it is the rarest guess
+    # (a shattered placeholder often starts with a common piece such as "<").
+    anchor = max(range(width), key=pattern.__getitem__)
+    probe, target = pattern[anchor], list(pattern)
     ids = token_ids if isinstance(token_ids, list) else list(token_ids)
-    while position <= last:
+    starts: list[int] = []
+    position, last = anchor, len(ids) - width + anchor
+    while position <= last and (limit is None or len(starts) < limit):
         try:
-            position = ids.index(first, position, last + 1)
+            position = ids.index(probe, position, last + 1)
         except ValueError:
             break
-        if width == 1 or ids[position : position + width] == target:
-            starts.append(position)
+        start = position - anchor
+        if width == 1 or ids[start : start + width] == target:
+            starts.append(start)
             position += width
         else:
             position += 1
@@ -382,7 +388,7 @@ def image_spans(
     Fewer occurrences than identifiers (the engine expands images itself, or the prompt was cut)
     give spans for the ones found; extra occurrences have no identity and are left out.
     """
-    starts = placeholder_starts(token_ids, placeholder)
+    starts = placeholder_starts(token_ids, placeholder, len(identifiers)) if identifiers else []
     return [
         ImageSpan(identifier=identifier, start=start, length=len(placeholder))
         for identifier, start in zip(identifiers, starts, strict=False)

@@ -6,7 +6,7 @@ formatter validates the shapes it understands with errors that name the message.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,6 +23,13 @@ class RequestError(ValueError):
         return cls(f"{says}: {detail}")
 
 
+# What the wire can carry: ints a MessagePack frame holds (int64), names and tags a log line can
+# show. Ranges that mean something to an engine are checked by the preprocessor, with its messages.
+Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Tag = Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class NvExt(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Dynamo's request extension; ``annotations`` asks for ``formatted_prompt``/``token_ids``."""
 
@@ -33,31 +40,31 @@ class NvExt(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``POST /v1/chat/completions`` body (unknown fields are ignored, like OpenAI servers do)."""
 
-    model: str
+    model: Name
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    min_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    min_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    user: str | None = None
-    reasoning_effort: str | None = None
+    top_logprobs: Int | None = None
+    user: Tag | None = None
+    reasoning_effort: Tag | None = None
     chat_template_args: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -201,7 +208,7 @@ class ErrorBody(msgspec.Struct, kw_only=True):
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's ``POST /tokenize``: a chat (``messages``) or a plain ``prompt``; other keys are chat fields."""
 
-    model: str
+    model: Name
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     add_special_tokens: bool = False

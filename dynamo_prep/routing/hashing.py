@@ -143,13 +143,15 @@ def _block_ids(token_ids: Sequence[int], block_size: int) -> Iterator[int]:
 
 def _chain(parent: int, token_ids: Sequence[int], block_size: int, extras: dict[int, int]) -> list[int]:
     """The chained hashes of every full block: the hot path (one small tuple hash per block)."""
-    hashes: list[int] = []
-    append = hashes.append
     if not extras:
-        for block in _block_ids(token_ids, block_size):
-            parent = hash((parent, block))
-            append(parent)
+        # All in C: the list is extended from an iterator over itself, so each (parent, block)
+        # pair reads the hash appended just before it.
+        hashes = [parent]
+        hashes.extend(map(hash, zip(iter(hashes), _block_ids(token_ids, block_size), strict=False)))
+        del hashes[0]
         return hashes
+    hashes = []
+    append = hashes.append
     for index, block in enumerate(_block_ids(token_ids, block_size)):
         extra = extras.get(index)
         parent = hash((parent, block)) if extra is None else hash((parent, block, extra))

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 from dynamo_prep.protocol.kv_events import ImageSpan
@@ -58,6 +59,7 @@ class Decision:
     prompt_blocks: int
     cost: float
     reason: Reason
+    block_hashes: Sequence[int] = ()  # the prompt's full blocks as the chosen instance caches them
 
 
 def count_blocks(token_count: int, block_size: int) -> int:
@@ -123,48 +125,86 @@ def _sample(costs: list[float], temperature: float, rng: random.Random) -> int:
 
 
 class LoadTracker:
-    """Active blocks per instance: a request's prompt blocks, from dispatch until it ends.
-
-    Counted as Dynamo counts active blocks: every block of the prompt, cached or not, since the
-    engine holds them all for the request's lifetime. Generated tokens are not counted (their
-    number is unknown at dispatch and small next to the prompts this router is for).
+    """Active blocks per instance, from dispatch until the request ends, counted as Dynamo counts
+    them: each distinct full block of the running requests' prompts once per instance (requests
+    sharing a prefix there share its blocks), plus every block given without a hash (a partial
+    last block). Generated tokens are not counted (their number is unknown at dispatch and small
+    next to the prompts this router is for).
     """
 
     def __init__(self) -> None:
-        self._active: dict[str, int] = {}
-        self._requests: dict[str, tuple[str, int]] = {}
+        self._instances: dict[str, _Load] = {}
+        self._requests: dict[str, tuple[str, Sequence[int], int]] = {}
 
-    def dispatch(self, request_id: str, instance_id: str, blocks: int) -> None:
-        """``request_id`` now holds ``blocks`` blocks on ``instance_id``; a request id may be active once."""
+    def dispatch(
+        self, request_id: str, instance_id: str, blocks: int, block_hashes: Sequence[int] = ()
+    ) -> None:
+        """``request_id`` now holds ``blocks`` blocks on ``instance_id``, the first of them named by
+        ``block_hashes`` (a chain: equal hashes are the same prefix); a request id may be active once."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already active")
-        self._requests[request_id] = (instance_id, blocks)
-        self._active[instance_id] = self._active.get(instance_id, 0) + blocks
+        unhashed = max(blocks - len(block_hashes), 0)
+        self._requests[request_id] = (instance_id, block_hashes, unhashed)
+        load = self._instances.get(instance_id)
+        if load is None:
+            load = self._instances[instance_id] = _Load()
+        load.refs.update(block_hashes)
+        load.unhashed += unhashed
 
     def release(self, request_id: str) -> None:
         """The request ended (finished, failed, cancelled, migrated away); unknown ids are ignored."""
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return
-        instance_id, blocks = entry
-        remaining = self._active.get(instance_id, 0) - blocks
-        if remaining > 0:
-            self._active[instance_id] = remaining
-        else:
-            self._active.pop(instance_id, None)
+        instance_id, block_hashes, unhashed = entry
+        load = self._instances[instance_id]
+        refs = load.refs
+        for block in block_hashes:
+            remaining = refs[block] - 1
+            if remaining:
+                refs[block] = remaining
+            else:
+                del refs[block]
+        load.unhashed -= unhashed
+        if not refs and not load.unhashed:
+            del self._instances[instance_id]
 
     def forget(self, instance_id: str) -> None:
         """The instance is gone: drop its load (its requests' later releases are ignored)."""
-        self._active.pop(instance_id, None)
-        for request_id in [rid for rid, (owner, _) in self._requests.items() if owner == instance_id]:
+        self._instances.pop(instance_id, None)
+        for request_id in [rid for rid, (owner, _, _) in self._requests.items() if owner == instance_id]:
             del self._requests[request_id]
 
     def active_blocks(self, instance_id: str) -> int:
-        return self._active.get(instance_id, 0)
+        load = self._instances.get(instance_id)
+        return 0 if load is None else load.blocks()
 
     def active(self) -> Mapping[str, int]:
         """Active blocks of every instance that has any (a live view: read it, do not keep it)."""
-        return self._active
+        return _Active(self._instances)
+
+
+@dataclass(slots=True)
+class _Load:
+    refs: Counter[int] = field(default_factory=Counter)  # block hash -> running requests holding it
+    unhashed: int = 0
+
+    def blocks(self) -> int:
+        return len(self.refs) + self.unhashed
+
+
+class _Active(Mapping[str, int]):
+    def __init__(self, instances: dict[str, _Load]) -> None:
+        self._instances = instances
+
+    def __getitem__(self, instance_id: str) -> int:
+        return self._instances[instance_id].blocks()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._instances)
+
+    def __len__(self) -> int:
+        return len(self._instances)
 
 
 class KvRouter:
@@ -196,11 +236,19 @@ class KvRouter:
     ) -> Decision:
         """The instance for this prompt among ``candidates`` (its images in prompt order)."""
         block_size = self.index.block_size
-        overlaps = self.index.match(request_block_hashes(token_ids, block_size, images))
+        hashes = request_block_hashes(token_ids, block_size, images)
+        blocks = count_blocks(len(token_ids), block_size)
+        return self.choose(self.index.match(hashes), blocks, dict.fromkeys(candidates, hashes))
+
+    def choose(
+        self, overlaps: Mapping[str, int], prompt_blocks: int, block_hashes: Mapping[str, Sequence[int]]
+    ) -> Decision:
+        """``choose`` among the instances of ``block_hashes`` (each one's hashes of the prompt, as
+        rendered for it) with this router's load, index and settings."""
         decision = choose(
-            candidates,
+            list(block_hashes),
             overlaps,
-            count_blocks(len(token_ids), block_size),
+            prompt_blocks,
             self.load.active(),
             self.index.held(),
             overlap_score_weight=self.overlap_score_weight,
@@ -209,11 +257,11 @@ class KvRouter:
             turn=self._turn,
         )
         self._turn += 1
-        return decision
+        return replace(decision, block_hashes=block_hashes[decision.instance_id])
 
     def dispatch(self, request_id: str, decision: Decision) -> None:
         """The request was sent where ``decision`` says: its prompt blocks count as active there."""
-        self.load.dispatch(request_id, decision.instance_id, decision.prompt_blocks)
+        self.load.dispatch(request_id, decision.instance_id, decision.prompt_blocks, decision.block_hashes)
 
     def release(self, request_id: str) -> None:
         self.load.release(request_id)
