@@ -492,6 +492,6 @@ def _busy_stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        if "select (selectors.py" in frames[-1] or "run (uvloop" in frames[-1]:
-            continue  # the event loop waiting: idle, not cost
+        if not count.isdigit() or "select (selectors.py" in frames[-1]:
+            continue  # a partial line, or the event loop waiting: idle, not cost
         yield frames, int(count)

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
-from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, merged
+from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics, observe_many
 from dynamo_prep.frontend.migration import Migration
@@ -26,6 +26,7 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import parse_chat_request
 from dynamo_prep.protocol.wire import ErrorReply, Generate, Output
+from dynamo_prep.worker.generate import merged
 
 DEMO = "kimi-k3-demo"
 MAX_TOKENS = 10

@@ -39,6 +39,7 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
+from dynamo_prep.worker.generate import merged
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
@@ -118,20 +119,6 @@ class _Inbox:
         items = list(self.items)
         self.items.clear()
         return items
-
-
-def merged(outputs: list[Output]) -> Output:
-    """Consecutive Outputs of a stream as one: every token, the last usage and finish reason."""
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return Output(
-        request_id=last.request_id,
-        token_ids=[token for output in outputs for token in output.token_ids],
-        finish_reason=last.finish_reason,
-        prompt_tokens=next((o.prompt_tokens for o in reversed(outputs) if o.prompt_tokens), 0),
-        completion_tokens=last.completion_tokens,
-    )
 
 
 class _Channel:
