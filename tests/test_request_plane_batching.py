@@ -5,12 +5,15 @@ so the test decides exactly which frames arrive, and when."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from support.plane import SubCollector, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
@@ -207,3 +210,42 @@ def test_observe_many_equals_as_many_observations() -> None:
             histogram.observe(value)
 
     assert exposition(observe_many) == exposition(one_by_one)
+
+
+async def test_cancels_sent_between_replies_never_hide_replies_from_the_receiver(
+    tmp_path: Path,
+) -> None:
+    """A Cancel goes out on the synchronous shadow socket, and any call on a ZeroMQ socket may
+    consume the edge of replies that just arrived: the client must still see them (a receive loop
+    that missed them would leave every request on the channel silent until it is declared lost)."""
+    discovery = tcp_endpoint()
+    with SubCollector(discovery, bind=True):
+        worker = start_dynamo(
+            "worker",
+            "--model-path",
+            DEMO,
+            "--discovery",
+            discovery,
+            "--token-delay",
+            "0.002",
+            log_level="info",
+        )
+        client = RequestPlaneClient(stall_timeout_s=1.0)
+        try:
+            endpoint = worker.wait_event("worker_started")["endpoint"]
+            request = preprocessed()
+
+            async def first_then_leave(index: int) -> None:
+                stream = client.generate(endpoint, request, request_id=f"c{index}", timeout_s=10)
+                async with contextlib.aclosing(stream):
+                    await anext(stream)  # then Cancel, sent while other replies arrive
+
+            for start in range(0, 600, 20):
+                await asyncio.gather(*(first_then_leave(start + i) for i in range(20)))
+            outputs = [
+                item async for item in client.generate(endpoint, request, request_id="last", timeout_s=10)
+            ]
+            assert outputs[-1].finish_reason is not None
+        finally:
+            await client.close()
+            worker.stop()

@@ -140,6 +140,7 @@ class _Channel:
         self._heard_at = self._loop.time()
         self._idle_since = self._loop.time()
         self._pings = itertools.count(1)
+        self._readable: asyncio.Future[None] | None = None  # the receive loop, waiting
         self.tasks: list[asyncio.Task[None]] = []
 
     def open(self, request_id: str) -> _Inbox:
@@ -155,6 +156,7 @@ class _Channel:
         if self.closed:
             raise WorkerLost(self.endpoint, "closed")
         await self.socket.send(wire.encode(message))
+        self._kick()
 
     def send_nowait(self, message: wire.ToWorker) -> None:
         """Best effort: dropped when the socket is closed or its queue is full."""
@@ -162,6 +164,19 @@ class _Channel:
             return
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
             self._shadow.send(wire.encode(message), zmq.NOBLOCK)
+            self._kick()
+
+    def _kick(self) -> None:
+        """Wake the receive loop if replies are waiting. ZeroMQ's descriptor is edge-triggered and
+        any call on the socket (a send too) may consume the edge of replies that just arrived:
+        without this check they would wait unseen until the next edge, which may never come."""
+        waiter = self._readable
+        if waiter is not None and not waiter.done() and self._waiting():
+            waiter.set_result(None)
+
+    def _waiting(self) -> bool:
+        events = self._shadow.get(zmq.EVENTS)
+        return isinstance(events, int) and bool(events & zmq.POLLIN)
 
     def fail_all(self, error: WorkerLost) -> None:
         """Replace whatever is queued with ``error``: the failure is reported at once."""
@@ -175,7 +190,7 @@ class _Channel:
         receive and the decode; an undecodable reply is named the one way every edge does."""
         recv, decode, queues = self._shadow.recv, wire.from_worker_decoder.decode, self.queues
         while True:
-            await self.socket.poll()  # POLLIN
+            await self._until_readable()
             self._heard_at = self._loop.time()
             self.heard = True
             while True:
@@ -193,6 +208,24 @@ class _Channel:
                 inbox = queues.get(reply.request_id)
                 if inbox is not None:
                     inbox.put(reply)  # type: ignore[arg-type]
+
+    async def _until_readable(self) -> None:
+        """Replies are waiting: the descriptor said so, or a send found them (``_kick``)."""
+        if self._waiting():
+            return
+        self._readable = waiter = self._loop.create_future()
+        polling = asyncio.ensure_future(self.socket.poll())  # POLLIN
+
+        def readable(_: object) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        polling.add_done_callback(readable)
+        try:
+            await waiter
+        finally:
+            self._readable = None
+            polling.cancel()
 
     def _reject(self, payload: bytes) -> None:
         try:
