@@ -29,6 +29,7 @@ import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -141,6 +142,7 @@ class _Channel:
         self._idle_since = self._loop.time()
         self._pings = itertools.count(1)
         self._readable: asyncio.Future[None] | None = None  # the receive loop, waiting
+        self._polling: asyncio.Future[Any] | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
     def open(self, request_id: str) -> _Inbox:
@@ -210,22 +212,24 @@ class _Channel:
                     inbox.put(reply)  # type: ignore[arg-type]
 
     async def _until_readable(self) -> None:
-        """Replies are waiting: the descriptor said so, or a send found them (``_kick``)."""
+        """Replies are waiting: the descriptor said so (one poll kept pending across waits: a
+        cancelled poll would leave its watcher queued in pyzmq ahead of the next one), or a send
+        found them (``_kick``)."""
         if self._waiting():
             return
-        self._readable = waiter = self._loop.create_future()
-        polling = asyncio.ensure_future(self.socket.poll())  # POLLIN
-
-        def readable(_: object) -> None:
-            if not waiter.done():
-                waiter.set_result(None)
-
-        polling.add_done_callback(readable)
+        if self._polling is None or self._polling.done():
+            self._polling = asyncio.ensure_future(self.socket.poll())  # POLLIN
+            self._polling.add_done_callback(self._polled)
+        self._readable = self._loop.create_future()
         try:
-            await waiter
+            await self._readable
         finally:
             self._readable = None
-            polling.cancel()
+
+    def _polled(self, _: object) -> None:
+        waiter = self._readable
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _reject(self, payload: bytes) -> None:
         try:
@@ -270,6 +274,8 @@ class _Channel:
         self.closed = True
         for task in self.tasks:
             task.cancel()
+        if self._polling is not None:
+            self._polling.cancel()
         self.socket.close(linger=0)
 
 
