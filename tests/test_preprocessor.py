@@ -382,8 +382,8 @@ def test_stop_strings_up_to_the_limits_reach_the_worker(k3: OpenAIPreprocessor) 
         ([f"s{i}" for i in range(40_000)], "maximum length 64, but got an array with length 40000"),
         (
             ["ok", "y" * (MAX_STOP_CHARS + 1)],
-            rf"Invalid 'stop\[1\]': string too long\. Expected a string with maximum length {MAX_STOP_CHARS}, "
-            rf"but got a string with length {MAX_STOP_CHARS + 1} instead\.",
+            rf"Invalid 'stop\[1\]': string too long\. Expected a string with maximum length "
+            rf"{MAX_STOP_CHARS}, but got a string with length {MAX_STOP_CHARS + 1} instead\.",
         ),
         ("z" * 100_000, r"Invalid 'stop\[0\]': string too long"),
     ],
