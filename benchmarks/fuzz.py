@@ -2,9 +2,10 @@
 
 ``python -m benchmarks.fuzz [--cases N] [--seed S] [--target NAME ...]`` runs every target of
 ``tests/strategies.py`` (card payloads and round trips, discovery envelopes and registry sequences,
-chat requests on both demo models, the Kimi-K3 renderer). The strategies live in ``tests/`` so the
-seeded slice in ``make test`` and this run share one definition; this module puts ``tests/`` on
-``sys.path`` to import them.
+chat requests on both demo models, the Kimi-K3 renderer) and of ``tests/strategies_hostile.py``
+(the tokenizer's long-run split, stop strings, chat templates under their bounds). The strategies
+live in ``tests/`` so the seeded slice in ``make test`` and this run share one definition; this
+module puts ``tests/`` on ``sys.path`` to import them.
 
 Per target it prints how many cases were accepted, rejected with the documented error, or hit an
 already reported bug (``strategies.KNOWN_BUGS``, with the smallest example seen), any new failure
@@ -31,6 +32,9 @@ if str(TESTS_DIR) not in sys.path:
     sys.path.insert(0, str(TESTS_DIR))
 
 import strategies  # noqa: E402  (lives in tests/, shared with tests/test_fuzz.py)
+import strategies_hostile  # noqa: E402
+
+TARGETS = {**strategies.TARGETS, **strategies_hostile.TARGETS}
 
 DEFAULT_CASES = 10_000
 MIN_CASES = 10_000
@@ -62,7 +66,7 @@ class TargetResult:
 
 def run_target(name: str, cases: int, seed_value: int) -> TargetResult:
     """Run one target; a new failure stops it after hypothesis has shrunk the example."""
-    strategy, check = strategies.TARGETS[name]
+    strategy, check = TARGETS[name]
     result = TargetResult(name)
 
     @settings(
@@ -115,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", type=int, default=DEFAULT_CASES, help="hypothesis cases per target")
     parser.add_argument("--seed", type=int, default=0, help="hypothesis seed (a run is reproducible)")
-    parser.add_argument("--target", action="append", choices=sorted(strategies.TARGETS), help="repeatable")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="repeatable")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results")
     args = parser.parse_args(argv)
-    names = args.target or list(strategies.TARGETS)
+    names = args.target or list(TARGETS)
     suite = Suite("fuzz")
     total_started = time.perf_counter()
     results = []

@@ -2,54 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies_hostile import NaiveStops
+from strategies_hostile import run_stops as run
 
 from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.stops import StopMatcher
 from dynamo_prep.preprocessor import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from dynamo_prep.tokenizer import Tokenizer
-
-
-class NaiveStops:
-    """The oracle: every stop string searched in the whole held text on every push."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = [stop for stop in stops if stop]
-        self.held = ""
-        self.stopped = False
-
-    def push(self, text: str) -> tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        held = self.held = self.held + text
-        found = [held.find(stop) for stop in self.stops if stop in held]
-        if found:
-            self.stopped, self.held = True, ""
-            return held[: min(found)], True
-        keep = max((self._overlap(held, stop) for stop in self.stops), default=0)
-        self.held = held[len(held) - keep :]
-        return held[: len(held) - keep], False
-
-    def finish(self) -> str:
-        held, self.held = self.held, ""
-        return "" if self.stopped else held
-
-    @staticmethod
-    def _overlap(text: str, stop: str) -> int:
-        for length in range(min(len(stop) - 1, len(text)), 0, -1):
-            if text.endswith(stop[:length]):
-                return length
-        return 0
-
-
-def run(matcher: StopMatcher | NaiveStops, chunks: Sequence[str]) -> list[tuple[str, bool] | str]:
-    outputs: list[tuple[str, bool] | str] = [matcher.push(chunk) for chunk in chunks]
-    outputs.append(matcher.finish())
-    return outputs
-
 
 _STOPS = st.lists(st.text(alphabet="abc", max_size=6), max_size=6)
 _CHUNKS = st.lists(st.text(alphabet="abcd", max_size=9), max_size=8)

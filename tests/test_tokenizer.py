@@ -6,7 +6,6 @@ import gc
 import json
 import shutil
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import pytest
 import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies_hostile import reference_pieces, reference_split
 
 from dynamo_prep.formatter import KimiK3Formatter, Segment
 from dynamo_prep.models import DEMO_MODELS_DIR
@@ -50,25 +50,6 @@ K3_NAMED = {
 }
 NOT_HF_SPECIAL = {3, 4, 5}
 PLACEHOLDER = "<|kimi_image_placeholder|>"
-
-
-def reference_split(s: str, limit: int) -> Iterator[str]:
-    """Kimi's ``_split_whitespaces_or_nonwhitespaces``, character by character."""
-    run_len = 0
-    run_is_space = s[0].isspace() if s else False
-    start = 0
-    for i, char in enumerate(s):
-        is_space = char.isspace()
-        if run_is_space ^ is_space:
-            run_len = 1
-            run_is_space = is_space
-        else:
-            run_len += 1
-            if run_len > limit:
-                yield s[start:i]
-                start = i
-                run_len = 1
-    yield s[start:]
 
 
 def copy_demo(tmp_path: Path, name: str = "kimi-k3-demo") -> Path:
@@ -214,15 +195,6 @@ def test_windows_are_split_before_runs() -> None:
 def test_run_splitting_matches_the_reference(text: str, limit: int) -> None:
     expected = list(reference_split(text, limit)) if text else []
     assert list(split_for_encoding(text, max_run=limit)) == expected
-
-
-def reference_pieces(text: str, window: int, limit: int) -> list[str]:
-    """Kimi's ``_encode_text_piece`` split: windows first, then each window's runs."""
-    return [
-        piece
-        for start in range(0, len(text), window)
-        for piece in reference_split(text[start : start + window], limit)
-    ]
 
 
 _RUNS = st.lists(
