@@ -55,16 +55,14 @@ from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja.bounds import (
     MAX_TEMPLATE_CHARS,
     RENDER_LIMITS,
-    STR_METHOD_CHECKS,
     TemplateLimitError,
     TemplateLimits,
     bounded,
-    bounded_filter,
-    bounded_json,
     compiling,
     current,
     log_limit,
 )
+from dynamo_prep.formatter.jinja.checks import STR_METHOD_CHECKS, bounded_filter, bounded_json
 from dynamo_prep.prompt import PromptRenderError
 
 __all__ = ["ChatTemplateError", "compile_template", "render_template", "template_context", "to_plain"]
