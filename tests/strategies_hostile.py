@@ -1,7 +1,7 @@
 """Fuzz targets for hostile input: the tokenizer's long-run split, stop strings, chat templates.
 
-Shared, like ``strategies.py``, by ``tests/test_fuzz.py`` (a seeded slice) and ``benchmarks/fuzz.py``
-(>= 10,000 cases per target), which merge ``TARGETS`` into theirs. The oracles live here too:
+Shared, like ``strategies.py``, by ``tests/test_hostile_fuzz.py`` (a seeded slice) and
+``benchmarks/fuzz.py`` (>= 10,000 cases per target, merged into its targets). The oracles live here:
 ``reference_split`` (Kimi's splitter, character by character) and ``NaiveStops`` (every stop
 string searched in the whole held text on every push).
 """

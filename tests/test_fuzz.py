@@ -18,6 +18,7 @@ from strategies import (
     K3,
     KNOWN_BUGS,
     QWEN,
+    TARGETS,
     ChatInput,
     Fragment,
     check_card_roundtrip,
@@ -26,14 +27,11 @@ from strategies import (
     to_json_bytes,
     to_msgpack,
 )
-from strategies import TARGETS as CORE_TARGETS
-from strategies_hostile import TARGETS as HOSTILE_TARGETS
 
 from dynamo_prep.card import CardDecodeError, ModelDeploymentCard, decode_card
 from dynamo_prep.preprocessor import PreprocessError
 from dynamo_prep.protocol.discovery import DiscoveryDecodeError, decode_message
 
-TARGETS = {**CORE_TARGETS, **HOSTILE_TARGETS}
 EXAMPLES = {
     "card_roundtrip": 200,
     "card_payload": 300,
@@ -41,9 +39,6 @@ EXAMPLES = {
     "discovery_registry": 150,
     "chat_request": 250,
     "k3_renderer": 250,
-    "tokenizer_split": 150,
-    "stop_strings": 300,
-    "chat_template": 200,
 }
 SEEDED = settings(
     derandomize=True,
