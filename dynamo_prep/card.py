@@ -79,17 +79,22 @@ class ModelRuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     image_placeholder_token: str | None = None
 
 
+# What a peer may put in a card: bounded, so no card can flood a log line or a metrics label.
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+_Files = Annotated[dict[Annotated[str, msgspec.Meta(max_length=128)], FileRef], msgspec.Meta(max_length=32)]
+
+
 class ModelDeploymentCard(msgspec.Struct, kw_only=True):
     """Everything a frontend needs to serve a model: identity, limits, and its files by content."""
 
-    display_name: str
-    slug: str
-    model_type: str | None
+    display_name: _Name
+    slug: _Name
+    model_type: _Name | None
     model_input: str = "tokens"
     context_length: int
     kv_cache_block_size: int = 16
     migration_limit: int = 0
-    files: dict[str, FileRef]
+    files: _Files
     runtime_config: ModelRuntimeConfig = msgspec.field(default_factory=ModelRuntimeConfig)
     user_data: dict[str, Any] | None = None
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, FLAVORS, REPLY_FORMATS
 from dynamo_prep.frontend import config as frontend_defaults
 from dynamo_prep.frontend import up as up_defaults
 from dynamo_prep.lifecycle import EXIT_FAILED
@@ -27,6 +28,7 @@ from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     DEFAULT_TTL_MS,
 )
+from dynamo_prep.worker import config as worker_defaults
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
@@ -144,11 +146,16 @@ def _add_discovery_client(command: Any) -> None:
 
 
 def _add_worker(commands: Any) -> None:
+    defaults = worker_defaults
     worker = commands.add_parser("worker", help="announce a model card and serve the request plane")
-    worker.add_argument("--model-path", required=True)
-    worker.add_argument("--served-name", default=None)
+    worker.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
+    worker.add_argument("--served-name", default=None, help="model name (default: the directory name)")
     declaration = worker.add_mutually_exclusive_group()
-    declaration.add_argument("--declare-image-token", default=None, help="per-image token the engine expects")
+    declaration.add_argument(
+        "--declare-image-token",
+        default=None,
+        help="per-image token the engine expects (default: what the engine's processor declares)",
+    )
     declaration.add_argument(
         "--legacy-expands-image-pad-token",
         action="store_true",
@@ -157,20 +164,52 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--discovery", type=_addresses, required=True, help="ADDR[,ADDR] of frontends or brokers"
     )
-    worker.add_argument("--endpoint-host", default=_env("DYN_ENDPOINT_HOST", "127.0.0.1"))
     worker.add_argument(
-        "--heartbeat", type=float, default=DEFAULT_HEARTBEAT_S, help="seconds between announces"
-    )
-    worker.add_argument("--ttl-ms", type=int, default=DEFAULT_TTL_MS)
-    worker.add_argument("--engine", default="mock", choices=["mock"], help="the engine behind the worker")
-    worker.add_argument(
-        "--flavor",
-        default="sglang",
-        choices=["sglang", "vllm"],
-        help="whose image contract the mock enforces",
+        "--endpoint-host",
+        default=_env("DYN_ENDPOINT_HOST", defaults.DEFAULT_ENDPOINT_HOST),
+        help="address to bind the request plane on, advertised in the card "
+        f"(env DYN_ENDPOINT_HOST; default {defaults.DEFAULT_ENDPOINT_HOST})",
     )
     worker.add_argument(
-        "--token-delay", type=float, default=0.02, metavar="SECONDS", help="mock engine delay per token"
+        "--heartbeat",
+        type=float,
+        default=DEFAULT_HEARTBEAT_S,
+        metavar="SECONDS",
+        help=f"seconds between announces (default {DEFAULT_HEARTBEAT_S:g})",
+    )
+    worker.add_argument(
+        "--ttl-ms",
+        type=int,
+        default=DEFAULT_TTL_MS,
+        help=f"how long frontends keep this instance without news (default {DEFAULT_TTL_MS})",
+    )
+    worker.add_argument(
+        "--engine", default="mock", choices=defaults.ENGINES, help="the engine behind the worker"
+    )
+    worker.add_argument(
+        "--flavor", default="sglang", choices=FLAVORS, help="whose image contract the mock enforces"
+    )
+    worker.add_argument(
+        "--token-delay",
+        type=float,
+        default=defaults.DEFAULT_TOKEN_DELAY_S,
+        metavar="SECONDS",
+        help=f"mock engine delay per token (default {defaults.DEFAULT_TOKEN_DELAY_S:g})",
+    )
+    worker.add_argument(
+        "--replies",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='mock engine: scripted replies, JSON Lines {"when": SUBSTRING, ...} with one of segments, '
+        "text or token_ids; the first whose when occurs in the last user message is streamed",
+    )
+    worker.add_argument(
+        "--reply-format",
+        default=DEFAULT_REPLY_FORMAT,
+        choices=REPLY_FORMATS,
+        help="mock engine, when no scripted reply matches: the echo in the model's own answer format "
+        "(think channel, response, a call of the first declared tool; the default), or as plain text",
     )
     worker.add_argument(
         "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
@@ -178,15 +217,38 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--drain-timeout",
         type=float,
-        default=5.0,
+        default=defaults.DEFAULT_DRAIN_TIMEOUT_S,
         metavar="SECONDS",
-        help="on SIGTERM, how long in-flight requests may finish",
+        help="on SIGTERM, how long in-flight requests may finish "
+        f"(default {defaults.DEFAULT_DRAIN_TIMEOUT_S:g})",
     )
     worker.add_argument(
         "--metrics-port",
         type=int,
         default=None,
         help="serve dynamo_worker_* Prometheus metrics on this port (default off; 0: a free port, logged)",
+    )
+    worker.add_argument(
+        "--kv-events",
+        action="store_true",
+        help="mock engine: keep a paged prefix cache (blocks of the card's kv_cache_block_size) and publish "
+        "its KV events (vLLM's wire; the addresses go into the announce)",
+    )
+    worker.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --kv-events: cache capacity in blocks, unused ones evicted least recently used first "
+        f"(default {defaults.DEFAULT_KV_BLOCKS})",
+    )
+    worker.add_argument(
+        "--prefill-ms-per-1k",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="with --kv-events: prefill delay per 1000 prompt tokens not in the cache "
+        f"(default {defaults.DEFAULT_PREFILL_MS_PER_1K:g})",
     )
     _add_discovery_client(worker)
     worker.set_defaults(handler=_worker)
@@ -221,6 +283,7 @@ def _add_frontend(commands: Any) -> None:
         "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
     )
     _add_http(frontend)
+    _add_routing(frontend)
     frontend.set_defaults(handler=_frontend)
 
 
@@ -252,6 +315,33 @@ def _add_http(command: Any) -> None:
         metavar="SECONDS",
         help="per-request deadline, queueing included (env DYN_REQUEST_TIMEOUT; "
         f"default {defaults.DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
+
+
+def _add_routing(command: Any) -> None:
+    """The routing flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
+    defaults = frontend_defaults
+    command.add_argument(
+        "--router-mode",
+        default=_env("DYN_ROUTER_MODE", defaults.DEFAULT_ROUTER_MODE),
+        choices=defaults.ROUTER_MODES,
+        help="round-robin, or kv: each request goes to the instance whose KV cache holds most of its "
+        "prefix, balanced by load (from the engines' own KV events; env DYN_ROUTER_MODE; "
+        f"default {defaults.DEFAULT_ROUTER_MODE})",
+    )
+    command.add_argument(
+        "--kv-overlap-score-weight",
+        type=float,
+        default=_env_float("DYN_KV_OVERLAP_SCORE_WEIGHT", defaults.DEFAULT_KV_OVERLAP_SCORE_WEIGHT),
+        help="kv mode: weight of the blocks still to prefill against the blocks already busy "
+        f"(env DYN_KV_OVERLAP_SCORE_WEIGHT; default {defaults.DEFAULT_KV_OVERLAP_SCORE_WEIGHT:g})",
+    )
+    command.add_argument(
+        "--router-temperature",
+        type=float,
+        default=_env_float("DYN_ROUTER_TEMPERATURE", defaults.DEFAULT_ROUTER_TEMPERATURE),
+        help="kv mode: 0 picks the cheapest instance; higher samples among them "
+        f"(env DYN_ROUTER_TEMPERATURE; default {defaults.DEFAULT_ROUTER_TEMPERATURE:g})",
     )
 
 
@@ -382,7 +472,7 @@ def _render_json(output: dict[str, Any]) -> str:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from dynamo_prep.worker import run_worker  # noqa: PLC0415
+    from dynamo_prep.worker.process import run_worker  # noqa: PLC0415
 
     return run_worker(
         model_path=args.model_path,
@@ -399,9 +489,14 @@ def _worker(args: argparse.Namespace) -> int:
         engine=args.engine,
         flavor=args.flavor,
         token_delay_s=args.token_delay,
+        replies=args.replies,
+        reply_format=args.reply_format,
         migration_limit=args.migration_limit,
         drain_timeout_s=args.drain_timeout,
         metrics_port=args.metrics_port,
+        kv_events=args.kv_events,
+        kv_blocks=args.kv_blocks,
+        prefill_ms_per_1k=args.prefill_ms_per_1k,
     )
 
 
@@ -420,6 +515,9 @@ def _frontend(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
+        router_mode=args.router_mode,
+        kv_overlap_score_weight=args.kv_overlap_score_weight,
+        router_temperature=args.router_temperature,
     )
 
 

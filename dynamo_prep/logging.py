@@ -10,6 +10,8 @@ from typing import Any, Literal, TextIO
 import structlog
 
 LogFormat = Literal["json", "console"]
+# The longest peer- or client-supplied text (an error, a detail) a log line carries.
+DETAIL_CHARS = 300
 _configured = False
 
 

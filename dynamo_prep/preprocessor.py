@@ -140,9 +140,18 @@ class OpenAIPreprocessor:
 
     def preprocess(self, request: ChatCompletionRequest | dict[str, Any] | bytes) -> PreprocessedRequest:
         """An OpenAI chat completion request as a ``PreprocessedRequest`` for a worker."""
+        return self.preprocess_prompt(request)[0]
+
+    def preprocess_prompt(
+        self, request: ChatCompletionRequest | dict[str, Any] | bytes
+    ) -> tuple[PreprocessedRequest, TokenizedPrompt]:
+        """``preprocess``, and the prompt it sent (where it left the model: ``rendered.open_channel``)."""
         chat = _parse(request)
         validate_sampling(chat)
         prompt = self.tokenize(chat)
+        return self._preprocessed(chat, prompt), prompt
+
+    def _preprocessed(self, chat: ChatCompletionRequest, prompt: TokenizedPrompt) -> PreprocessedRequest:
         max_tokens = self._max_tokens(chat, len(prompt.token_ids))
         return PreprocessedRequest(
             model=chat.model,
@@ -150,7 +159,8 @@ class OpenAIPreprocessor:
             stop_conditions=StopConditions(
                 max_tokens=max_tokens,
                 min_tokens=chat.min_tokens,
-                stop=stop_strings(chat.stop),
+                # Stop strings are not sent: the frontend applies them to the answer's content
+                # (an engine would also stop on them inside reasoning or tool-call markup).
                 stop_token_ids=list(chat.stop_token_ids or []),
                 stop_token_ids_hidden=[] if chat.ignore_eos else list(self.tokenizer.eos_token_ids),
                 ignore_eos=chat.ignore_eos,

@@ -70,11 +70,14 @@ class RenderedPrompt(msgspec.Struct, frozen=True):
     ``pieces`` is None for a prompt that is tokenized as one string (strict HF tokenization);
     when present, joining the pieces' texts gives ``text``. ``image_count`` is the number of image
     placeholders the formatter rendered, checked against the request's image parts.
+    ``open_channel`` is the output channel the prompt leaves open for the model (``think`` or
+    ``response``); None when the model opens its own (an answer parser starts from it).
     """
 
     text: str
     pieces: Sequence[Piece] | None = None
     image_count: int = 0
+    open_channel: str | None = None
 
     @property
     def segments(self) -> list[Segment] | None:

@@ -18,10 +18,12 @@ broker and connect the watch to its XPUB (``--discovery``), like a frontend behi
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import signal
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -31,10 +33,12 @@ from typing import Any, TextIO
 
 import structlog
 import zmq
+import zmq.asyncio
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.registry import (
     CardRejected,
     ChecksumMismatch,
@@ -47,6 +51,7 @@ from dynamo_prep.discovery.registry import (
     RegistryEvent,
     RuntimeConfigConflict,
 )
+from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.discovery import (
@@ -63,6 +68,7 @@ __all__ = ["Change", "InstanceRow", "PlaneView", "run_watch"]
 log = structlog.get_logger("dynamo_prep.watch")
 
 PIPE_WIDTH = 200
+KV_STOP_S = 2.0
 POLL_MS = 250  # the table's refresh period and the bound on reacting to a stop signal
 Change = dict[str, Any]
 
@@ -93,11 +99,43 @@ class InstanceRow:
         }
 
 
+class KvFollower:
+    """The plane's KV events, followed on a thread with its own event loop (the same subscriber and
+    index a frontend in kv mode runs), so the table can say how many blocks each instance holds."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._context = zmq.asyncio.Context()
+        self._routing = KvRouting(context=self._context)
+        self._thread = threading.Thread(target=self._main, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._routing.subscriber.run())
+
+    def added(self, card: ModelDeploymentCard, instance: Instance) -> None:
+        self._loop.call_soon_threadsafe(self._routing.instance_added, card, instance)
+
+    def removed(self, model: str, instance: Instance) -> None:
+        self._loop.call_soon_threadsafe(self._routing.instance_removed, model, instance)
+
+    def blocks(self, model: str, instance_id: str) -> int:
+        """Blocks the instance's engine holds, as far as its events have said (0 before any)."""
+        return self._routing.blocks_held(model).get(instance_id, 0)
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._routing.subscriber.close)
+        self._thread.join(KV_STOP_S)
+        self._context.destroy(linger=0)
+
+
 @dataclass
 class PlaneView:
     """The registry plus a row per live instance; each call returns the changes it caused."""
 
     namespace: str
+    kv: KvFollower | None = None
     registry: DiscoveryRegistry = field(default_factory=DiscoveryRegistry)
     rows: dict[str, InstanceRow] = field(default_factory=dict)
     counters: Counter[str] = field(default_factory=Counter)
@@ -129,10 +167,19 @@ class PlaneView:
 
     def snapshot(self, now: float) -> Change:
         rows = sorted(self.rows.values(), key=lambda row: (row.model, row.instance.instance_id))
-        instances = [{**row.fields(), "heartbeat_age_s": round(now - row.seen_at, 3)} for row in rows]
+        instances = [
+            {**row.fields(), "heartbeat_age_s": round(now - row.seen_at, 3), "kv_blocks": self.kv_blocks(row)}
+            for row in rows
+        ]
         return {"event": "snapshot", "models": self.registry.model_names(), "instances": instances}
 
     # -- internals ---------------------------------------------------------------------------
+
+    def kv_blocks(self, row: InstanceRow) -> int | None:
+        """Blocks the instance holds (None: it publishes no KV events, or they are not followed)."""
+        if self.kv is None or row.instance.kv_events is None:
+            return None
+        return self.kv.blocks(row.model, row.instance.instance_id)
 
     def _dropped(self) -> int:
         return self.registry.counters["duplicate"] + self.registry.counters["stale"]
@@ -167,6 +214,8 @@ class PlaneView:
                 instance = event.instance
                 self.rows.pop(instance.instance_id, None)
                 self._legacy.pop(instance.instance_id, None)
+                if self.kv is not None:
+                    self.kv.removed(event.model, instance)
                 return {
                     "event": "instance_removed",
                     "model": event.model,
@@ -208,6 +257,9 @@ class PlaneView:
 
     def _instance(self, event: InstanceAdded) -> Change:
         """A new row (``instance_added``), or a live row's new record (``instance_changed``)."""
+        card = self.registry.model_card(event.model)
+        if self.kv is not None and card is not None:
+            self.kv.added(card, event.instance)
         row = self.rows.get(event.instance.instance_id)
         if row is not None:
             row.instance, row.model, row.mdcsum = event.instance, event.model, event.mdcsum
@@ -241,6 +293,7 @@ def render_table(view: PlaneView, now: float) -> Table:
         "model",
         "instance",
         "declared token",
+        "kv blocks",
         "legacy",
         "endpoint",
         "heartbeat age",
@@ -251,9 +304,10 @@ def render_table(view: PlaneView, now: float) -> Table:
     for row in sorted(view.rows.values(), key=lambda row: (row.model, row.instance.instance_id)):
         legacy = ", ".join(f"{key}={value}" for key, value in row.legacy.items())
         instance = row.instance
+        blocks = view.kv_blocks(row)
         table.add_row(row.model, instance.instance_id[:12], declared_label(instance.declared_token),
-                      legacy or "-", instance.endpoint, f"{now - row.seen_at:.1f}s", str(row.seq),
-                      row.mdcsum[:12])  # fmt: skip
+                      "-" if blocks is None else str(blocks), legacy or "-", instance.endpoint,
+                      f"{now - row.seen_at:.1f}s", str(row.seq), row.mdcsum[:12])  # fmt: skip
     return table
 
 
@@ -290,7 +344,7 @@ def run_watch(
     log.info(
         "watch_started", discovery=list(discovery), bind=list(bind), namespace=namespace, json=json_lines
     )
-    view = PlaneView(namespace)
+    view = PlaneView(namespace, kv=KvFollower())
     try:
         stopping: list[signal.Signals] = []
         with on_stop_signals(stopping.append):
@@ -300,6 +354,8 @@ def run_watch(
     finally:
         socket.close(linger=0)
         context.term()
+        if view.kv is not None:
+            view.kv.close()
     log.info("watch_stopped", messages=view.counters["messages"])
     return EXIT_OK
 

@@ -802,11 +802,13 @@ runtime_configs = st.builds(
         st.none(), st.sampled_from([MEDIA_PAD, "<|kimi_image_placeholder|>"]), card_texts
     ),
 )
+# What the card schema admits (names of 1-256 characters, file names of at most 128, 32 files).
+card_names = card_texts.filter(bool)  # card_texts are at most 16 characters
 cards = st.builds(
     ModelDeploymentCard,
-    display_name=card_texts,
-    slug=card_texts,
-    model_type=st.one_of(st.none(), st.sampled_from(["kimi_k3", "qwen2_vl"]), card_texts),
+    display_name=card_names,
+    slug=card_names,
+    model_type=st.one_of(st.none(), st.sampled_from(["kimi_k3", "qwen2_vl"]), card_names),
     model_input=st.one_of(st.just("tokens"), card_texts),
     context_length=card_ints,
     kv_cache_block_size=card_ints,

@@ -56,7 +56,7 @@ def reference_pieces(text: str, window: int, limit: int) -> list[str]:
 
 
 class NaiveStops:
-    """The Detokenizer's stop-string rule, as plainly as possible."""
+    """The stop-string rule of the answer layer, as plainly as possible (the matcher it replaced)."""
 
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [stop for stop in stops if stop]

@@ -87,3 +87,12 @@ def test_broker_bind_failure_exits_1(procs: list[DynamoProcess]) -> None:
     procs.append(broker)
     assert broker.wait(5) == 1
     assert broker.find("broker_start_failed")
+
+
+def test_a_plain_broker_reachable_from_other_hosts_says_so_loudly(procs: list[DynamoProcess]) -> None:
+    exposed = start_dynamo("broker", "--xsub", "tcp://0.0.0.0:0", "--xpub", tcp_endpoint(), log_level="info")
+    procs.append(exposed)
+    line = exposed.wait_event("discovery_plane_open")
+    assert line["level"] == "error" and line["exposed"] and "CURVE" in line["hint"]
+    local = start_broker(procs, tcp_endpoint(), tcp_endpoint())  # loopback: nothing to shout about
+    assert not local.find("discovery_plane_open")

@@ -30,7 +30,7 @@ from dynamo_prep import cli
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS
 from dynamo_prep.discovery.trust import ClientCurve, ServerCurve, generate_keys
 from dynamo_prep.frontend.http_server import GRACE_S
-from dynamo_prep.worker import STOP_TIMEOUT_S
+from dynamo_prep.worker.server import STOP_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

@@ -13,7 +13,8 @@ import structlog
 
 from dynamo_prep.card import ModelCardError
 from dynamo_prep.engines import sglang, vllm
-from dynamo_prep.engines.sglang import (
+from dynamo_prep.engines.declare import declared_image_token
+from dynamo_prep.engines.sglang_standins import (
     EngineStandIn,
     ImageProcessorStandIn,
     KimiK3ImageProcessorStandIn,
@@ -184,15 +185,43 @@ def test_k3_standin_without_media_placeholder_id_names_the_file(tmp_path: Path) 
 
 @pytest.mark.parametrize("engine", [None, object(), engine_with(KimiK3ImageProcessorStandIn(K3_CONFIG))])
 def test_vllm_declares_nothing(engine: object | None) -> None:
-    assert vllm.declared_image_token(engine) is None  # type: ignore[func-returns-value]
+    assert declared_image_token(engine, "vllm") is None
 
 
-def test_vllm_checkpoint_placeholder(tmp_path: Path) -> None:
-    assert vllm.checkpoint_image_placeholder("kimi-k3-demo") == "<|kimi_image_placeholder|>"
-    assert vllm.checkpoint_image_placeholder("qwen-vl-demo") is None
-    assert vllm.checkpoint_image_placeholder(model_dir_with(tmp_path, model_type="kimi_k3")) == (
+def test_the_flavor_picks_the_adapter() -> None:
+    engine = engine_with(KimiK3ImageProcessorStandIn(K3_CONFIG))
+    assert declared_image_token(engine, "sglang") == "<|media_pad|>"
+    with pytest.raises(ValueError, match="unknown engine flavor 'trtllm'"):
+        declared_image_token(engine, "trtllm")  # type: ignore[arg-type]
+
+
+def test_vllm_expands_the_checkpoint_placeholder(tmp_path: Path) -> None:
+    assert vllm.expanded_image_placeholder("kimi-k3-demo") == "<|kimi_image_placeholder|>"
+    assert vllm.expanded_image_placeholder("qwen-vl-demo") is None
+    assert vllm.expanded_image_placeholder(model_dir_with(tmp_path, model_type="kimi_k3")) == (
         "<|kimi_image_placeholder|>"
     )
     custom = tmp_path / "custom"
     custom.mkdir()
-    assert vllm.checkpoint_image_placeholder(model_dir_with(custom, image_placeholder="<img>")) == "<img>"
+    assert vllm.expanded_image_placeholder(model_dir_with(custom, image_placeholder="<img>")) == "<img>"
+
+
+def test_kimi_k25_checkpoints_get_sglangs_kimi_k3_processor(tmp_path: Path) -> None:
+    engine = sglang_engine_standin(model_dir_with(tmp_path, **{**K3_CONFIG, "model_type": "kimi_k25"}))
+    assert engine.tokenizer_manager is not None
+    assert isinstance(engine.tokenizer_manager.mm_processor, KimiK3ImageProcessorStandIn)
+    assert sglang.declared_image_token(engine) == "<|media_pad|>"
+
+
+def test_without_a_model_type_the_directory_name_decides_kimi_k3(tmp_path: Path) -> None:
+    """The formatter's rule (``dynamo_prep.formatter.is_kimi_k3``), so engine and prompt agree."""
+    config = {key: K3_CONFIG[key] for key in K3_CONFIG if key not in ("model_type", "image_placeholder")}
+    named = tmp_path / "my-kimi-k3"
+    named.mkdir()
+    engine = sglang_engine_standin(model_dir_with(named, **config))
+    assert engine.tokenizer_manager is not None
+    assert isinstance(engine.tokenizer_manager.mm_processor, KimiK3ImageProcessorStandIn)
+    assert vllm.expanded_image_placeholder(named) == "<|kimi_image_placeholder|>"
+    other = tmp_path / "other"
+    other.mkdir()
+    assert vllm.expanded_image_placeholder(model_dir_with(other, **config)) is None

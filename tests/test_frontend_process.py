@@ -86,7 +86,7 @@ def test_workers_before_and_after_a_late_frontend_converge_at_once(
     assert time.monotonic() - joined < 6  # far below the 30 s heartbeat
     assert added["model"] == DEMO
     assert added["instance_id"] == instance_id(early)
-    declared = early.wait_event("worker_started")["image_placeholder_token"]  # depends on --flavor
+    declared = early.wait_event("worker_started")["declared_token"]  # depends on --flavor
     assert added["declared_token"] == declared
     assert added["rendered_token"] == (declared or KIMI_DEFAULT)
     assert added["formatter"] == "kimi_k3"
@@ -227,7 +227,7 @@ def test_two_brokers_deliver_twice_and_losing_one_loses_nothing(
 
 def test_frontend_config_defaults_to_the_embedded_plane() -> None:
     config = FrontendConfig.from_options()
-    assert config.bind == (DEFAULT_BIND,) == ("tcp://0.0.0.0:7555",)
+    assert config.bind == (DEFAULT_BIND,) == ("tcp://127.0.0.1:7555",)  # this machine only, unless told
     assert config.connect == ()
     assert config.curve is None
     brokers = FrontendConfig.from_options(discovery=["tcp://b1:7556", "tcp://b2:7556"], namespace="ns")

@@ -13,7 +13,9 @@ import pytest
 import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.mock import EngineContractError, Flavor, MockEngine, MockOutput, count_occurrences
+from dynamo_prep.engines.base import EngineContractError, Flavor
+from dynamo_prep.engines.mock import MockEngine, MockOutput
+from dynamo_prep.engines.mock_prompt import count_occurrences
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
@@ -31,7 +33,7 @@ MESSAGES: list[dict[str, Any]] = [
 @pytest.fixture(scope="module")
 def engines() -> dict[tuple[str, Flavor], MockEngine]:
     return {
-        (model, flavor): MockEngine(model, flavor=flavor)
+        (model, flavor): MockEngine(model, flavor=flavor, reply_format="echo")
         for model in ("kimi-k3-demo", "qwen-vl-demo")
         for flavor in ("sglang", "vllm")
     }
@@ -72,11 +74,13 @@ def test_declared_tokens(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
     assert engines["qwen-vl-demo", "vllm"].declared_image_token is None
 
 
-def test_unknown_flavor_and_negative_delay_are_rejected() -> None:
+def test_unknown_flavor_reply_format_and_negative_delay_are_rejected() -> None:
     with pytest.raises(ValueError, match="unknown mock engine flavor"):
         MockEngine("kimi-k3-demo", flavor="trtllm")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="token_delay_s"):
         MockEngine("kimi-k3-demo", flavor="vllm", token_delay_s=-1)
+    with pytest.raises(ValueError, match="unknown reply format 'xml'"):
+        MockEngine("kimi-k3-demo", flavor="vllm", reply_format="xml")  # type: ignore[arg-type]
 
 
 # --- the contracts -------------------------------------------------------------------------------
@@ -157,7 +161,7 @@ def test_a_text_only_model_rejects_any_image(tmp_path: Path, flavor: Flavor) -> 
     shutil.copytree(DEMO_MODELS_DIR / "qwen-vl-demo", model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
-    engine = MockEngine(model_dir, flavor=flavor)
+    engine = MockEngine(model_dir, flavor=flavor, reply_format="echo")
     assert engine.declared_image_token is None
     text_only = preprocess("qwen-vl-demo", None, [{"role": "user", "content": "hi"}])
     engine.check_contract(text_only)
@@ -214,9 +218,16 @@ async def test_max_tokens_finishes_with_length(engines: dict[tuple[str, Flavor],
     assert outputs[-1].completion_tokens == 5
 
 
+def with_stop_strings(request: PreprocessedRequest, stop: list[str]) -> PreprocessedRequest:
+    """Dynamo's ``stop`` field set by hand: this frontend applies stop strings itself and leaves it
+    empty, but an engine (the mock included) honours it."""
+    conditions = msgspec.structs.replace(request.stop_conditions, stop=stop)
+    return msgspec.structs.replace(request, stop_conditions=conditions)
+
+
 async def test_a_stop_string_cuts_the_reply(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
     engine = engines["kimi-k3-demo", "vllm"]
-    request = rendered_for(engine, stop=["You said"])
+    request = with_stop_strings(rendered_for(engine), ["You said"])
     outputs = await collect(engine, request)
     reply = reply_of(engine, outputs)
     full = engine.reply_text(request)
@@ -230,7 +241,7 @@ async def test_a_stop_string_inside_a_token_drops_that_token(
     engines: dict[tuple[str, Flavor], MockEngine],
 ) -> None:
     engine = engines["qwen-vl-demo", "sglang"]
-    outputs = await collect(engine, rendered_for(engine, stop=["mag"]))  # inside "image"
+    outputs = await collect(engine, with_stop_strings(rendered_for(engine), ["mag"]))  # inside "image"
     reply = reply_of(engine, outputs)
     assert "mag" not in reply
     assert reply.startswith("[mock sglang] 2")
@@ -238,7 +249,7 @@ async def test_a_stop_string_inside_a_token_drops_that_token(
 
 
 async def test_cancellation_stops_the_generator_promptly() -> None:
-    engine = MockEngine("kimi-k3-demo", flavor="sglang", token_delay_s=0.05)
+    engine = MockEngine("kimi-k3-demo", flavor="sglang", token_delay_s=0.05, reply_format="echo")
     request = rendered_for(engine)
     received: list[MockOutput] = []
 

@@ -7,13 +7,15 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq.asyncio
 from support.plane import SubCollector, tcp_endpoint, write_model_dir
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
 from dynamo_prep.discovery.publisher import CardPublisher, card_payload
-from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage, Withdraw
+from dynamo_prep.discovery.registry import DiscoveryRegistry, InstanceAdded
+from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage, KvEventsEndpoint, Withdraw
 
 LONG_HEARTBEAT_S = 30.0
 
@@ -163,3 +165,44 @@ async def test_legacy_announce_on_the_wire(
     assert decoded.legacy == {"expands_image_pad_token": True}
     assert decoded.card.mdcsum() == legacy_card.mdcsum()
     await running.stop()
+
+
+# --- kv_events: the optional address of the instance's KV-event publisher --------------------------
+
+WIRE_V1_KEYS = {"kind", "v", "instance_id", "seq", "sent_ms", "ttl_ms", "endpoint", "card"}
+KV = KvEventsEndpoint(endpoint="tcp://10.0.0.7:5557", replay_endpoint="tcp://10.0.0.7:5558", topic="kv")
+
+
+async def test_an_announce_without_kv_events_has_exactly_the_wire_v1_keys(
+    card: ModelDeploymentCard, context: zmq.asyncio.Context, collectors: list[SubCollector]
+) -> None:
+    address = tcp_endpoint()
+    sub = bound(collectors, address)
+    running = start(card, context, address)
+    await wait(sub, is_announce)
+    await running.stop()
+    payload = msgspec.msgpack.decode(sub.snapshot()[0].payload)
+    assert set(payload) == WIRE_V1_KEYS
+
+
+async def test_kv_events_are_in_every_announce_and_reach_the_registry_record(
+    card: ModelDeploymentCard, context: zmq.asyncio.Context, collectors: list[SubCollector]
+) -> None:
+    address = tcp_endpoint()
+    sub = bound(collectors, address)
+    running = start(card, context, address, kv_events=KV, heartbeat_s=0.1)
+    await wait(sub, is_announce, count=2)
+    await running.stop()
+    received = [r for r in sub.snapshot() if isinstance(r.decode(), Announce)]
+    payloads = [msgspec.msgpack.decode(r.payload) for r in received]
+    assert all(set(p) == WIRE_V1_KEYS | {"kv_events"} for p in payloads)
+    assert payloads[0]["kv_events"] == {
+        "endpoint": "tcp://10.0.0.7:5557",
+        "replay_endpoint": "tcp://10.0.0.7:5558",
+        "topic": "kv",
+    }
+    registry = DiscoveryRegistry()
+    events = registry.apply(received[0].decode(), now=0.0)
+    [added] = [event for event in events if isinstance(event, InstanceAdded)]
+    assert added.instance.instance_id == running.publisher.instance_id
+    assert added.instance.kv_events == KV

@@ -377,16 +377,46 @@ def test_runtime_config_change_of_a_later_instance_is_reported(k3_card: ModelDep
     assert registry.model_of("b") == "kimi-k3-demo"
 
 
-def test_instance_cap_refuses_new_instances(k3_card: ModelDeploymentCard) -> None:
+def test_a_full_table_evicts_the_oldest_instance_of_an_unserved_model(k3_card: ModelDeploymentCard) -> None:
     registry = DiscoveryRegistry(max_instances=2)
     raw = card_bytes(k3_card)
     registry.apply(announce("a", 1, raw), now=0.0)
     registry.apply(announce("b", 1, raw), now=0.0)
     events = registry.apply(announce("c", 1, raw), now=0.0)
+    assert kinds(events) == ["InstanceRemoved", "InstanceAdded"]
+    assert events[0] == InstanceRemoved(K3, instance("a"), "evicted")
+    # once the frontend serves the model (built), its instances are never evicted for newcomers
+    registry.confirm(K3)
+    events = registry.apply(announce("d", 1, raw), now=0.1)
     assert len(events) == 1 and isinstance(events[0], CardRejected)
     assert events[0].reason == "too_many_instances"
-    # known instances keep working
-    assert registry.apply(announce("a", 2, raw), now=0.1) == []
+    assert registry.apply(announce("b", 2, raw), now=0.1) == []  # known instances keep working
+
+
+def test_junk_cannot_push_out_the_instances_of_a_served_model(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry(max_instances=3)
+    registry.apply(announce("real", 1, card_bytes(k3_card)), now=0.0)
+    registry.confirm(K3)
+    for index in range(10):  # a flood of spoofed names: each evicts the previous junk, never "real"
+        junk = msgspec.structs.replace(k3_card, display_name=f"junk-{index}")
+        registry.apply(announce(f"junk-{index}", 1, card_bytes(junk)), now=0.1)
+    assert registry.model_of("real") == K3
+    assert len(registry.model_names()) == 3
+    # a second real worker still gets in: it evicts junk
+    assert "InstanceAdded" in kinds(registry.apply(announce("real-2", 1, card_bytes(k3_card)), now=0.2))
+
+
+def test_a_model_holds_at_most_its_per_model_cap(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry(max_instances_per_model=2)
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 1, raw), now=0.0)
+    registry.apply(announce("b", 1, raw), now=0.0)
+    events = registry.apply(announce("c", 1, raw), now=0.0)
+    assert [event.reason for event in events if isinstance(event, CardRejected)] == [
+        "too_many_instances_of_model"
+    ]
+    registry.apply(withdraw("a", 2), now=0.1)
+    assert kinds(registry.apply(announce("c", 2, raw), now=0.2)) == ["InstanceAdded"]
 
 
 def test_runtime_config_defaults_compare_equal(k3_card: ModelDeploymentCard) -> None:
@@ -394,3 +424,29 @@ def test_runtime_config_defaults_compare_equal(k3_card: ModelDeploymentCard) -> 
     registry = DiscoveryRegistry()
     registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
     assert kinds(registry.apply(announce("b", 1, card_bytes(explicit)), now=0.0)) == ["InstanceAdded"]
+
+
+def test_a_forged_huge_seq_cannot_lock_the_real_sender_out(k3_card: ModelDeploymentCard) -> None:
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 100, raw), now=0.0)
+    forged = announce("a", 2**64 - 1, raw, ttl_ms=600_000, endpoint="tcp://10.6.6.6:1")
+    events = registry.apply(forged, now=0.1)
+    assert kinds(events) == ["CardRejected"] and events[0].reason == "seq_jump"  # type: ignore[union-attr]
+    snapshot = registry.model(K3)
+    assert snapshot is not None and snapshot.instances["a"].endpoint == ENDPOINT
+    assert registry.apply(announce("a", 101, raw), now=0.2) == []  # the worker goes on as before
+
+
+def test_a_huge_seq_first_seen_is_replaced_by_the_real_senders_next_announce(
+    k3_card: ModelDeploymentCard,
+) -> None:
+    """A frontend that starts after the forgery saw no earlier seq: the real sender's far lower seq
+    restarts the sequence instead of being dropped as stale for the forger's TTL."""
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    registry.apply(announce("a", 2**64 - 1, raw, ttl_ms=600_000, endpoint="tcp://10.6.6.6:1"), now=0.0)
+    events = registry.apply(announce("a", 7, raw), now=0.5)
+    assert events == [InstanceAdded(K3, instance("a"), k3_card.mdcsum())]
+    assert registry.counters["seq_restart"] == 1
+    assert registry.apply(announce("a", 6, raw), now=0.6) == []  # ordinary staleness still holds

@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
+import zmq
+import zmq.asyncio
 from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
@@ -22,10 +24,11 @@ from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import ChatCompletionRequest, parse_chat_request
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
-from dynamo_prep.protocol.wire import Output
+from dynamo_prep.protocol.wire import Cancel, Generate, Output
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -36,7 +39,7 @@ LONG_TEXT = "Please describe every detail of this picture, slowly and carefully,
 @pytest.fixture(scope="module")
 def mock() -> MockEngine:
     """The same engine the sglang worker runs: the expected replies, computed locally."""
-    return MockEngine(DEMO, flavor="sglang")
+    return MockEngine(DEMO, flavor="sglang", reply_format="echo")
 
 
 def chat(text: str = "Describe it.", **fields: Any) -> ChatCompletionRequest:
@@ -77,6 +80,19 @@ def record() -> RequestRecord:
     return RequestRecord("r", "/v1/chat/completions", FrontendMetrics())
 
 
+async def through(
+    policy: Migration,
+    model: LiveModel,
+    request: ChatCompletionRequest,
+    request_id: str,
+    served_by: RequestRecord,
+) -> AsyncIterator[Output]:
+    """The outputs of one request through the migration policy (rendered, picked, streamed)."""
+    journey = await policy.begin(model, request, request_id=request_id, record=served_by, timeout_s=30)
+    async for output in policy.outputs(journey):
+        yield output
+
+
 @pytest.fixture
 def plane() -> Iterator[str]:
     address = tcp_endpoint()
@@ -90,7 +106,16 @@ def workers(plane: str) -> Iterator[Any]:
 
     def start(*extra: str) -> tuple[DynamoProcess, str]:
         proc = start_dynamo(
-            "worker", "--model-path", DEMO, "--flavor", "sglang", "--discovery", plane, *extra
+            "worker",
+            "--model-path",
+            DEMO,
+            "--flavor",
+            "sglang",
+            "--reply-format",
+            "echo",
+            "--discovery",
+            plane,
+            *extra,
         )
         started.append(proc)
         return proc, proc.wait_event("worker_started")["endpoint"]
@@ -125,7 +150,7 @@ async def test_streamed_generation_with_usage(
     assert final.prompt_tokens == len(request.token_ids)
     assert final.completion_tokens == len(mock.tokenizer.encode(mock.reply_text(request)))
     declared = proc.wait_event("worker_declared_image_token")
-    assert (declared["token"], declared["source"]) == (MEDIA_PAD, "engine")
+    assert (declared["declared_token"], declared["source"]) == (MEDIA_PAD, "engine")
 
 
 async def test_checkpoint_default_sent_to_sglang_is_a_400(workers: Any, client: RequestPlaneClient) -> None:
@@ -210,7 +235,7 @@ async def test_migration_finishes_on_another_worker(
     policy, model = migration(client, [a, b], migration_limit=1)
     served = record()
     outputs: list[Output] = []
-    stream = policy.outputs(model, chat(LONG_TEXT), request_id="m1", record=served, timeout_s=30)
+    stream = through(policy, model, chat(LONG_TEXT), "m1", served)
     async for output in stream:
         outputs.append(output)
         if len(outputs) == 5:
@@ -234,9 +259,7 @@ async def test_migration_moves_to_another_declaration_with_a_prompt_rendered_for
     vllm = Instance(instance_id="b", endpoint=second_endpoint, declared_token=None)
     policy, model = migration(client, [sglang, vllm], migration_limit=1)
     outputs: list[Output] = []
-    async for output in policy.outputs(
-        model, chat(LONG_TEXT), request_id="x1", record=record(), timeout_s=30
-    ):
+    async for output in through(policy, model, chat(LONG_TEXT), "x1", record()):
         outputs.append(output)
         if len(outputs) == 3:
             first.kill()
@@ -253,7 +276,7 @@ async def test_migration_limit_zero_reraises(workers: Any, client: RequestPlaneC
     a = Instance(instance_id="a", endpoint=endpoint, declared_token=MEDIA_PAD)
     b = Instance(instance_id="b", endpoint=other, declared_token=MEDIA_PAD)
     policy, model = migration(client, [a, b], migration_limit=0)
-    stream = policy.outputs(model, chat(), request_id="z1", record=record(), timeout_s=30)
+    stream = through(policy, model, chat(), "z1", record())
     await anext(stream)
     first.kill()
     client.endpoint_lost(endpoint)
@@ -295,3 +318,86 @@ async def test_hundred_concurrent_requests_share_one_dealer(
     texts = await asyncio.gather(*(run(i) for i in range(100)))
     assert texts == [mock.reply_text(request) for request in requests]
     assert len(client._channels) == 1
+
+
+async def test_an_instance_that_never_answers_is_failed_over_fast_and_then_avoided(
+    workers: Any, client: RequestPlaneClient, mock: MockEngine
+) -> None:
+    """A forged or black-holed announce (here: a ROUTER that reads and never answers) costs one
+    request the connect timeout, not the stall timeout, moves it for free (migration_limit 0), and
+    later requests route around it."""
+    _, endpoint = workers("--token-delay", "0")
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
+        real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
+        policy, model = migration(client, [hole, real], migration_limit=0)
+        first = record()
+        started = time.monotonic()
+        outputs = [o async for o in through(policy, model, chat(), "h1", first)]
+        assert outputs[-1].finish_reason == "stop" and first.instance_id == "b"
+        assert time.monotonic() - started < client.stall_timeout_s + 1.0  # the connect timeout, not a stall
+        assert hole.endpoint in client.unreachable_endpoints()
+        received = len(_drain(silent))
+        for index in range(3):
+            again = record()
+            [o async for o in through(policy, model, chat(), f"h{index + 2}", again)]
+            assert again.instance_id == "b"
+        assert len(_drain(silent)) == 0 and received >= 1  # never sent there again
+    finally:
+        silent.close(linger=0)
+        context.term()
+
+
+def _drain(socket: zmq.Socket[Any]) -> list[list[bytes]]:
+    frames = []
+    while socket.poll(0):
+        frames.append(socket.recv_multipart())
+    return frames
+
+
+async def test_a_worker_streaming_past_max_tokens_is_cut_there_and_cancelled(
+    client: RequestPlaneClient,
+) -> None:
+    """A worker that ignores ``max_tokens`` (here: a hand-written ROUTER streaming 30 tokens, one
+    frame of 10 at a time) is cut at the limit with ``length``, and told to stop."""
+    context = zmq.asyncio.Context()
+    rogue = context.socket(zmq.ROUTER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.bind("tcp://127.0.0.1:*")
+    received: list[Any] = []
+
+    async def serve() -> None:
+        while True:
+            identity, payload = await rogue.recv_multipart()
+            message = wire.decode_to_worker(payload)
+            received.append(message)
+            if isinstance(message, Generate):
+                for step in range(3):
+                    output = Output(
+                        request_id=message.request_id,
+                        token_ids=list(range(10)),
+                        completion_tokens=10 * (step + 1),
+                    )
+                    await rogue.send_multipart([identity, wire.encode(output)])
+
+    server = asyncio.create_task(serve())
+    try:
+        instance = Instance(
+            instance_id="rogue", endpoint=rogue.getsockopt_string(zmq.LAST_ENDPOINT), declared_token=MEDIA_PAD
+        )
+        policy, model = migration(client, [instance], migration_limit=0)
+        outputs = [o async for o in through(policy, model, chat(max_tokens=5), "cut1", record())]
+        assert sum(len(o.token_ids) for o in outputs) == 5
+        assert (outputs[-1].finish_reason, outputs[-1].completion_tokens) == ("length", 5)
+        deadline = time.monotonic() + 5
+        while not any(isinstance(m, Cancel) for m in received):
+            assert time.monotonic() < deadline, "the worker was never told to stop"
+            await asyncio.sleep(0.01)
+    finally:
+        server.cancel()
+        rogue.close(linger=0)
+        context.term()

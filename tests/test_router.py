@@ -20,12 +20,10 @@ from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
-from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.discovery import Instance
-from dynamo_prep.tokenizer import Tokenizer
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -84,19 +82,6 @@ def test_a_mixed_pool_renders_each_declaration_with_a_shared_tokenizer() -> None
     to_vllm = vllm.preprocess(body).token_ids
     assert to_sglang.count(pad_id) == 2 and pad_id not in to_vllm
     assert _occurrences(to_vllm, shattered) == 2 and _occurrences(to_sglang, shattered) == 0
-
-
-def test_detokenizer_never_splits_a_character_and_hides_stop_strings(k3_demo_tokenizer: Tokenizer) -> None:
-    text = "naïve 日本語 🙂 done. STOP here"
-    ids = k3_demo_tokenizer.encode(text)
-    whole = Detokenizer(k3_demo_tokenizer)
-    pieces = [whole.push([token_id]) for token_id in ids] + [whole.finish()]
-    assert "".join(pieces) == text
-    assert all("\ufffd" not in piece for piece in pieces)
-    stopping = Detokenizer(k3_demo_tokenizer, ["STOP"])
-    seen = "".join(stopping.push([token_id]) for token_id in ids) + stopping.finish()
-    assert seen == "naïve 日本語 🙂 done. "
-    assert stopping.stopped
 
 
 def _occurrences(ids: list[int], pattern: list[int]) -> int:

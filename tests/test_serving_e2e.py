@@ -223,21 +223,39 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
     )  # fmt: skip
     watch: DynamoProcess | None = None
     try:
-        curl = wait_for(
-            lambda: next((line for line in up.raw if line.startswith("curl ")), None), 30, message="curl"
-        )
+        wait_for(lambda: len([line for line in up.raw if line.startswith("curl ")]) == 3, 30, message="curls")
         children = [event["pid"] for event in up.find("up_child_started")]
         assert len(children) == 3
-        served = set()
-        for _ in range(2):
+        image_curl, call_curl, result_curl = [line for line in up.raw if line.startswith("curl ")]
+        served = []
+        for _ in range(2):  # the same prompt twice: KV routing sends it back where it is cached
             out = subprocess.run(
-                shlex.split(curl), capture_output=True, text=True, timeout=30, check=True
+                shlex.split(image_curl), capture_output=True, text=True, timeout=30, check=True
             ).stdout
             assert out.rstrip().endswith("data: [DONE]"), out
             match = REPLY.match(sse_text(out))
             assert match is not None and match[2] == "1", out[:400]
-            served.add(match[1])
-        assert served == {"sglang", "vllm"}
+            served.append(match[1])
+        assert served[0] == served[1]
+        # The tool-calling exchange it prints: a call of get_weather, then the answer to its result;
+        # a new prompt, so it goes to the other worker (nobody caches half of it: the least loaded).
+        called = json.loads(
+            subprocess.run(
+                shlex.split(call_curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        )
+        assert called["choices"][0]["finish_reason"] == "tool_calls"
+        assert called["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        answered = json.loads(
+            subprocess.run(
+                shlex.split(result_curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        )
+        content = answered["choices"][0]["message"]["content"]
+        assert "sunny, 21 C" in content
+        assert {served[0], content.split("]")[0].removeprefix("[mock ")} == {"sglang", "vllm"}
+        up_frontend = (tmp_path / "frontend.log").read_text()
+        assert '"kv_overlap_blocks"' in up_frontend and '"router_mode": "kv"' in up_frontend
         assert f"dynamo-prep watch --bind {watch_address}" in "\n".join(up.raw)
         # The printed watch command shows the running cluster at once: both workers, each its token.
         watch = start_dynamo("watch", "--bind", watch_address, "--json", log_level="info")

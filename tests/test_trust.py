@@ -158,3 +158,42 @@ def test_curve_broker_authenticates_workers(
         allowed = curve_worker(procs, model, xsub, keys["allowed_secret"], keys["server_public"])
         frontend.wait_messages(lambda m: m.instance_id == allowed, count=5)
         assert unknown not in {m.instance_id for m in frontend.decoded()}
+
+
+def test_curve_broker_stops_forwarding_a_key_removed_from_the_allow_list(
+    tmp_path: Path, keys: dict[str, Path], procs: list[DynamoProcess]
+) -> None:
+    revoked_public, revoked_secret = generate_keys(tmp_path / "revoked", "worker-c")
+    shutil.copy(revoked_public, keys["allow"])
+    xsub, xpub = tcp_endpoint(), tcp_endpoint()
+    broker = start_dynamo(
+        "broker",
+        "--xsub",
+        xsub,
+        "--xpub",
+        xpub,
+        "--curve-secret-key",
+        str(keys["server_secret"]),
+        "--curve-allow-dir",
+        str(keys["allow"]),
+    )
+    procs.append(broker)
+    broker.wait_event("broker_started", curve=True)
+    with SubCollector(xpub, bind=False) as frontend:
+        model = write_model_dir(tmp_path / "m")
+        allowed = curve_worker(procs, model, xsub, keys["allowed_secret"], keys["server_public"])
+        revoked = curve_worker(procs, model, xsub, revoked_secret, keys["server_public"])
+        frontend.wait_messages(lambda m: m.instance_id == revoked, count=3)
+        (keys["allow"] / revoked_public.name).unlink()
+        line = broker.wait_event("curve_keys_revoked")
+        assert line["keys"] == [public_key(revoked_public)]
+
+        def heard(instance_id: str) -> int:
+            return sum(1 for m in frontend.decoded() if m.instance_id == instance_id)
+
+        # Ten more heartbeats of the allowed worker (one second) flush whatever was in flight; ten
+        # after that, the revoked worker (still running, still heartbeating) was not heard again.
+        frontend.wait_messages(lambda m: m.instance_id == allowed, count=heard(allowed) + 10)
+        before = heard(revoked)
+        frontend.wait_messages(lambda m: m.instance_id == allowed, count=heard(allowed) + 10)
+        assert heard(revoked) == before

@@ -23,13 +23,21 @@ from structlog.testing import LogCapture
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError, PreprocessorBuilder
+from dynamo_prep.discovery.eventlog import DiscoveryLog
 from dynamo_prep.discovery.files import ModelFileStore
 from dynamo_prep.discovery.trust import ClientCurve, ServerCurve, apply_client_curve, generate_keys
 from dynamo_prep.discovery.watcher import DiscoveryWatcher
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
-from dynamo_prep.protocol.discovery import Announce, Instance, Withdraw, encode_message, topic
+from dynamo_prep.protocol.discovery import (
+    Announce,
+    Instance,
+    Withdraw,
+    encode_message,
+    reachable_from_elsewhere,
+    topic,
+)
 
 K3 = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -472,11 +480,18 @@ async def test_build_result_is_dropped_when_the_model_left_meanwhile(
     assert not find(logs, "model_added")
 
 
-async def test_open_plane_is_announced_at_start(start: Start, logs: Logs) -> None:
+async def test_open_plane_is_announced_at_start_and_loud_when_reachable_from_elsewhere(
+    start: Start, logs: Logs
+) -> None:
     watcher, _ = await start()
     line = find(logs, "discovery_plane_open")[0]
-    assert line["log_level"] == "warning"
+    assert line["log_level"] == "info" and line["exposed"] == []  # loopback: this machine only
     assert line["addresses"] == watcher.addresses
+    assert reachable_from_elsewhere("tcp://0.0.0.0:7555") and reachable_from_elsewhere("tcp://10.0.0.5:1")
+    assert not reachable_from_elsewhere("tcp://127.0.0.1:7555") and not reachable_from_elsewhere("ipc:///x")
+    DiscoveryLog("dynamo").plane_open(["tcp://0.0.0.0:7555"], bound=True)
+    loud = find(logs, "discovery_plane_open")[-1]
+    assert loud["log_level"] == "error" and loud["exposed"] == ["tcp://0.0.0.0:7555"]
 
 
 async def test_curve_binds_each_instance_to_its_key(
@@ -532,3 +547,27 @@ async def test_curve_refuses_keys_outside_the_allow_list(
         assert watcher.counters["messages"] == 1
     finally:
         eve.close()
+
+
+async def test_a_key_removed_from_the_allow_list_takes_its_instances_with_it(
+    start: Start, logs: Logs, k3_card: ModelDeploymentCard, tmp_path: Path
+) -> None:
+    server_public, server_secret = generate_keys(tmp_path / "server", "frontend")
+    alice_public, alice_secret = generate_keys(tmp_path / "alice", "alice")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    (allow / alice_public.name).write_bytes(alice_public.read_bytes())
+    watcher, alice = await start(
+        curve=ServerCurve.load(server_secret, allow), peer_curve=ClientCurve.load(alice_secret, server_public)
+    )
+    await alice.publish(announce("alice", 1, card_bytes(k3_card), ttl_ms=60_000))
+    await wait_log(logs, "instance_added", instance_id="alice")
+    (allow / alice_public.name).unlink()
+    revoked = await wait_log(logs, "curve_keys_revoked")
+    assert revoked["keys"] == [ClientCurve.load(alice_secret, server_public).public_key.decode()]
+    await wait_log(logs, "instance_removed", instance_id="alice", reason="revoked")
+    assert watcher.registry.model_of("alice") is None
+    # The connection it already had is still open; what it sends on it is refused.
+    await alice.publish(announce("alice", 2, card_bytes(k3_card), ttl_ms=60_000))
+    await wait_log(logs, "card_rejected", reason="revoked_key")
+    assert watcher.registry.model_of("alice") is None

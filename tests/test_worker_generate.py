@@ -1,5 +1,5 @@
 """Worker-side generation (in process): Generate / Cancel / Ping, deadlines, drain, mock continuation,
-and ``dynamo_prep.register`` for real engine processes.
+and ``dynamo_prep.worker.register`` for real engine processes.
 
 The ``register`` tests use STAND-INS shaped like the real classes (``sglang_engine_standin``: an
 object with SGLang's ``tokenizer_manager.mm_processor.mm_tokens`` path and values; ``None`` for
@@ -17,15 +17,15 @@ from support.plane import SubCollector, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
 from dynamo_prep.engines.mock import MockContinuation, MockEngine, MockOutput
-from dynamo_prep.engines.sglang import sglang_engine_standin
+from dynamo_prep.engines.sglang_standins import sglang_engine_standin
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import Announce, Withdraw
+from dynamo_prep.protocol.discovery import Announce, Withdraw, now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
-from dynamo_prep.register import register
-from dynamo_prep.worker_generate import GenerationServer, wire_now_ms
+from dynamo_prep.worker.generate import GenerationServer
+from dynamo_prep.worker.register import register
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -58,12 +58,12 @@ class Replies:
 
 
 def generate(request: PreprocessedRequest, request_id: str = "r1", timeout_s: float = 5.0) -> Generate:
-    return Generate(request_id=request_id, request=request, deadline_ms=wire_now_ms() + int(timeout_s * 1000))
+    return Generate(request_id=request_id, request=request, deadline_ms=now_ms() + int(timeout_s * 1000))
 
 
 @pytest.fixture(scope="module")
 def engine() -> MockEngine:
-    return MockEngine(DEMO, flavor="sglang", token_delay_s=0.05)
+    return MockEngine(DEMO, flavor="sglang", token_delay_s=0.05, reply_format="echo")
 
 
 @pytest.fixture
@@ -72,7 +72,7 @@ def server(engine: MockEngine) -> GenerationServer:
 
 
 async def test_streams_every_token_then_one_final(server: GenerationServer, engine: MockEngine) -> None:
-    fast = MockEngine(DEMO, flavor="sglang")
+    fast = MockEngine(DEMO, flavor="sglang", reply_format="echo")
     server = GenerationServer(fast.generate, check=fast.check_contract)
     request = preprocess(MEDIA_PAD)
     replies = Replies()
@@ -147,7 +147,7 @@ async def test_drain_refuses_new_work_and_cancels_leftovers_with_503(server: Gen
 
 
 async def test_mock_continues_a_migrated_request(engine: MockEngine) -> None:
-    continuing = MockContinuation(MockEngine(DEMO, flavor="sglang"))
+    continuing = MockContinuation(MockEngine(DEMO, flavor="sglang", reply_format="echo"))
     request = preprocess(MEDIA_PAD)
     full = engine.tokenizer.encode(engine.reply_text(request))
     assert continuing.already_streamed(request) == 0
@@ -190,7 +190,7 @@ async def test_register_sglang_declares_its_processor_token_and_serves(
 ) -> None:
     """SGLang stand-in (real SGLang needs a GPU): the card declares ``<|media_pad|>``; Generate works."""
     address, collector = plane
-    fast = MockEngine(DEMO, flavor="sglang")
+    fast = MockEngine(DEMO, flavor="sglang", reply_format="echo")
 
     def stream(request: PreprocessedRequest) -> AsyncIterator[MockOutput]:
         return fast.generate(request)

@@ -18,8 +18,16 @@ from typing import Any
 import structlog
 import zmq
 
-from dynamo_prep.discovery.trust import ServerCurve, TrustError, apply_server_curve, start_authenticator
+from dynamo_prep.discovery.trust import (
+    AllowList,
+    ServerCurve,
+    TrustError,
+    apply_server_curve,
+    authenticated_key,
+    start_authenticator,
+)
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
+from dynamo_prep.protocol.discovery import OPEN_PLANE_HINT, reachable_from_elsewhere
 
 __all__ = ["Broker", "run_broker"]
 
@@ -45,7 +53,11 @@ class Broker:
         self._context: zmq.Context[Any] = context or zmq.Context()
         self._curve = curve
         self._stopping = False
-        self._authenticator = start_authenticator(self._context, curve.allow_dir) if curve else None
+        self._authenticator = None
+        self._allow: AllowList | None = None
+        if curve is not None:
+            self._authenticator = start_authenticator(self._context, curve.allow_dir)
+            self._allow = AllowList(curve.allow_dir, self._authenticator)
         self._xsub = self._context.socket(zmq.XSUB)
         self._xpub = self._context.socket(zmq.XPUB)
         try:
@@ -78,9 +90,16 @@ class Broker:
         while not self._stopping:
             events = dict(poller.poll(POLL_MS))
             if self._xsub in events:
-                _forward(self._xsub, self._xpub)
+                _forward(self._xsub, self._xpub, self._allow)
             if self._xpub in events:
                 _forward(self._xpub, self._xsub)
+            self._follow_allow_list()
+
+    def _follow_allow_list(self) -> None:
+        """A key removed from the allow-list: its announcements are no longer forwarded."""
+        removed = self._allow.poll() if self._allow is not None else frozenset()
+        if removed and self._allow is not None:
+            log.warning("curve_keys_revoked", keys=sorted(removed), allowed=len(self._allow.keys))
 
     def close(self) -> None:
         for socket in (self._xsub, self._xpub):
@@ -90,13 +109,17 @@ class Broker:
             self._authenticator = None
 
 
-def _forward(source: zmq.Socket[Any], sink: zmq.Socket[Any]) -> None:
-    """Move every pending multipart message; never block (XPUB drops at HWM, XSUB queues)."""
+def _forward(source: zmq.Socket[Any], sink: zmq.Socket[Any], allow: AllowList | None = None) -> None:
+    """Move every pending multipart message; never block (XPUB drops at HWM, XSUB queues). With an
+    allow-list, a message whose sender's key is no longer in it is dropped."""
     while True:
         try:
             frames = source.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
+        if allow is not None and not allow.allows(authenticated_key(frames[0])):
+            log.debug("broker_dropped_revoked", frames=len(frames))
+            continue
         try:
             sink.send_multipart(frames, zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -120,6 +143,13 @@ def run_broker(*, xsub: str, xpub: str, curve_secret_key: Path | None, curve_all
         log.info(
             "broker_started", xsub=broker.xsub_endpoint, xpub=broker.xpub_endpoint, curve=curve is not None
         )
+        if curve is None and reachable_from_elsewhere(broker.xsub_endpoint):
+            log.error(
+                "discovery_plane_open",
+                addresses=[broker.xsub_endpoint],
+                exposed=[broker.xsub_endpoint],
+                hint=OPEN_PLANE_HINT,
+            )
         try:
             with on_stop_signals(lambda _signum: broker.stop()):
                 broker.run()

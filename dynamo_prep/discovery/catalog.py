@@ -50,7 +50,7 @@ class ModelCatalog:
 
     def __init__(self) -> None:
         self._models: Mapping[str, LiveModel] = MappingProxyType({})
-        self._pending: frozenset[str] = frozenset()
+        self._pending: set[str] = set()
         self._instances: dict[str, dict[str, Instance]] = {}
 
     def get(self, name: str) -> LiveModel | None:
@@ -70,18 +70,18 @@ class ModelCatalog:
 
     def mark_pending(self, name: str) -> None:
         """A model whose first card arrived and whose preprocessor is being built."""
-        self._pending = self._pending | {name}
+        self._pending.add(name)
 
     def publish(self, model: LiveModel) -> None:
         """Add or replace a built model; the catalog owns its instance map from now on."""
-        self._pending = self._pending - {model.name}
+        self._pending.discard(model.name)
         instances = dict(model.instances)
         self._instances[model.name] = instances
         owned = replace(model, instances=MappingProxyType(instances))
         self._swap(lambda models: models.__setitem__(model.name, owned))
 
     def remove(self, name: str) -> None:
-        self._pending = self._pending - {name}
+        self._pending.discard(name)
         self._instances.pop(name, None)
         self._swap(lambda models: models.pop(name, None))
 

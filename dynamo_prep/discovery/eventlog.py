@@ -23,17 +23,15 @@ from dynamo_prep.discovery.registry import (
     ModelRemoved,
     RuntimeConfigConflict,
 )
-from dynamo_prep.logging import RateLimiter
-from dynamo_prep.protocol.discovery import declared_label
+from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
+from dynamo_prep.protocol.discovery import OPEN_PLANE_HINT, declared_label, reachable_from_elsewhere
 
 __all__ = ["DiscoveryLog"]
 
-DETAIL_CHARS = 300
 DRAIN_HINT = (
     "drain all old workers of this model before deploying a new version, or serve it under a new name"
 )
 LEGACY_HINT = "upgrade this worker so it declares runtime_config.image_placeholder_token"
-OPEN_HINT = "any process that reaches these addresses can announce models; configure CURVE keys"
 FIRST_WINS = "first card wins: this model keeps the first value"
 PER_INSTANCE_TOKEN = "each request is rendered with the token of the instance it is routed to"
 
@@ -48,8 +46,11 @@ class DiscoveryLog:
         self._log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
         self._limiter = limiter or RateLimiter()
 
-    def plane_open(self, addresses: Sequence[str]) -> None:
-        self._log.warning("discovery_plane_open", addresses=list(addresses), hint=OPEN_HINT)
+    def plane_open(self, addresses: Sequence[str], *, bound: bool) -> None:
+        """No CURVE: loud (error) when a bound address is reachable from other hosts."""
+        exposed = [address for address in addresses if bound and reachable_from_elsewhere(address)]
+        level = self._log.error if exposed else self._log.info
+        level("discovery_plane_open", addresses=list(addresses), exposed=exposed, hint=OPEN_PLANE_HINT)
 
     def card_rejected(self, reason: str, detail: str, *, total: int, now: float) -> None:
         suppressed = self._limiter.allow(f"card_rejected:{reason}", now)

@@ -27,6 +27,7 @@ from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     DEFAULT_TTL_MS,
     Announce,
+    KvEventsEndpoint,
     Withdraw,
     encode_message,
     now_ms,
@@ -58,7 +59,11 @@ def card_payload(card: ModelDeploymentCard, legacy_runtime: Mapping[str, Any] | 
 
 
 class CardPublisher:
-    """Announces one worker instance on one or more discovery addresses until ``stop()``."""
+    """Announces one worker instance on one or more discovery addresses until ``stop()``.
+
+    ``kv_events`` (where the instance's engine publishes its KV-cache events) goes into every
+    announce; None leaves the key out, so the payload is exactly wire v1's.
+    """
 
     def __init__(
         self,
@@ -73,6 +78,7 @@ class CardPublisher:
         legacy_runtime: Mapping[str, Any] | None = None,
         curve: ClientCurve | None = None,
         context: zmq.asyncio.Context | None = None,
+        kv_events: KvEventsEndpoint | None = None,
     ) -> None:
         if not discovery:
             raise ValueError("at least one discovery address is required")
@@ -85,6 +91,7 @@ class CardPublisher:
         self.heartbeat_s = heartbeat_s
         self.ttl_ms = ttl_ms
         self.instance_id = instance_id or uuid.uuid4().hex
+        self.kv_events = kv_events
         self._topic = topic(namespace)
         self._card = msgspec.Raw(card_payload(card, legacy_runtime))
         self._curve = curve
@@ -114,6 +121,7 @@ class CardPublisher:
                 namespace=self.namespace,
                 heartbeat_s=self.heartbeat_s,
                 endpoint=self.endpoint,
+                kv_events=None if self.kv_events is None else self.kv_events.endpoint,
                 curve=self._curve is not None,
             )
             await self._loop(socket)
@@ -180,6 +188,7 @@ class CardPublisher:
             ttl_ms=self.ttl_ms,
             endpoint=self.endpoint,
             card=self._card,
+            kv_events=msgspec.UNSET if self.kv_events is None else self.kv_events,
         )
         await self._send(socket, encode_message(message))
         log.debug("card_announced", instance_id=self.instance_id, seq=self._seq, reason=reason)

@@ -7,7 +7,9 @@ watcher turns into log lines, builds and catalog updates.
 Rules:
 
 * messages are ordered per instance by ``seq``; an equal or lower ``seq`` is a duplicate (two
-  brokers deliver everything twice) or stale, and is dropped;
+  brokers deliver everything twice) or stale, and is dropped. A ``seq`` more than ``MAX_SEQ_JUMP``
+  ahead of the last one is refused, and one more than ``MAX_SEQ_JUMP`` behind it restarts the
+  sequence, so a forged or corrupt huge ``seq`` cannot lock the real sender out;
 * an instance lives until its ``ttl_ms`` passes without news; a withdraw removes it at once and
   leaves a tombstone for one TTL so a late duplicate cannot resurrect it;
 * the first accepted card of a model fixes its ``mdcsum``; a card with another one is refused;
@@ -15,6 +17,9 @@ Rules:
   log line, not a data path: each instance's own declaration travels in its ``Instance`` record);
 * with CURVE, an instance is bound to the key that first announced it;
 * a card is decoded only when its bytes change, so a heartbeat costs a bytes comparison;
+* the table is bounded (``max_instances`` in all, ``max_instances_per_model`` per model); when it
+  is full, a new instance evicts the oldest instance that is not serving a confirmed model (one the
+  frontend built and serves), so junk can fill the table only with junk;
 * an admitted instance is described by one ``Instance`` record (endpoint, declared token, KV-event
   address); when an announce changes it, ``InstanceAdded`` carries the new record again.
 """
@@ -59,8 +64,12 @@ __all__ = [
 ]
 
 DEFAULT_MAX_INSTANCES = 10_000
+# Far beyond what message loss explains (a day of 1 s heartbeats), far below a forged 2**64 - 1.
+MAX_SEQ_JUMP = 100_000
 
-RemovalReason = Literal["withdraw", "expired", "card_changed"]
+DEFAULT_MAX_INSTANCES_PER_MODEL = 4_096
+
+RemovalReason = Literal["withdraw", "expired", "card_changed", "evicted", "revoked"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,17 +215,28 @@ class _Model:
     card: ModelDeploymentCard
     first_instance_id: str
     instances: dict[str, Instance] = field(default_factory=dict)
+    confirmed: bool = False
 
 
 class DiscoveryRegistry:
     """Live instances by instance_id and models by display_name; see the module docstring."""
 
-    def __init__(self, *, max_instances: int = DEFAULT_MAX_INSTANCES) -> None:
+    def __init__(
+        self,
+        *,
+        max_instances: int = DEFAULT_MAX_INSTANCES,
+        max_instances_per_model: int = DEFAULT_MAX_INSTANCES_PER_MODEL,
+    ) -> None:
         self._instances: dict[str, _Instance] = {}
         self._models: dict[str, _Model] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._max_instances = max_instances
-        self.counters: dict[str, int] = {"duplicate": 0, "stale": 0, "cards_decoded": 0}
+        self._max_per_model = max_instances_per_model
+        # Tracked instances outside confirmed models, oldest first: who goes when the table is full.
+        self._evictable: dict[str, None] = {}
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("duplicate", "stale", "cards_decoded", "seq_jump", "seq_restart"), 0
+        )
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -246,6 +266,9 @@ class DiscoveryRegistry:
 
     def model_names(self) -> list[str]:
         return sorted(self._models)
+
+    def model_count(self) -> int:
+        return len(self._models)
 
     def model_of(self, instance_id: str) -> str | None:
         """The model an instance is admitted to (None: unknown, rejected or withdrawn)."""
@@ -278,6 +301,22 @@ class DiscoveryRegistry:
         raw = bytes(message.card) if raw_card is None else raw_card
         return self._announce(message, raw, now=now, user_id=user_id)
 
+    def confirm(self, name: str) -> None:
+        """``name`` is built and served: its instances are never evicted for newcomers."""
+        model = self._models.get(name)
+        if model is None:
+            return
+        model.confirmed = True
+        for instance_id in model.instances:
+            self._evictable.pop(instance_id, None)
+
+    def revoke(self, keys: frozenset[str]) -> list[RegistryEvent]:
+        """Forget every instance bound to one of ``keys`` (removed from the CURVE allow-list)."""
+        events: list[RegistryEvent] = []
+        for instance in [i for i in self._instances.values() if i.user_id in keys]:
+            events.extend(self._forget(instance, "revoked"))
+        return events
+
     def expire(self, now: float) -> list[RegistryEvent]:
         """Remove every instance (and tombstone) whose deadline has passed."""
         events: list[RegistryEvent] = []
@@ -286,31 +325,38 @@ class DiscoveryRegistry:
             instance = self._instances.get(instance_id)
             if instance is None or instance.deadline != deadline:
                 continue
-            del self._instances[instance_id]
-            events.extend(self._detach(instance, "expired"))
+            events.extend(self._forget(instance, "expired"))
         return events
+
+    def _forget(self, instance: _Instance, reason: RemovalReason) -> list[RegistryEvent]:
+        del self._instances[instance.instance_id]
+        self._evictable.pop(instance.instance_id, None)
+        return self._detach(instance, reason)
 
     # -- announce ----------------------------------------------------------------------------
 
     def _announce(
         self, message: Announce, raw: bytes, *, now: float, user_id: str | None
     ) -> list[RegistryEvent]:
+        events: list[RegistryEvent] = []
         instance = self._instances.get(message.instance_id)
         if instance is None:
             if len(self._instances) >= self._max_instances:
-                detail = f"{self._max_instances} instances tracked already"
-                return [CardRejected(message.instance_id, "too_many_instances", detail)]
+                if not self._evictable:
+                    detail = f"{self._max_instances} instances of served models tracked already"
+                    return [CardRejected(message.instance_id, "too_many_instances", detail)]
+                events.extend(self._forget(self._instances[next(iter(self._evictable))], "evicted"))
             instance = _Instance(message.instance_id, user_id)
             self._instances[message.instance_id] = instance
+            self._evictable[message.instance_id] = None
         refused = self._refuse(instance, message.seq, "announce", user_id)
         if refused is not None:
-            return refused
+            return events + refused
         instance.last_seq = message.seq
         instance.endpoint = message.endpoint
         instance.kv_events = None if isinstance(message.kv_events, msgspec.UnsetType) else message.kv_events
         instance.ttl_s = message.ttl_ms / 1000
         self._refresh(instance, now + instance.ttl_s)
-        events: list[RegistryEvent] = []
         if raw != instance.raw:
             events.extend(self._new_card(instance, raw))
         if instance.model is None and instance.decoded is not None:
@@ -333,8 +379,16 @@ class DiscoveryRegistry:
         """Key binding first (a foreign key learns nothing about seq), then ordering."""
         if instance.user_id != user_id:
             return [KeyMismatch(instance.instance_id, action, instance.user_id, user_id)]
-        if seq <= instance.last_seq:
-            self.counters["duplicate" if seq == instance.last_seq else "stale"] += 1
+        last = instance.last_seq
+        if last >= 0 and seq > last + MAX_SEQ_JUMP:
+            self.counters["seq_jump"] += 1
+            detail = f"instance {instance.instance_id}: seq {seq} is more than {MAX_SEQ_JUMP} past {last}"
+            return [CardRejected(instance.instance_id, "seq_jump", detail)]
+        if seq <= last and last - seq > MAX_SEQ_JUMP:
+            self.counters["seq_restart"] += 1  # the sender's counter restarted, or the last seq was forged
+            return None
+        if seq <= last:
+            self.counters["duplicate" if seq == last else "stale"] += 1
             return []
         return None
 
@@ -374,9 +428,14 @@ class DiscoveryRegistry:
             events.append(ModelFirstSeen(model.name, mdcsum, record, card))
         elif model.mdcsum != mdcsum:
             return self._mismatch(model, instance, card, mdcsum)
+        elif len(model.instances) >= self._max_per_model:
+            detail = f"model {model.name} has {self._max_per_model} instances already"
+            return [CardRejected(instance.instance_id, "too_many_instances_of_model", detail)]
         else:
             events.extend(self._check_runtime_config(model, instance.instance_id, card))
         model.instances[instance.instance_id] = record
+        if model.confirmed:
+            self._evictable.pop(instance.instance_id, None)
         instance.model = model.name
         instance.mismatch_reported = None
         events.append(InstanceAdded(model.name, record, mdcsum))
@@ -430,6 +489,8 @@ class DiscoveryRegistry:
         model = self._models.get(name) if name is not None else None
         if model is None:
             return []
+        if instance.instance_id in self._instances:  # still tracked (withdrawn, or its card changed)
+            self._evictable[instance.instance_id] = None
         record = model.instances.pop(instance.instance_id, None) or _record(instance)
         events: list[RegistryEvent] = [InstanceRemoved(model.name, record, reason)]
         if not model.instances:

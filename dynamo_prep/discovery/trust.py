@@ -9,6 +9,7 @@ receivers key their instance table on it. docs/discovery.md ("Trust") has the wh
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 __all__ = [
     "ZAP_DOMAIN",
+    "AllowList",
     "ClientCurve",
     "ServerCurve",
     "TrustError",
@@ -30,6 +32,7 @@ __all__ = [
 ]
 
 ZAP_DOMAIN = "dynamo_prep"
+ALLOW_LIST_RELOAD_S = 2.0  # how soon a key removed from the allow-list stops being accepted
 
 
 class TrustError(ValueError):
@@ -95,8 +98,7 @@ def start_authenticator(
     """Run a ZAP handler in a thread of ``context`` that accepts only keys found in ``allow_dir``.
 
     It must share the context of the server socket (ZAP is an inproc endpoint). Stop it with
-    ``.stop()`` before terminating the context. Keys added to the directory later need another
-    ``configure_curve`` call.
+    ``.stop()`` before terminating the context. ``AllowList`` follows later changes of the directory.
     """
     if not allow_dir.is_dir():
         raise TrustError(f"{allow_dir}: CURVE allow-list directory not found")
@@ -104,6 +106,48 @@ def start_authenticator(
     authenticator.start()
     authenticator.configure_curve(domain=domain, location=str(allow_dir))
     return authenticator
+
+
+class AllowList:
+    """The allow-list directory as it is now: re-read when its ``*.key`` files change, so a key
+    removed from it is refused from then on: new connections by the ZAP handler, and messages on
+    connections it already accepted by their sender's key (``allows``)."""
+
+    def __init__(self, directory: Path, authenticator: ThreadAuthenticator, domain: str = ZAP_DOMAIN) -> None:
+        self.directory = directory
+        self.keys: frozenset[str] = frozenset()
+        self._authenticator = authenticator
+        self._domain = domain
+        self._seen: tuple[tuple[str, int, int], ...] | None = None
+        self._checked = time.monotonic()
+        self.reload()
+
+    def allows(self, key: str | None) -> bool:
+        return key is not None and key in self.keys
+
+    def poll(self) -> frozenset[str]:
+        """``reload`` at most every ``ALLOW_LIST_RELOAD_S``: cheap to call on every wake."""
+        now = time.monotonic()
+        if now - self._checked < ALLOW_LIST_RELOAD_S:
+            return frozenset()
+        self._checked = now
+        return self.reload()
+
+    def reload(self) -> frozenset[str]:
+        """Re-read the directory if it changed; the keys it no longer allows (empty: none, or no change)."""
+        try:
+            seen = tuple(
+                sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in self.directory.glob("*.key"))
+            )
+            if seen == self._seen:
+                return frozenset()
+            keys = frozenset(key.decode() for key in zmq.auth.load_certificates(str(self.directory)))
+        except (OSError, ValueError):  # a file half written or a directory gone: keep the last good list
+            return frozenset()
+        self._authenticator.configure_curve(domain=self._domain, location=str(self.directory))
+        removed = self.keys - keys
+        self.keys, self._seen = keys, seen
+        return removed
 
 
 def apply_server_curve(socket: zmq.Socket[Any], curve: ServerCurve, domain: str = ZAP_DOMAIN) -> None:

@@ -25,8 +25,9 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 import zmq
@@ -52,6 +53,7 @@ from dynamo_prep.discovery.registry import (
     RuntimeConfigConflict,
 )
 from dynamo_prep.discovery.trust import (
+    AllowList,
     ServerCurve,
     apply_server_curve,
     authenticated_key,
@@ -61,12 +63,13 @@ from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     Announce,
     DiscoveryDecodeError,
+    Instance,
     declared_label,
     decode_message,
     topic,
 )
 
-__all__ = ["DiscoveryWatcher"]
+__all__ = ["DiscoveryWatcher", "InstanceListener"]
 MAX_DRAIN_PER_WAKE = 512
 MAX_POLL_S = 1.0
 # After a drain, wait this long before the next poll (bounds the wake rate, adds at most this latency).
@@ -78,6 +81,20 @@ RECV_HWM = 10_000
 # the 1 MiB payload limit so that oversize payloads still arrive and are counted as too_large.
 MAX_FRAME_BYTES = 16 << 20
 BUILD_BACKOFF_S = (1.0, 30.0)
+# Builds run on their own threads (never the request path's executor): a flood of unbuildable
+# model names queues here, and already served models are not slowed down by it.
+BUILD_THREADS = 2
+# Builds started and not finished at once; a model beyond it waits for a later announce of its own.
+MAX_BUILDS_IN_FLIGHT = 16
+
+
+class InstanceListener(Protocol):
+    """Told about every admitted instance (a new one, or a live one's changed record) and every
+    removal, with the same ``Instance`` records the catalog gets (e.g. the KV router)."""
+
+    def instance_added(self, card: ModelDeploymentCard, instance: Instance) -> None: ...
+
+    def instance_removed(self, model: str, instance: Instance) -> None: ...
 
 
 @dataclass(slots=True)
@@ -114,6 +131,7 @@ class DiscoveryWatcher:
         max_drain: int = MAX_DRAIN_PER_WAKE,
         on_endpoint_lost: Callable[[str], None] | None = None,
         metrics: DiscoveryMetrics | None = None,
+        listeners: Sequence[InstanceListener] = (),
     ) -> None:
         if not bind and not connect:
             raise ValueError("the discovery watcher needs at least one bind or connect address")
@@ -137,11 +155,14 @@ class DiscoveryWatcher:
         self._topic = topic(namespace)
         self._log = DiscoveryLog(namespace)
         self._builds: dict[str, _Build] = {}
+        self._build_threads = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="model-build")
         self._tasks: set[asyncio.Task[None]] = set()
         self._socket: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket[Any] | None = None
         self._authenticator: ThreadAuthenticator | None = None
+        self._allow: AllowList | None = None
         self._on_endpoint_lost = on_endpoint_lost
+        self._listeners = tuple(listeners)
         self._compositions: dict[str, frozenset[str]] = {}
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
 
@@ -159,6 +180,7 @@ class DiscoveryWatcher:
         try:
             if self.curve is not None:
                 self._authenticator = start_authenticator(self._context, self.curve.allow_dir)
+                self._allow = AllowList(self.curve.allow_dir, self._authenticator)
                 apply_server_curve(socket, self.curve)
             socket.setsockopt(zmq.SUBSCRIBE, self._topic)
             for address in self.bind:
@@ -172,7 +194,7 @@ class DiscoveryWatcher:
             raise
         self._shadow = zmq.Socket.shadow(socket.underlying)
         if self.curve is None:
-            self._log.plane_open(self.addresses)
+            self._log.plane_open(self.addresses, bound=bool(self.bind))
 
     async def run(self) -> None:
         """Serve the socket until cancelled; closes everything on the way out."""
@@ -201,6 +223,14 @@ class DiscoveryWatcher:
         self._drain()
         if self._clock() >= self._expire_after:
             self._handle(self.registry.expire(self._clock()))
+        self._follow_allow_list()
+
+    def _follow_allow_list(self) -> None:
+        """Keys removed from the allow-list: their instances go at once, their messages are refused."""
+        removed = self._allow.poll() if self._allow is not None else frozenset()
+        if removed and self._allow is not None:
+            self._pool_log.warning("curve_keys_revoked", keys=sorted(removed), allowed=len(self._allow.keys))
+            self._handle(self.registry.revoke(removed))
 
     def _notice_stall(self, planned_s: float) -> None:
         """A wake far later than planned means this process was frozen or starved (SIGSTOP, swap, CPU
@@ -216,6 +246,7 @@ class DiscoveryWatcher:
         """Cancel builds, close the socket (LINGER 0) and stop the authenticator."""
         for task in list(self._tasks):
             task.cancel()
+        self._build_threads.shutdown(wait=False, cancel_futures=True)
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -223,10 +254,6 @@ class DiscoveryWatcher:
         if self._authenticator is not None:
             self._authenticator.stop()
             self._authenticator = None
-
-    async def wait_builds(self) -> None:
-        """Wait for the builds in flight (tests, orderly shutdown)."""
-        await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def _poll_timeout_ms(self) -> int:
         deadline = self.registry.next_deadline()
@@ -270,6 +297,9 @@ class DiscoveryWatcher:
             return
         self.metrics.messages.labels(kind="announce" if isinstance(message, Announce) else "withdraw").inc()
         user_id = authenticated_key(frames[0]) if self.curve is not None else None
+        if self._allow is not None and not self._allow.allows(user_id):
+            self._reject("revoked_key", f"a key no longer in the allow-list: {user_id}", now)
+            return
         self._handle(self.registry.apply(message, now=now, user_id=user_id))
         if isinstance(message, Announce):
             self._maybe_retry_build(message.instance_id, message.endpoint, now)
@@ -293,7 +323,7 @@ class DiscoveryWatcher:
         match event:
             case InstanceAdded() | InstanceRemoved() | ModelRemoved():
                 metrics.set_model(event.model, self.registry.instance_count(event.model))
-                metrics.models.set(len(self.registry.model_names()))
+                metrics.models.set(self.registry.model_count())
             case ChecksumMismatch():
                 metrics.rejected.labels(reason="checksum_mismatch").inc()
             case KeyMismatch():
@@ -309,6 +339,8 @@ class DiscoveryWatcher:
                 self._on_instance(event)
             case InstanceRemoved():
                 self.catalog.remove_instance(event.model, event.instance.instance_id)
+                for listener in self._listeners:
+                    listener.instance_removed(event.model, event.instance)
                 self._log.instance_removed(event)
                 if event.reason == "expired" and self._on_endpoint_lost is not None:
                     self._on_endpoint_lost(event.instance.endpoint)  # it died: fail its streams now
@@ -340,6 +372,10 @@ class DiscoveryWatcher:
         live = self.catalog.get(event.model)
         known = live is not None and event.instance.instance_id in live.instances
         self.catalog.set_instance(event.model, event.instance)
+        card = self.registry.model_card(event.model)
+        if card is not None:
+            for listener in self._listeners:
+                listener.instance_added(card, event.instance)
         self._log.instance_added(event, instances=max(self.registry.instance_count(event.model), 1))
         label = declared_label(event.instance.declared_token)
         if known or label not in self._compositions.get(event.model, ()):
@@ -379,7 +415,8 @@ class DiscoveryWatcher:
         self._start_build(event.model, build, event.card, event.instance.instance_id, event.instance.endpoint)
 
     def _maybe_retry_build(self, instance_id: str, endpoint: str, now: float) -> None:
-        """A later announce of a model whose build failed retries it, after its backoff."""
+        """A later announce of a model whose build failed (after its backoff) or never started (too
+        many in flight) starts it."""
         name = self.registry.model_of(instance_id)
         build = self._builds.get(name) if name is not None else None
         if name is None or build is None or build.built is not None or build.task is not None:
@@ -391,6 +428,8 @@ class DiscoveryWatcher:
     def _start_build(
         self, name: str, build: _Build, card: ModelDeploymentCard, instance_id: str, endpoint: str
     ) -> None:
+        if len(self._tasks) >= MAX_BUILDS_IN_FLIGHT:
+            return
         task = asyncio.get_running_loop().create_task(
             self._build(name, build, card, instance_id, endpoint), name=f"build:{name}"
         )
@@ -403,7 +442,8 @@ class DiscoveryWatcher:
     ) -> None:
         started = time.perf_counter()
         try:
-            built = await asyncio.to_thread(self._builder, card, endpoint)
+            loop = asyncio.get_running_loop()
+            built = await loop.run_in_executor(self._build_threads, self._builder, card, endpoint)
         except Exception as exc:  # the contract is ModelBuildError; anything else is reported the same
             self._build_failed(name, build, instance_id, endpoint, exc)
             return
@@ -414,6 +454,7 @@ class DiscoveryWatcher:
             self._log.model_build_discarded(name, build.mdcsum)
             return
         build.built = built
+        self.registry.confirm(name)
         self.metrics.note_unregistered(built.preprocessor.unregistered_image_token)
         live = LiveModel(
             name, card, build.mdcsum, built.preprocessor, snapshot.instances, model_dir=built.model_dir

@@ -2,52 +2,59 @@
 
 The mock exists to make a wrong image placeholder loud: it checks the token ids it receives
 exactly the way SGLang or vLLM would (``flavor``) and rejects a mismatch with the engine's own
-wording, instead of generating from a prompt the real engine would refuse or misread. It then
-streams a deterministic reply that states what it received, so end-to-end tests can assert on
-the content.
+wording, instead of generating from a prompt the real engine would refuse or misread.
+
+It then streams a deterministic reply, one token per output, until a stop id (never emitted),
+a stop string or ``max_tokens``: the first scripted reply (``replies``, a JSON Lines file; see
+``mock_replies``) whose ``when`` occurs in the last user message, else the echo of what it
+received (``[mock FLAVOR] N image(s), M prompt tokens. You said: ...``). With
+``reply_format="model"`` the echo is written in the model's own answer format (``mock_answer``):
+a short think channel when the prompt ends in one, the echo as the response, a call of the first
+declared tool when the user spoke last, and after tool results a plain answer saying what they
+returned. Everything is read from the prompt's ids (``mock_prompt``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Literal, NamedTuple, NoReturn
+from typing import NamedTuple, NoReturn
 
 import msgspec
 import structlog
 
-from dynamo_prep.card import ModelCardError, read_json
-from dynamo_prep.engines import sglang, vllm
+from dynamo_prep.card import ModelCardError
+from dynamo_prep.engines import vllm
+from dynamo_prep.engines.base import (
+    DEFAULT_REPLY_FORMAT,
+    FLAVORS,
+    REPLY_FORMATS,
+    EngineContractError,
+    Flavor,
+    ReplyFormat,
+)
+from dynamo_prep.engines.declare import declared_image_token
+from dynamo_prep.engines.mock_answer import AnswerWriter, ToolCall, schema_arguments
+from dynamo_prep.engines.mock_prompt import PromptReader, PromptView, count_occurrences
+from dynamo_prep.engines.mock_replies import load_replies, matching_reply
+from dynamo_prep.engines.sglang_standins import (
+    QWEN_VL_MODEL_TYPES,
+    QwenVLImageProcessorStandIn,
+    sglang_engine_standin,
+)
+from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = [
-    "FLAVORS",
-    "EngineContractError",
-    "Flavor",
-    "MockEngine",
-    "MockOutput",
-    "count_occurrences",
-    "last_user_text",
-]
+__all__ = ["NO_PREFILL", "MockContinuation", "MockEngine", "MockOutput", "Prefill"]
 
 log = structlog.get_logger("dynamo_prep.engines")
 
-Flavor = Literal["sglang", "vllm"]
-FLAVORS: tuple[Flavor, ...] = ("sglang", "vllm")
 MAX_ECHO_CHARS = 200
+MAX_CONTINUATION_TOKENS = 4096
 QWEN_IMAGE_PAD = "<|image_pad|>"
-_KIMI_MARKERS = ("<|open|>", "<|sep|>", "<|close|>")
-_CHATML_MARKERS = ("<|im_start|>", "<|im_end|>")
-_CHATML_USER = "user\n"
-_KIMI_USER_HEADER = re.compile(r'message\b[^\n]*\brole="user"')
-
-
-class EngineContractError(ValueError):
-    """A request breaks the engine's real prompt contract; the message is the engine's own."""
 
 
 class MockOutput(msgspec.Struct, frozen=True):
@@ -57,6 +64,17 @@ class MockOutput(msgspec.Struct, frozen=True):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+
+
+class Prefill(NamedTuple):
+    """What a request's prefill costs: the prompt tokens reused from a prefix cache, and the delay
+    charged (before the first token) for the rest."""
+
+    cached_tokens: int = 0
+    seconds: float = 0.0
+
+
+NO_PREFILL = Prefill()
 
 
 class _ImageContract(NamedTuple):
@@ -75,26 +93,45 @@ class _ImageContract(NamedTuple):
 class MockEngine:
     """Checks a ``PreprocessedRequest`` against SGLang's or vLLM's contract and streams a reply."""
 
-    def __init__(self, model_dir: str | Path, *, flavor: Flavor, token_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        flavor: Flavor,
+        token_delay_s: float = 0.0,
+        replies: str | Path | None = None,
+        reply_format: ReplyFormat = DEFAULT_REPLY_FORMAT,
+    ) -> None:
+        """Raises ValueError for a bad option, ``RepliesError`` (a ValueError) for a bad replies file."""
         if flavor not in FLAVORS:
             raise ValueError(f"unknown mock engine flavor {flavor!r} (known: {', '.join(FLAVORS)})")
         if token_delay_s < 0:
             raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}")
+        if reply_format not in REPLY_FORMATS:
+            raise ValueError(f"unknown reply format {reply_format!r} (known: {', '.join(REPLY_FORMATS)})")
         self.model_dir = resolve_model_dir(model_dir)
         self.flavor: Flavor = flavor
         self.token_delay_s = token_delay_s
+        self.reply_format: ReplyFormat = reply_format
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         self.name = self.tokenizer.name
-        self._sglang_engine = sglang.sglang_engine_standin(self.model_dir) if flavor == "sglang" else None
+        self.replies = load_replies(replies, self.tokenizer) if replies is not None else ()
+        self._sglang_engine = sglang_engine_standin(self.model_dir) if flavor == "sglang" else None
         self._contract = self._sglang_contract() if flavor == "sglang" else self._vllm_contract()
+        kimi_k3 = is_kimi_k3(self.tokenizer.model_type, self.name)
+        self._reader = PromptReader(self.tokenizer, kimi_k3=kimi_k3, strip=self._contract.strip)
+        self._answers = AnswerWriter(self.tokenizer, self._reader.family)
 
     @property
     def declared_image_token(self) -> str | None:
         """What a worker running this engine declares in its card (vLLM: nothing)."""
-        if self._sglang_engine is not None:
-            return sglang.declared_image_token(self._sglang_engine)
-        vllm.declared_image_token(None)  # always None: vLLM expands the checkpoint default itself
-        return None
+        return declared_image_token(self._sglang_engine, self.flavor)
+
+    @property
+    def image_pattern(self) -> tuple[int, ...] | None:
+        """The id sequence that stands for one image in a prompt, as the engine counts it (None: the
+        model takes no images)."""
+        return self._contract.pattern
 
     def check_contract(self, request: PreprocessedRequest) -> None:
         """Raise ``EngineContractError`` when the prompt's image placeholders do not match its images."""
@@ -120,26 +157,30 @@ class MockEngine:
             )
         self._violation(expected=expected, found=found, message=message)
 
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[MockOutput]:
+    async def generate(
+        self, request: PreprocessedRequest, *, prefill: Prefill = NO_PREFILL
+    ) -> AsyncIterator[MockOutput]:
         """Stream the reply one token per output; raises ``EngineContractError`` before any output.
 
         Cancellation is honoured at every token (``asyncio.sleep`` even with no delay).
         """
         self.check_contract(request)
+        token_ids, finish_reason = self.plan(request, prefill=prefill)
         prompt_tokens = len(request.token_ids)
-        reply = self.reply_text(request)
-        token_ids, finish_reason = self._limit(self.tokenizer.encode(reply), request.stop_conditions)
-        log.debug(
-            "mock_generate_started",
-            flavor=self.flavor,
-            images=len(request.images),
-            prompt_tokens=prompt_tokens,
-            completion_tokens=len(token_ids),
-        )
-        if not token_ids:
-            yield MockOutput([], finish_reason, prompt_tokens, 0)
-            return
+        async for step in self.stream(token_ids, finish_reason, prompt_tokens, prefill_s=prefill.seconds):
+            yield step
+
+    async def stream(
+        self, token_ids: Sequence[int], finish_reason: str, prompt_tokens: int, *, prefill_s: float = 0.0
+    ) -> AsyncIterator[MockOutput]:
+        """``token_ids`` one per output, ``token_delay_s`` apart, the first after ``prefill_s`` more;
+        the last output has ``finish_reason``."""
         try:
+            if prefill_s > 0:
+                await asyncio.sleep(prefill_s)
+            if not token_ids:
+                yield MockOutput([], finish_reason, prompt_tokens, 0)
+                return
             for index, token_id in enumerate(token_ids, start=1):
                 await asyncio.sleep(self.token_delay_s)
                 last = index == len(token_ids)
@@ -148,13 +189,74 @@ class MockEngine:
             log.debug("mock_generate_cancelled", flavor=self.flavor, prompt_tokens=prompt_tokens)
             raise
 
+    def plan(
+        self, request: PreprocessedRequest, *, streamed: int = 0, prefill: Prefill = NO_PREFILL
+    ) -> tuple[list[int], str]:
+        """The reply as it will stream (stop conditions applied) and its finish reason; logged
+        (``streamed``: how many of its tokens a migrated request already carries; ``prefill``: what
+        its prefill reuses and costs)."""
+        token_ids, source = self._reply(request)
+        token_ids, finish_reason = self._limit(token_ids, request.stop_conditions)
+        log.debug(
+            "mock_generate_started",
+            flavor=self.flavor,
+            reply=source,
+            images=len(request.images),
+            prompt_tokens=len(request.token_ids),
+            completion_tokens=len(token_ids),
+            streamed=streamed,
+            cached_tokens=prefill.cached_tokens,
+            prefill_ms=round(prefill.seconds * 1000, 3),
+        )
+        return token_ids, finish_reason
+
+    def reply_ids(self, request: PreprocessedRequest) -> list[int]:
+        """The whole reply, before stop conditions: scripted, else the echo (in the model's format)."""
+        return self._reply(request)[0]
+
+    def _reply(self, request: PreprocessedRequest) -> tuple[list[int], str]:
+        """``reply_ids`` and where they come from (``scripted:LINE``, ``echo`` or ``model``)."""
+        view = self._reader.read(request.token_ids)
+        scripted = matching_reply(self.replies, view.last_user)
+        if scripted is not None:
+            return list(scripted.token_ids), f"scripted:{scripted.line}"
+        echo = self._echo(request, view)
+        if self.reply_format == "echo":
+            return self.tokenizer.encode(echo), "echo"
+        return self._model_answer(view, echo), "model"
+
     def reply_text(self, request: PreprocessedRequest) -> str:
-        """The full deterministic reply: what arrived, and the last user text echoed back."""
-        said = last_user_text(self.tokenizer, request.token_ids, strip=self._contract.strip)
+        """``reply_ids`` as text (specials spelled out)."""
+        return self.tokenizer.decode(self.reply_ids(request))
+
+    def generation_points(self, token_ids: Sequence[int]) -> list[int] | None:
+        """Where in ``token_ids`` a completion may have started, latest first (None: unknown format)."""
+        return self._reader.generation_points(token_ids)
+
+    def _echo(self, request: PreprocessedRequest, view: PromptView) -> str:
+        """What arrived, and the last user text echoed back (at most 200 characters)."""
+        said = view.last_user[-MAX_ECHO_CHARS:] if view.family == "plain" else view.last_user
         return (
             f"[mock {self.flavor}] {len(request.images)} image(s), "
-            f"{len(request.token_ids)} prompt tokens. You said: {said}"
+            f"{len(request.token_ids)} prompt tokens. You said: {_clip(said)}"
         )
+
+    def _model_answer(self, view: PromptView, echo: str) -> list[int]:
+        """After tool results: what they returned. Else the echo, calling the first declared tool
+        when the user spoke last (unless ``tool_choice`` is ``none``)."""
+        if view.last_role == "tool":
+            returned = "; ".join(
+                f"{result.name or 'the tool'} returned: {_clip(result.text)}" for result in view.tool_results
+            )
+            content = f"[mock {self.flavor}] {returned or 'the tool returned nothing'}"
+            reasoning = "The tool answered; I will say what it returned."
+            return self._answers.write(view, reasoning=reasoning, content=content, call=None)
+        call = None
+        if view.tools and view.last_role == "user" and view.tool_choice != "none":
+            tool = view.tools[0]
+            call = ToolCall(tool.name, schema_arguments(tool))
+        reasoning = f"I will call {call.name}." if call is not None else "I will echo the last user message."
+        return self._answers.write(view, reasoning=reasoning, content=echo, call=call)
 
     def _limit(self, token_ids: list[int], stop: StopConditions) -> tuple[list[int], str]:
         """Cut at a stop id or stop string (never emitted), then at ``max_tokens`` ("length")."""
@@ -203,53 +305,17 @@ class MockEngine:
 
     def _vllm_contract(self) -> _ImageContract:
         """vLLM finds the checkpoint placeholder's own id sequence (K3), or Qwen's ``<|image_pad|>``."""
-        placeholder = vllm.checkpoint_image_placeholder(self.model_dir)
+        placeholder = vllm.expanded_image_placeholder(self.model_dir)
         if placeholder is not None:
             ids = tuple(self.tokenizer.encode(placeholder, allow_special=False))
             return _ImageContract(ids, ids, placeholder)
-        model_type = read_json(self.model_dir / "config.json").get("model_type")
-        if model_type not in sglang.QWEN_VL_MODEL_TYPES:
+        if self.tokenizer.model_type not in QWEN_VL_MODEL_TYPES:
             return _ImageContract(None, None, None)
         pad_id = self.tokenizer.token_to_id(QWEN_IMAGE_PAD)
         if pad_id is None:
             raise ModelCardError(f"{self.model_dir}: the tokenizer has no {QWEN_IMAGE_PAD} token")
-        strip = self.tokenizer.encode(sglang.QwenVLImageProcessorStandIn.IMAGE_TOKEN, allow_special=True)
+        strip = self.tokenizer.encode(QwenVLImageProcessorStandIn.IMAGE_TOKEN, allow_special=True)
         return _ImageContract((pad_id,), tuple(strip), QWEN_IMAGE_PAD)
-
-
-def count_occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> int:
-    """Non-overlapping occurrences of ``pattern`` in ``token_ids``, scanning left to right."""
-    return len(_occurrences(token_ids, pattern))
-
-
-def _occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
-    """Start positions of the non-overlapping occurrences of ``pattern``."""
-    if not pattern:
-        return []
-    width = len(pattern)
-    target = list(pattern)
-    starts: list[int] = []
-    position = 0
-    while position <= len(token_ids) - width:
-        if list(token_ids[position : position + width]) == target:
-            starts.append(position)
-            position += width
-        else:
-            position += 1
-    return starts
-
-
-def _strip(token_ids: Sequence[int], pattern: Sequence[int] | None) -> list[int]:
-    """``token_ids`` without the non-overlapping occurrences of ``pattern``."""
-    if not pattern:
-        return list(token_ids)
-    kept: list[int] = []
-    previous = 0
-    for start in _occurrences(token_ids, pattern):
-        kept.extend(token_ids[previous:start])
-        previous = start + len(pattern)
-    kept.extend(token_ids[previous:])
-    return kept
 
 
 def _cut_at_stop_ids(token_ids: list[int], stop_ids: set[int]) -> list[int]:
@@ -259,66 +325,9 @@ def _cut_at_stop_ids(token_ids: list[int], stop_ids: set[int]) -> list[int]:
     return token_ids
 
 
-def last_user_text(
-    tokenizer: Tokenizer, token_ids: Sequence[int], *, strip: Sequence[int] | None = None
-) -> str:
-    """The last user message's text, recovered from prompt ids (image ids ``strip``-ped), <= 200 chars.
-
-    Parsed on ids, not on decoded text, so a user who types ``<|close|>`` or ``<|im_end|>`` as text
-    (plain BPE) cannot move the boundaries.
-    """
-    specials = tokenizer.special_tokens
-    if all(marker in specials for marker in _KIMI_MARKERS):
-        body = _kimi_user_body(tokenizer, token_ids)
-        if body is not None:
-            return _clip(tokenizer.decode(_strip(body, strip)))
-    elif all(marker in specials for marker in _CHATML_MARKERS):
-        body = _chatml_user_body(tokenizer, token_ids)
-        if body is not None:
-            return _clip(tokenizer.decode(_strip(body, strip)).removeprefix(_CHATML_USER))
-    text = tokenizer.decode(_strip(token_ids, strip), skip_special_tokens=True)
-    return _clip(text[-MAX_ECHO_CHARS:])
-
-
-def _kimi_user_body(tokenizer: Tokenizer, token_ids: Sequence[int]) -> Sequence[int] | None:
-    """Ids between ``<|sep|>`` and ``<|close|>`` of the last ``<|open|>message role="user"``."""
-    open_id, sep_id, close_id = (tokenizer.special_tokens[marker] for marker in _KIMI_MARKERS)
-    opens = [index for index, token_id in enumerate(token_ids) if token_id == open_id]
-    for start in reversed(opens):
-        sep = _index(token_ids, sep_id, start + 1)
-        if sep is None:
-            continue
-        if _KIMI_USER_HEADER.match(tokenizer.decode(token_ids[start + 1 : sep])):
-            end = _index(token_ids, close_id, sep + 1)
-            return token_ids[sep + 1 : len(token_ids) if end is None else end]
-    return None
-
-
-def _chatml_user_body(tokenizer: Tokenizer, token_ids: Sequence[int]) -> Sequence[int] | None:
-    """Ids after the last ``<|im_start|>`` whose role is ``user``, up to ``<|im_end|>`` (role included)."""
-    start_id, end_id = (tokenizer.special_tokens[marker] for marker in _CHATML_MARKERS)
-    starts = [index for index, token_id in enumerate(token_ids) if token_id == start_id]
-    for start in reversed(starts):
-        end = _index(token_ids, end_id, start + 1)
-        body = token_ids[start + 1 : len(token_ids) if end is None else end]
-        if tokenizer.decode(body).startswith(_CHATML_USER):
-            return body
-    return None
-
-
-def _index(token_ids: Sequence[int], token_id: int, start: int) -> int | None:
-    for index in range(start, len(token_ids)):
-        if token_ids[index] == token_id:
-            return index
-    return None
-
-
 def _clip(text: str) -> str:
     text = " ".join(text.split())
     return text if len(text) <= MAX_ECHO_CHARS else text[: MAX_ECHO_CHARS - 3] + "..."
-
-
-_MAX_CONTINUATION_TOKENS = 4096
 
 
 class MockContinuation:
@@ -326,48 +335,51 @@ class MockContinuation:
 
     A migrated request's prompt is the original prompt followed by the tokens already streamed
     (Dynamo's migration). A real LLM simply continues that text; the mock's reply is a function
-    of the prompt, so it recognises its own reply's beginning at the end of the prompt and streams
-    the rest of it.
+    of the prompt, so it looks for the point where its own reply began (where the prompt's
+    assistant turn opens, latest first) and streams the rest of that reply. A prompt that ends
+    right at such a point is new. A hosted K3 prompt whose channel opener was streamed reads as
+    the reference prompt it then equals.
     """
 
     def __init__(self, engine: MockEngine) -> None:
         self.engine = engine
-        self._instant = MockEngine(engine.model_dir, flavor=engine.flavor, token_delay_s=0.0)
-        self._first_id = self._instant.tokenizer.encode(f"[mock {engine.flavor}]")[0]
+        first_ids = [reply.token_ids[0] for reply in engine.replies if reply.token_ids]
+        # For a prompt of unknown format: the ids a reply can start with (scripted, or the echo).
+        self._first_ids = frozenset([*first_ids, engine.tokenizer.encode(f"[mock {engine.flavor}]")[0]])
 
     def check_contract(self, request: PreprocessedRequest) -> None:
         self.engine.check_contract(request)
 
-    async def generate(self, request: PreprocessedRequest) -> AsyncIterator[MockOutput]:
+    async def generate(
+        self, request: PreprocessedRequest, *, prefill: Prefill = NO_PREFILL
+    ) -> AsyncIterator[MockOutput]:
         streamed = self.already_streamed(request)
         if not streamed:
-            async for step in self.engine.generate(request):
+            async for step in self.engine.generate(request, prefill=prefill):
                 yield step
             return
-        original = _shortened(request, streamed)
-        prompt_tokens = len(request.token_ids)
-        last: MockOutput | None = None
-        async for index, step in _aenumerate(self._instant.generate(original)):
-            last = step
-            if index < streamed:
-                continue
-            await asyncio.sleep(self.engine.token_delay_s)
-            yield MockOutput(
-                step.token_ids, step.finish_reason, prompt_tokens, step.completion_tokens - streamed
-            )
-        if last is not None and last.completion_tokens <= streamed:  # nothing was left to stream
-            yield MockOutput([], last.finish_reason, prompt_tokens, 0)
+        shortened = _shortened(request, streamed)
+        token_ids, finish_reason = self.engine.plan(shortened, streamed=streamed, prefill=prefill)
+        remaining = token_ids[streamed:]
+        async for step in self.engine.stream(
+            remaining, finish_reason, len(request.token_ids), prefill_s=prefill.seconds
+        ):
+            yield step
 
     def already_streamed(self, request: PreprocessedRequest) -> int:
         """How many trailing prompt tokens are the start of the mock's reply to the rest (0: none)."""
         ids = request.token_ids
-        low = max(1, len(ids) - _MAX_CONTINUATION_TOKENS)
-        for start in range(low, len(ids)):
-            if ids[start] != self._first_id:
+        low = max(1, len(ids) - MAX_CONTINUATION_TOKENS)
+        points = self.engine.generation_points(ids)
+        if points is None:
+            points = [start for start in range(len(ids) - 1, low - 1, -1) if ids[start] in self._first_ids]
+        for start in points:
+            if start >= len(ids):
+                return 0
+            if start < low:
                 continue
             tail = ids[start:]
-            reply = self._instant.tokenizer.encode(self._instant.reply_text(_shortened(request, len(tail))))
-            if reply[: len(tail)] == tail:
+            if self.engine.reply_ids(_shortened(request, len(tail)))[: len(tail)] == tail:
                 return len(tail)
         return 0
 
@@ -378,10 +390,3 @@ def _shortened(request: PreprocessedRequest, streamed: int) -> PreprocessedReque
         request.stop_conditions, max_tokens=request.stop_conditions.max_tokens + streamed
     )
     return msgspec.structs.replace(request, token_ids=request.token_ids[:-streamed], stop_conditions=stop)
-
-
-async def _aenumerate(steps: AsyncIterator[MockOutput]) -> AsyncIterator[tuple[int, MockOutput]]:
-    index = 0
-    async for step in steps:
-        yield index, step
-        index += 1

@@ -4,39 +4,17 @@ SGLang's multimodal processor states its own prompt contract in ``mm_tokens.imag
 one ``<|media_pad|>`` per image). Reading it from the loaded processor, instead of inferring it
 from the model name, keeps the declaration true when SGLang's processors change. The reader
 never raises: a worker that cannot tell declares nothing, and the frontend renders the
-checkpoint default.
-
-The classes below the reader are STAND-INS shaped exactly like SGLang's (attribute names and
-values), not SGLang itself: real SGLang needs a GPU. Tests and the mock engine use them.
+checkpoint default. Stand-ins shaped like SGLang's classes live in ``sglang_standins``.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import structlog
 
-from dynamo_prep.card import ModelCardError, read_json
-from dynamo_prep.models import resolve_model_dir
-
-__all__ = [
-    "EngineStandIn",
-    "ImageProcessorStandIn",
-    "KimiK3ImageProcessorStandIn",
-    "MultimodalSpecialTokens",
-    "QwenVLImageProcessorStandIn",
-    "TokenizerManagerStandIn",
-    "declared_image_token",
-    "sglang_engine_standin",
-]
+__all__ = ["declared_image_token"]
 
 log = structlog.get_logger("dynamo_prep.engines")
 
-KIMI_K3_MODEL_TYPES = frozenset({"kimi_k3", "kimi_k25"})
-QWEN_VL_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl"})
 _ABSENT = object()
 _MAX_LOGGED_CHARS = 200
 
@@ -104,90 +82,3 @@ def _single_spelling(value: object, processor: str) -> str | None:
         value=repr(value)[:_MAX_LOGGED_CHARS],
     )
     return None
-
-
-@dataclass
-class MultimodalSpecialTokens:
-    """Stand-in for SGLang's ``MultimodalSpecialTokens`` (the image fields only)."""
-
-    image_token: str | list[str] | None = None
-    image_token_id: int | None = None
-    image_token_regex: re.Pattern[str] | None = None
-
-
-class ImageProcessorStandIn:
-    """Stand-in for SGLang's ``BaseMultimodalProcessor``: what matters here is ``mm_tokens``."""
-
-    def __init__(self, hf_config: dict[str, Any], mm_tokens: MultimodalSpecialTokens) -> None:
-        self.hf_config = hf_config
-        self.mm_tokens = mm_tokens
-
-
-class KimiK3ImageProcessorStandIn(ImageProcessorStandIn):
-    """Stand-in for SGLang's ``KimiK3ImageProcessor``: one ``<|media_pad|>`` per image."""
-
-    IMAGE_TOKEN = "<|media_pad|>"
-
-    def __init__(self, hf_config: dict[str, Any]) -> None:
-        super().__init__(
-            hf_config,
-            MultimodalSpecialTokens(
-                image_token=self.IMAGE_TOKEN,
-                image_token_id=_config_id(hf_config, "media_placeholder_token_id"),
-                image_token_regex=re.compile(r"(?:<\|media_pad\|>)+"),
-            ),
-        )
-
-
-class QwenVLImageProcessorStandIn(ImageProcessorStandIn):
-    """Stand-in for SGLang's Qwen-VL processor: a multi-token spelling, counted by ``<|image_pad|>``."""
-
-    IMAGE_TOKEN = "<|vision_start|><|image_pad|><|vision_end|>"
-
-    def __init__(self, hf_config: dict[str, Any]) -> None:
-        super().__init__(
-            hf_config,
-            MultimodalSpecialTokens(
-                image_token=self.IMAGE_TOKEN,
-                image_token_id=_config_id(hf_config, "image_token_id"),
-                image_token_regex=re.compile(r"<\|vision_start\|>(?:<\|image_pad\|>)+<\|vision_end\|>"),
-            ),
-        )
-
-
-@dataclass
-class TokenizerManagerStandIn:
-    """Stand-in for SGLang's ``TokenizerManager``; ``mm_processor`` is None for a text-only model."""
-
-    mm_processor: ImageProcessorStandIn | None
-
-
-@dataclass
-class EngineStandIn:
-    """Stand-in for ``sglang.Engine``: the path to the processor is ``tokenizer_manager.mm_processor``."""
-
-    tokenizer_manager: TokenizerManagerStandIn | None
-
-
-def sglang_engine_standin(model_dir: str | Path) -> EngineStandIn:
-    """The engine SGLang would build for this model directory, as far as its image contract goes."""
-    config_path = resolve_model_dir(model_dir) / "config.json"
-    config = read_json(config_path)
-    model_type = config.get("model_type")
-    processor: ImageProcessorStandIn | None = None
-    try:
-        if model_type in KIMI_K3_MODEL_TYPES:
-            processor = KimiK3ImageProcessorStandIn(config)
-        elif model_type in QWEN_VL_MODEL_TYPES:
-            processor = QwenVLImageProcessorStandIn(config)
-    except ValueError as exc:
-        raise ModelCardError(f"{config_path}: {exc}") from exc
-    return EngineStandIn(tokenizer_manager=TokenizerManagerStandIn(mm_processor=processor))
-
-
-def _config_id(hf_config: dict[str, Any], key: str) -> int:
-    """SGLang reads these ids from the HF config and fails at start-up without them; so do we."""
-    value = hf_config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{key} must be a token id, got {value!r}")
-    return value

@@ -26,7 +26,6 @@ from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 __all__ = [
     "DEFAULT_IMAGE_PLACEHOLDER",
-    "DEFAULT_KIMI_IMAGE_PLACEHOLDER",
     "IMAGE_PART_TYPES",
     "TEXT_PART_TYPES",
     "JinjaFormatter",
@@ -43,9 +42,6 @@ __all__ = [
     "kimi_k3_formatter_for",
     "prompt_formatter_for",
 ]
-
-# The old name, still imported by engines/vllm.py; the same value as DEFAULT_IMAGE_PLACEHOLDER.
-DEFAULT_KIMI_IMAGE_PLACEHOLDER = DEFAULT_IMAGE_PLACEHOLDER
 
 
 class PromptFormatter(Protocol):
@@ -124,4 +120,3 @@ def prompt_formatter_for(
         exclude_tools_when_tool_choice_none=card.runtime_config.exclude_tools_when_tool_choice_none,
         strict_hf_tokenization=strict_hf_tokenization,
     )
-

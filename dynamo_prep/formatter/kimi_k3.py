@@ -418,6 +418,7 @@ class _Writer:
         self.pieces: list[Piece] = []
         self.emit = self.pieces.append
         self.image_count = 0
+        self.open_channel: str | None = None  # the output channel the prompt leaves open
 
     def text(self, value: Any) -> None:
         text = str(value)
@@ -672,7 +673,9 @@ class KimiK3Formatter:
         )
         pieces = writer.pieces
         text = "".join([piece.text for piece in pieces])
-        return RenderedPrompt(text=text, pieces=pieces, image_count=writer.image_count)
+        return RenderedPrompt(
+            text=text, pieces=pieces, image_count=writer.image_count, open_channel=writer.open_channel
+        )
 
     def _render(
         self,
@@ -719,11 +722,13 @@ class KimiK3Formatter:
     def _emit_tail(self, writer: _Writer, partial: _Item | None, add_generation_prompt: bool) -> None:
         if partial is not None:
             writer.response(*partial)
+            writer.open_channel = "response"
             return
         if not add_generation_prompt:
             return
         writer.emit(MESSAGE_OPENS["assistant"])
         if self.generation_prompt == "reference":
+            writer.open_channel = "think" if writer.thinking else "response"
             writer.emit(THINK_OPEN if writer.thinking else RESPONSE_OPEN)
 
 

@@ -1,13 +1,12 @@
 """The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
 
-Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``, ``POST /tokenize`` (vLLM's shape),
-``GET /health`` (readiness: 503 until a model is live), ``GET /live`` and ``GET /metrics``
-(Prometheus). Every response carries ``x-request-id`` (an incoming one is honoured); every error
-has OpenAI's body (``errors.py``); every request ends with one ``request_finished`` or
-``request_failed`` line (``request_record.py``), which also updates the request metrics.
-
-A chat request's way through the pool (pick, render for the pick, stream, move on loss) is
-``migration.py``'s; this module turns its outputs into OpenAI responses.
+Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``,
+``POST /tokenize`` (vLLM's shape), ``GET /health`` (readiness: 503 until a model is live),
+``GET /live`` and ``GET /metrics`` (Prometheus). Every response carries ``x-request-id`` (an
+incoming one is honoured); every error has OpenAI's body (``errors.py``); every request ends with
+one ``request_finished`` or ``request_failed`` line (``request_record.py``), which also updates the
+request metrics. A chat request's way through the pool (pick, render for the pick, stream, move
+on loss) is ``migration.py``'s; this module turns its outputs into OpenAI responses.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import contextlib
 import re
 import time
 import uuid
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -30,17 +29,17 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
+from dynamo_prep.frontend.answers import answer_stream_for
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
-from dynamo_prep.frontend.detokenize import Detokenizer
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
+from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
-from dynamo_prep.frontend.openai_stream import Completion, sse, visible_text
+from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
-from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ModelEntry,
@@ -56,9 +55,9 @@ __all__ = ["create_app"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 
-# Preprocessing is sub-millisecond for ordinary prompts; bodies above this render in a thread so
-# one huge prompt cannot stall every other stream on the loop.
-THREAD_ABOVE_BYTES = 256 << 10
+# Preprocessing is sub-millisecond for ordinary prompts; bodies above this render and tokenize in a
+# thread (~0.1 ms more), so one huge prompt cannot stall every other stream, nor /live, on the loop.
+THREAD_ABOVE_BYTES = 32 << 10
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
 _JSON = "application/json"
@@ -71,17 +70,19 @@ def create_app(
     client: RequestPlaneClient,
     *,
     router: Router | None = None,
+    kv: KvRouting | None = None,
     settings: HttpSettings | None = None,
     metrics: FrontendMetrics | None = None,
 ) -> ASGIApp:
     """The ASGI app serving ``catalog``'s live models through ``client``.
 
-    ``metrics`` is the frontend's own registry (shared with its watcher and router); without one
-    the app gets a private registry, never prometheus_client's global one.
+    ``kv`` routes by KV-cache overlap (else ``router``'s round robin). ``metrics`` is the
+    frontend's own registry (shared with its watcher and router); without one the app gets a
+    private registry, never prometheus_client's global one.
     """
     metrics = metrics if metrics is not None else FrontendMetrics()
     declarations = DeclarationPreprocessors(metrics.discovery)
-    migration = Migration(catalog, router or Router(), client, declarations)
+    migration = Migration(catalog, router or Router(), client, declarations, kv)
     handlers = _Handlers(catalog, migration, settings or HttpSettings(), metrics)
     app = Starlette(
         routes=[
@@ -124,31 +125,29 @@ class _Handlers:
         structlog.contextvars.bind_contextvars(model=model.name)
         # Unique on the request plane even when a client reuses its x-request-id.
         plane_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
-        outputs = _observed(
-            self.migration.outputs(
-                model,
-                chat,
-                request_id=plane_id,
-                record=record,
-                timeout_s=self.settings.request_timeout_s,
-                in_thread=len(body) > THREAD_ABOVE_BYTES,
-            ),
-            record,
+        journey = await self.migration.begin(
+            model,
+            chat,
+            request_id=plane_id,
+            record=record,
+            timeout_s=self.settings.request_timeout_s,
+            in_thread=len(body) > THREAD_ABOVE_BYTES,
         )
+        outputs = _observed(self.migration.outputs(journey), record)
         completion = Completion(
             id=f"chatcmpl-{request_id}",
             model=chat.model,
             created=int(time.time()),
-            detokenizer=Detokenizer(model.preprocessor.tokenizer, stop_strings(chat.stop)),
+            answer=answer_stream_for(model.card, model.preprocessor.tokenizer, chat, journey.prompt.rendered),
         )
         first = await _first(outputs)  # errors before the first token keep their HTTP status
         if chat.stream:
             include_usage = bool((chat.stream_options or {}).get("include_usage"))
-            body_iterator = sse(_prepend(first, outputs), completion, include_usage=include_usage)
+            body_iterator = sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
             return StreamingResponse(body_iterator, media_type="text/event-stream", headers=_NO_CACHE)
         async with contextlib.aclosing(outputs):
-            pieces = visible_text(_prepend(first, outputs), completion)
-            await _unless_disconnected(request, _drain(pieces))
+            deltas = answer_deltas(_prepend(first, outputs), completion, record)
+            await _unless_disconnected(request, _drain(deltas))
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
 
     # -- models, tokenize, health ------------------------------------------------------------
@@ -170,9 +169,12 @@ class _Handlers:
         model = self._live_model(tokenize.model)
         preprocessor = model.preprocessor
         if tokenize.messages is not None:
-            tokens = preprocessor.tokenize(body).token_ids
+            tokens = await _off_loop(len(body), lambda: preprocessor.tokenize(body).token_ids)
         elif tokenize.prompt is not None:
-            tokens = preprocessor.tokenizer.encode(tokenize.prompt, allow_special=tokenize.add_special_tokens)
+            text, specials = tokenize.prompt, tokenize.add_special_tokens
+            tokens = await _off_loop(
+                len(body), lambda: preprocessor.tokenizer.encode(text, allow_special=specials)
+            )
         else:
             raise OpenAIError(400, "give either messages (a chat) or prompt (text)", param="messages")
         answer = TokenizeResponse(count=len(tokens), max_model_len=preprocessor.context_length, tokens=tokens)
@@ -227,6 +229,11 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+async def _off_loop(size: int, work: Callable[[], _T]) -> _T:
+    """``work()``, in a thread when the body is large (it may take long: never on the loop)."""
+    return await asyncio.to_thread(work) if size > THREAD_ABOVE_BYTES else work()
+
+
 async def _first(outputs: AsyncGenerator[Output, None]) -> Output:
     """The first output: failures up to here still get their own HTTP status."""
     try:
@@ -257,9 +264,9 @@ async def _observed(
         raise
 
 
-async def _drain(pieces: AsyncGenerator[str, None]) -> None:
-    async with contextlib.aclosing(pieces):
-        async for _ in pieces:
+async def _drain(items: AsyncGenerator[Any, None]) -> None:
+    async with contextlib.aclosing(items):
+        async for _ in items:
             pass
 
 

@@ -6,7 +6,10 @@ routes replies to per-request queues by ``request_id``. A worker that dies says 
 endpoint has a watchdog: when a busy endpoint has been silent for a while it is pinged (a slow
 worker still answers), and after ``stall_timeout_s`` of silence every request on it fails with
 ``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
-instance expires.
+instance expires. An endpoint that has never answered anything ``connect_timeout_s`` after its
+first request is ``unreachable`` (a black-holed or forged announce): its requests fail at once, and
+it is kept out of routing (``unreachable_endpoints``) until it answers or ``UNREACHABLE_HOLD_S``
+passes.
 
 An endpoint without requests for ``idle_close_s`` is closed by the same watchdog: a worker that
 stopped gracefully is withdrawn, never expired, so nothing else would ever close its socket, its
@@ -40,6 +43,10 @@ log = structlog.get_logger("dynamo_prep.frontend")
 
 DEFAULT_STALL_TIMEOUT_S = 10.0
 DEFAULT_IDLE_CLOSE_S = 30.0
+# A worker answers a Ping within milliseconds; one that never answered anything this long after
+# its first request is not there.
+DEFAULT_CONNECT_TIMEOUT_S = 2.0
+UNREACHABLE_HOLD_S = 30.0
 # Probes per stall timeout: a live worker gets several chances to answer a Ping before it is lost.
 PROBES_PER_STALL = 4
 # How long past its deadline the client waits for the worker's own "deadline" reply.
@@ -71,18 +78,19 @@ _Item = Output | ErrorReply | WorkerLost
 class _Channel:
     """One worker endpoint: its DEALER, receive task, watchdog, and the queues of its requests."""
 
-    def __init__(
-        self, endpoint: str, socket: zmq.asyncio.Socket, stall_timeout_s: float, idle_close_s: float
-    ) -> None:
+    def __init__(self, endpoint: str, socket: zmq.asyncio.Socket, client: RequestPlaneClient) -> None:
         self.endpoint = endpoint
         self.socket = socket
         # Cancel and Ping must go out from ``finally`` blocks without awaiting: a sync shadow.
         self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
-        self.stall_timeout_s = stall_timeout_s
-        self.idle_close_s = idle_close_s
+        self.stall_timeout_s = client.stall_timeout_s
+        self.idle_close_s = client.idle_close_s
+        self.connect_timeout_s = client.connect_timeout_s
         self.queues: dict[str, asyncio.Queue[_Item]] = {}
         self.closed = False
+        self.heard = False  # anything at all from the worker since this channel opened
         self._loop = asyncio.get_running_loop()
+        self._opened_at = self._loop.time()
         self._heard_at = self._loop.time()
         self._idle_since = self._loop.time()
         self._pings = itertools.count(1)
@@ -120,6 +128,7 @@ class _Channel:
         while True:
             payload = await self.socket.recv()
             self._heard_at = self._loop.time()
+            self.heard = True
             try:
                 reply = wire.decode_from_worker(payload)
             except wire.WireDecodeError as exc:
@@ -139,23 +148,31 @@ class _Channel:
         if not self.queues:
             self._idle_since = self._loop.time()
 
-    async def watch(self, on_stall: Callable[[str], None], on_idle: Callable[[str], None]) -> None:
-        """Ping a busy, silent endpoint; declare it lost after ``stall_timeout_s`` of silence.
-        Close it after ``idle_close_s`` without requests."""
-        probe_s = min(self.stall_timeout_s / PROBES_PER_STALL, self.idle_close_s)
+    async def watch(self, on_lost: Callable[[str, str], None], on_idle: Callable[[str], None]) -> None:
+        """Ping a busy, silent endpoint; declare it lost after ``stall_timeout_s`` of silence, or
+        unreachable when it never answered ``connect_timeout_s`` after its first request. Close it
+        after ``idle_close_s`` without requests."""
+        probe_s = min(self.stall_timeout_s / PROBES_PER_STALL, self.idle_close_s, self.connect_timeout_s / 2)
         while True:
             await asyncio.sleep(probe_s)  # a periodic timer, not a synchronisation
+            now = self._loop.time()
             if not self.queues:
-                if self._loop.time() - self._idle_since >= self.idle_close_s:
+                if now - self._idle_since >= self.idle_close_s:
                     on_idle(self.endpoint)
                     return
                 continue
-            silent_s = self._loop.time() - self._heard_at
+            silent_s = now - self._heard_at
+            if not self.heard and now - self._opened_at >= min(self.connect_timeout_s, self.stall_timeout_s):
+                log.warning(
+                    "worker_unreachable", endpoint=self.endpoint, waited_s=round(now - self._opened_at, 3)
+                )
+                on_lost(self.endpoint, "unreachable")
+                return
             if silent_s >= self.stall_timeout_s:
                 log.warning("worker_stalled", endpoint=self.endpoint, silent_s=round(silent_s, 3))
-                on_stall(self.endpoint)
+                on_lost(self.endpoint, "stalled")
                 return
-            if silent_s >= probe_s:
+            if silent_s >= probe_s or not self.heard:
                 self.send_nowait(Ping(request_id=f"ping-{next(self._pings)}"))
 
     def close(self) -> None:
@@ -174,13 +191,18 @@ class RequestPlaneClient:
         *,
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         idle_close_s: float = DEFAULT_IDLE_CLOSE_S,
+        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
     ) -> None:
-        if stall_timeout_s <= 0 or idle_close_s <= 0:
-            raise ValueError(f"timeouts must be positive, got {stall_timeout_s} and {idle_close_s}")
+        if min(stall_timeout_s, idle_close_s, connect_timeout_s) <= 0:
+            raise ValueError(
+                f"timeouts must be positive, got {stall_timeout_s}, {idle_close_s} and {connect_timeout_s}"
+            )
         self._context = context or zmq.asyncio.Context.instance()
         self.stall_timeout_s = stall_timeout_s
         self.idle_close_s = idle_close_s
+        self.connect_timeout_s = connect_timeout_s
         self._channels: dict[str, _Channel] = {}
+        self._unreachable: dict[str, float] = {}  # endpoint -> until (loop time)
 
     async def generate(
         self, endpoint: str, request: PreprocessedRequest, *, request_id: str, timeout_s: float
@@ -226,6 +248,17 @@ class RequestPlaneClient:
         """
         self._lose(endpoint, "removed")
 
+    def unreachable_endpoints(self) -> frozenset[str]:
+        """Endpoints that never answered a recent request: route elsewhere while there is elsewhere."""
+        if not self._unreachable:
+            return frozenset()
+        now = asyncio.get_running_loop().time()
+        for endpoint, until in list(self._unreachable.items()):
+            channel = self._channels.get(endpoint)
+            if until <= now or (channel is not None and channel.heard):  # it answered after all
+                del self._unreachable[endpoint]
+        return frozenset(self._unreachable)
+
     @property
     def endpoints(self) -> list[str]:
         """The endpoints with an open channel (socket and tasks) right now."""
@@ -240,6 +273,8 @@ class RequestPlaneClient:
         channel = self._channels.pop(endpoint, None)
         if channel is None:
             return
+        if reason == "unreachable":
+            self._unreachable[endpoint] = asyncio.get_running_loop().time() + UNREACHABLE_HOLD_S
         log.info("worker_lost", endpoint=endpoint, reason=reason, in_flight=len(channel.queues))
         channel.fail_all(WorkerLost(endpoint, reason))
         channel.close()
@@ -259,12 +294,11 @@ class RequestPlaneClient:
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(endpoint)
-        channel = _Channel(endpoint, socket, self.stall_timeout_s, self.idle_close_s)
+        channel = _Channel(endpoint, socket, self)
         channel.tasks = [
             asyncio.create_task(channel.receive(), name=f"request-plane-recv-{endpoint}"),
             asyncio.create_task(
-                channel.watch(lambda lost: self._lose(lost, "stalled"), self._close_idle),
-                name=f"request-plane-watch-{endpoint}",
+                channel.watch(self._lose, self._close_idle), name=f"request-plane-watch-{endpoint}"
             ),
         ]
         self._channels[endpoint] = channel

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 from dynamo_prep.protocol.discovery import DEFAULT_BIND, DEFAULT_NAMESPACE
 
@@ -18,16 +18,28 @@ if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import Zero
 __all__ = [
     "DEFAULT_HTTP_HOST",
     "DEFAULT_HTTP_PORT",
+    "DEFAULT_KV_OVERLAP_SCORE_WEIGHT",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_REQUEST_TIMEOUT_S",
+    "DEFAULT_ROUTER_MODE",
+    "DEFAULT_ROUTER_TEMPERATURE",
+    "ROUTER_MODES",
     "FrontendConfig",
     "HttpSettings",
+    "RouterMode",
+    "RouterSettings",
 ]
 
 DEFAULT_HTTP_HOST = "0.0.0.0"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
+RouterMode = Literal["round-robin", "kv"]
+ROUTER_MODES: tuple[RouterMode, ...] = get_args(RouterMode)
+DEFAULT_ROUTER_MODE: RouterMode = "round-robin"
+# Dynamo's defaults: the cost counts blocks to prefill once; temperature 0 picks the cheapest.
+DEFAULT_KV_OVERLAP_SCORE_WEIGHT = 1.0
+DEFAULT_ROUTER_TEMPERATURE = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +48,16 @@ class HttpSettings:
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """What the routing flags mean (``--router-mode``, ``--kv-overlap-score-weight``,
+    ``--router-temperature``)."""
+
+    mode: RouterMode = DEFAULT_ROUTER_MODE
+    kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT
+    temperature: float = DEFAULT_ROUTER_TEMPERATURE
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +73,7 @@ class FrontendConfig:
     http_host: str = DEFAULT_HTTP_HOST
     http_port: int = DEFAULT_HTTP_PORT
     http: HttpSettings = field(default_factory=HttpSettings)
+    router: RouterSettings = field(default_factory=RouterSettings)
 
     @classmethod
     def from_options(
@@ -67,6 +90,9 @@ class FrontendConfig:
         http_port: int = DEFAULT_HTTP_PORT,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        router_mode: str = DEFAULT_ROUTER_MODE,
+        kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
+        router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
     ) -> FrontendConfig:
         """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options."""
         if discovery_bind and discovery:
@@ -88,6 +114,10 @@ class FrontendConfig:
             raise ValueError(f"--http-port must be in 0..65535, got {http_port}")
         if max_body_bytes < 1 or request_timeout_s <= 0:
             raise ValueError("--max-body-bytes and --request-timeout must be positive")
+        if router_mode not in ROUTER_MODES:
+            raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {router_mode!r}")
+        if not kv_overlap_score_weight >= 0 or not router_temperature >= 0:
+            raise ValueError("--kv-overlap-score-weight and --router-temperature must be >= 0")
         return cls(
             bind=bind,
             connect=connect,
@@ -98,4 +128,9 @@ class FrontendConfig:
             http_host=http_host,
             http_port=http_port,
             http=HttpSettings(max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s),
+            router=RouterSettings(
+                mode=router_mode,
+                kv_overlap_score_weight=kv_overlap_score_weight,
+                temperature=router_temperature,
+            ),
         )

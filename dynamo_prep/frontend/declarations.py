@@ -29,6 +29,7 @@ class DeclarationPreprocessors:
         # Counts preprocessors built for an unregistered token (a private registry by default).
         self.metrics = metrics if metrics is not None else DiscoveryMetrics()
         self._built: dict[tuple[str, str | None], OpenAIPreprocessor] = {}
+        self._placeholders: dict[tuple[str, str | None], tuple[int, ...]] = {}
 
     def get(self, model: LiveModel, declared_token: str | None) -> OpenAIPreprocessor | None:
         """The preprocessor rendering for ``declared_token``, if it exists already."""
@@ -36,6 +37,18 @@ class DeclarationPreprocessors:
         if declared_token == canonical.card.runtime_config.image_placeholder_token:
             return canonical
         return self._built.get((model.mdcsum, declared_token))
+
+    def placeholder(self, model: LiveModel, declared_token: str | None) -> tuple[int, ...]:
+        """The ids one image's placeholder takes in prompts rendered for ``declared_token`` (empty
+        when the formatter writes no token of its own)."""
+        key = (model.mdcsum, declared_token)
+        ids = self._placeholders.get(key)
+        if ids is None:
+            preprocessor = self.get(model, declared_token) or model.preprocessor
+            token = preprocessor.formatter.rendered_token
+            ids = tuple(preprocessor.tokenizer.encode(token, allow_special=True)) if token else ()
+            self._placeholders[key] = ids
+        return ids
 
     def build(self, model: LiveModel, declared_token: str | None) -> OpenAIPreprocessor:
         """``get``, building (and keeping) the preprocessor first when needed."""

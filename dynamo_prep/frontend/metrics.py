@@ -63,6 +63,12 @@ class FrontendMetrics:
             "output_sequence_tokens", "Completion length in tokens", _OUTPUT_TOKENS
         )
         self.image_parts = self._histogram("image_parts_per_request", "Image parts per request", _IMAGES)
+        self.output_parse_errors = Counter(
+            f"{PREFIX}output_parse_errors",
+            "Recoveries from malformed model output by the answer parser, by kind (docs/answers.md)",
+            ["model", "kind"],
+            registry=reg,
+        )
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(f"{PREFIX}{name}", documentation, ["model"], buckets=buckets, registry=self.registry)

@@ -6,7 +6,9 @@ This module owns the request policy; ``client.py`` only carries messages. Rules:
   instance's declared token, so each engine of a mixed pool gets its own image contract;
 * a request moves when its worker is lost or refuses it as draining (503), at most the card's
   ``migration_limit`` times in all (one budget, whether or not tokens were streamed), and never
-  back to an instance it already tried;
+  back to an instance it already tried; a worker that never answered at all (unreachable: a
+  black-holed or forged announce) costs no budget, and unreachable endpoints are routed around
+  while another instance is there;
 * after a move the new instance gets the prompt rendered for ITS declaration, followed by the
   tokens already streamed, with ``max_tokens`` (and ``min_tokens``) reduced by as many, like
   Dynamo's migration; usage stays the client's: the prompt it sent and every token it received.
@@ -17,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import msgspec
 import structlog
@@ -27,28 +30,43 @@ from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import OpenAIError
+from dynamo_prep.frontend.kv_routing import KvRouting, RoutingPrompt
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
+from dynamo_prep.preprocessor import TokenizedPrompt
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
+from dynamo_prep.routing.policy import Decision
 
-__all__ = ["Migration", "continuation"]
+__all__ = ["Journey", "Migration", "continuation"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
+_T = TypeVar("_T")
 
 
 @dataclass
-class _Journey:
-    """What one request has done so far: where it went, its renders, what it streamed."""
+class Journey:
+    """One request's way through the pool: what it asked, its renders, where it went, what it streamed.
 
+    ``prompt`` is the request rendered for the model's own (first card's) declaration: what every
+    instance's prompt says except its image placeholders, so the answer parser starts from it.
+    """
+
+    model: LiveModel
+    chat: ChatCompletionRequest
+    request_id: str
+    record: RequestRecord
+    prompt: TokenizedPrompt
     budget: int
     give_up_at: float
+    in_thread: bool = False
     tried: set[str] = field(default_factory=set)
     renders: dict[str | None, PreprocessedRequest] = field(default_factory=dict)
     streamed: list[int] = field(default_factory=list)
     last_error: WorkerLost | WorkerError | None = None
+    decision: Decision | None = None  # the KV router's last choice, when it chose
 
 
 class Migration:
@@ -60,13 +78,15 @@ class Migration:
         router: Router,
         client: RequestPlaneClient,
         declarations: DeclarationPreprocessors,
+        kv: KvRouting | None = None,
     ) -> None:
         self.catalog = catalog
         self.router = router
         self.client = client
         self.declarations = declarations
+        self.kv = kv
 
-    async def outputs(
+    async def begin(
         self,
         model: LiveModel,
         chat: ChatCompletionRequest,
@@ -75,86 +95,142 @@ class Migration:
         record: RequestRecord,
         timeout_s: float,
         in_thread: bool = False,
-    ) -> AsyncGenerator[Output, None]:
-        """The worker outputs for ``chat``, across as many instances as the budget allows.
+    ) -> Journey:
+        """Render ``chat`` for the model's own declaration (a client mistake raises here, as a 400).
+
+        ``in_thread`` renders off the loop (large bodies).
+        """
+        declared = model.preprocessor.card.runtime_config.image_placeholder_token
+        started = time.perf_counter()
+        request, prompt = await self._call(model.preprocessor.preprocess_prompt, chat, in_thread=in_thread)
+        record.preprocessed(request, time.perf_counter() - started)
+        loop = asyncio.get_running_loop()
+        journey = Journey(
+            model=model,
+            chat=chat,
+            request_id=request_id,
+            record=record,
+            prompt=prompt,
+            budget=model.card.migration_limit,
+            give_up_at=loop.time() + timeout_s,
+            in_thread=in_thread,
+        )
+        journey.renders[declared] = request
+        return journey
+
+    async def outputs(self, journey: Journey) -> AsyncGenerator[Output, None]:
+        """The worker outputs of the journey's request, across as many instances as the budget allows.
 
         Raises ``WorkerLost`` / ``WorkerError`` when the request cannot continue anywhere, and a
-        503 ``OpenAIError`` when no instance is live at all. ``in_thread`` renders off the loop.
+        503 ``OpenAIError`` when no instance is live at all.
         """
-        loop = asyncio.get_running_loop()
-        journey = _Journey(budget=model.card.migration_limit, give_up_at=loop.time() + timeout_s)
+        model = journey.model
         while True:
-            instance = self.router.pick(self.catalog.get(model.name) or model, excluded=journey.tried)
+            current = self.catalog.get(model.name) or model
+            instance = await self._choose(current, journey)
             if instance is None:
                 if journey.last_error is not None:
                     raise journey.last_error
                 raise OpenAIError(503, f"no live instance of model {model.name!r} can take the request")
             journey.tried.add(instance.instance_id)
-            base = await self._render(model, instance, chat, journey, record, in_thread=in_thread)
-            record.routed(instance)
+            base = await self._render(instance.declared_token, journey)
+            journey.record.routed(instance, journey.decision)
+            log.debug(
+                "request_routed", instance_id=instance.instance_id, declared_token=instance.declared_token
+            )
+            if self.kv is not None and journey.decision is not None:
+                self.kv.dispatch(model.name, journey.request_id, journey.decision)
             try:
-                async for output in self._stream(instance, base, journey, request_id):
+                async for output in self._stream(instance, base, journey):
                     yield output
                 return
             except (WorkerLost, WorkerError) as exc:
-                self._move_or_raise(exc, instance, journey, request_id)
+                self._move_or_raise(exc, instance, journey)
+            finally:
+                if self.kv is not None:
+                    self.kv.release(model.name, journey.request_id)
 
-    async def _render(
-        self,
-        model: LiveModel,
-        instance: Instance,
-        chat: ChatCompletionRequest,
-        journey: _Journey,
-        record: RequestRecord,
-        *,
-        in_thread: bool,
-    ) -> PreprocessedRequest:
-        """The prompt for ``instance``'s declaration (rendered once per declaration per request)."""
-        declared = instance.declared_token
+    async def _choose(self, model: LiveModel, journey: Journey) -> Instance | None:
+        """The next instance: one the request has not tried, preferably one that answers; by the
+        router's turn, or where its prefix is cached (KV routing)."""
+        untried = [i for instance_id, i in model.instances.items() if instance_id not in journey.tried]
+        unreachable = self.client.unreachable_endpoints()
+        candidates = [instance for instance in untried if instance.endpoint not in unreachable] or untried
+        if not candidates:
+            return None
+        if self.kv is None:
+            chosen = {instance.instance_id for instance in candidates}
+            return self.router.pick(model, excluded=model.instances.keys() - chosen)
+        prompts = {
+            declared: RoutingPrompt(
+                await self._render(declared, journey), self.declarations.placeholder(model, declared)
+            )
+            for declared in {instance.declared_token for instance in candidates}
+        }
+        journey.decision = self.kv.decide(model.name, candidates, prompts)
+        return model.instances[journey.decision.instance_id]
+
+    async def _render(self, declared: str | None, journey: Journey) -> PreprocessedRequest:
+        """The prompt for a declaration (rendered once per declaration per request; a request
+        without images renders the same ids for every declaration, so it is rendered once)."""
         if declared in journey.renders:
             return journey.renders[declared]
+        if not journey.prompt.images:
+            return next(iter(journey.renders.values()))
         started = time.perf_counter()
-        preprocessor = self.declarations.get(model, declared)
+        preprocessor = self.declarations.get(journey.model, declared)
         if preprocessor is None:  # a new declaration: its formatter reads the model's files once
-            preprocessor = await asyncio.to_thread(self.declarations.build, model, declared)
-        if in_thread:
-            rendered = await asyncio.to_thread(preprocessor.preprocess, chat)
-        else:
-            rendered = preprocessor.preprocess(chat)
-        record.preprocessed(rendered, time.perf_counter() - started)
-        log.debug("request_routed", instance_id=instance.instance_id, declared_token=declared)
+            preprocessor = await asyncio.to_thread(self.declarations.build, journey.model, declared)
+        rendered = await self._call(preprocessor.preprocess, journey.chat, in_thread=journey.in_thread)
+        journey.record.preprocessed(rendered, time.perf_counter() - started)
         journey.renders[declared] = rendered
         return rendered
 
+    @staticmethod
+    async def _call(
+        render: Callable[[ChatCompletionRequest], _T], chat: ChatCompletionRequest, *, in_thread: bool
+    ) -> _T:
+        return await asyncio.to_thread(render, chat) if in_thread else render(chat)
+
     async def _stream(
-        self, instance: Instance, base: PreprocessedRequest, journey: _Journey, request_id: str
+        self, instance: Instance, base: PreprocessedRequest, journey: Journey
     ) -> AsyncGenerator[Output, None]:
         """One attempt: the continuation of ``base`` on ``instance``, outputs in the client's terms."""
         earlier = len(journey.streamed)
         attempt = continuation(base, journey.streamed)
         if attempt is None:  # the budget was used up before the final message got through
-            yield _as_sent(Output(request_id=request_id, token_ids=[], finish_reason="length"), base, earlier)
+            final = Output(request_id=journey.request_id, token_ids=[], finish_reason="length")
+            yield _as_sent(final, base, earlier)
             return
         timeout_s = max(journey.give_up_at - asyncio.get_running_loop().time(), 0.001)
-        steps = self.client.generate(instance.endpoint, attempt, request_id=request_id, timeout_s=timeout_s)
-        async with contextlib.aclosing(steps):
+        steps = self.client.generate(
+            instance.endpoint, attempt, request_id=journey.request_id, timeout_s=timeout_s
+        )
+        budget = attempt.stop_conditions.max_tokens
+        async with contextlib.aclosing(steps):  # leaving early cancels the generation on the worker
             async for output in steps:
-                journey.streamed.extend(output.token_ids)
-                yield _as_sent(output, base, earlier)
+                sent = len(journey.streamed) - earlier
+                allowed = (
+                    output if len(output.token_ids) <= budget - sent else _cut(output, budget - sent, sent)
+                )
+                journey.streamed.extend(allowed.token_ids)
+                yield _as_sent(allowed, base, earlier)
+                if allowed.finish_reason is not None:
+                    return
 
     @staticmethod
-    def _move_or_raise(
-        exc: WorkerLost | WorkerError, instance: Instance, journey: _Journey, request_id: str
-    ) -> None:
-        """Spend one move of the budget on a lost or draining worker; otherwise the error stands."""
+    def _move_or_raise(exc: WorkerLost | WorkerError, instance: Instance, journey: Journey) -> None:
+        """Spend one move of the budget on a lost or draining worker (an unreachable one, which
+        never saw the request, moves for free); otherwise the error stands."""
+        unreachable = isinstance(exc, WorkerLost) and exc.reason == "unreachable"
         movable = isinstance(exc, WorkerLost) or exc.code == 503
-        if not movable or journey.budget <= 0:
+        if not movable or (journey.budget <= 0 and not unreachable):
             raise exc
-        journey.budget -= 1
+        journey.budget -= 0 if unreachable else 1
         journey.last_error = exc
         log.info(
             "request_migrated",
-            request_id=request_id,
+            request_id=journey.request_id,
             from_instance_id=instance.instance_id,
             from_endpoint=instance.endpoint,
             streamed_tokens=len(journey.streamed),
@@ -176,6 +252,17 @@ def continuation(request: PreprocessedRequest, streamed: list[int]) -> Preproces
         request,
         token_ids=[*request.token_ids, *streamed],
         stop_conditions=msgspec.structs.replace(stop, max_tokens=remaining, min_tokens=min_tokens),
+    )
+
+
+def _cut(output: Output, room: int, sent: int) -> Output:
+    """The last output ``max_tokens`` allows: a worker that streams past it is cut, as an engine
+    would have stopped (``length``)."""
+    return msgspec.structs.replace(
+        output,
+        token_ids=output.token_ids[: max(room, 0)],
+        finish_reason="length",
+        completion_tokens=sent + max(room, 0),
     )
 
 

@@ -1,21 +1,23 @@
 """From the worker's Outputs to what an OpenAI client reads: one JSON answer, or SSE chunks.
 
-Both shapes come from one loop (``visible_text``), so streaming and non-streaming agree on the
-text, the finish reason and the usage. Stopping on a stop string ends the loop early: the caller
-then closes the worker stream, which cancels the generation on the worker.
+Both shapes come from one loop (``answer_deltas``), so streaming and non-streaming agree on the
+reasoning, the content, the tool calls, the finish reason and the usage. A stop string ends the
+loop early: the caller then closes the worker stream, which cancels the generation on the worker.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 import structlog
 
-from dynamo_prep.frontend.detokenize import Detokenizer
+from dynamo_prep.frontend.answers import AnswerStream
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_event
+from dynamo_prep.frontend.request_record import RequestRecord
+from dynamo_prep.parsing import AnswerDelta, ContentDelta, ReasoningDelta, ToolCallDelta
 from dynamo_prep.protocol.openai import (
     AssistantMessage,
     ChatChoice,
@@ -23,11 +25,15 @@ from dynamo_prep.protocol.openai import (
     ChatCompletionResponse,
     ChunkChoice,
     ChunkDelta,
+    ChunkFunction,
+    ChunkToolCall,
+    FunctionCall,
+    ToolCall,
     Usage,
 )
 from dynamo_prep.protocol.wire import Output
 
-__all__ = ["DONE", "Completion", "sse", "visible_text"]
+__all__ = ["DONE", "Completion", "answer_deltas", "sse"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 
@@ -37,16 +43,31 @@ _encoder = msgspec.json.Encoder()
 
 @dataclass
 class Completion:
-    """One response in the making: identity, detokenizer, and the usage seen so far."""
+    """One response in the making: identity, the answer so far, usage and how it ended."""
 
     id: str
     model: str
     created: int
-    detokenizer: Detokenizer
+    answer: AnswerStream
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reason: str | None = None
-    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def take(self, deltas: Sequence[AnswerDelta]) -> None:
+        for delta in deltas:
+            if isinstance(delta, ContentDelta):
+                self.content.append(delta.text)
+            elif isinstance(delta, ReasoningDelta):
+                self.reasoning.append(delta.text)
+            else:
+                self.tool_calls.append(delta)
+
+    def end(self, reason: str) -> None:
+        """``tool_calls`` when the model ended its turn with calls (OpenAI's reason), else ``reason``."""
+        self.finish_reason = "tool_calls" if reason == "stop" and self.tool_calls else reason
 
     def usage(self) -> Usage:
         return Usage(
@@ -56,7 +77,15 @@ class Completion:
         )
 
     def response(self) -> ChatCompletionResponse:
-        message = AssistantMessage(content="".join(self.text))
+        content = "".join(self.content)
+        message = AssistantMessage(content=content if content or not self.tool_calls else None)
+        if self.reasoning:
+            message.reasoning_content = "".join(self.reasoning)
+        if self.tool_calls:
+            message.tool_calls = [
+                ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+                for call in self.tool_calls
+            ]
         choice = ChatChoice(index=0, message=message, finish_reason=self.finish_reason)
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
@@ -68,6 +97,22 @@ class Completion:
             ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         )
 
+    def chunks(self, deltas: Sequence[AnswerDelta]) -> list[bytes]:
+        """SSE events of ``deltas``: a call is its head (index, id, type, name) then its arguments."""
+        events: list[bytes] = []
+        for delta in deltas:
+            if isinstance(delta, ContentDelta):
+                events.append(self.chunk(ChunkDelta(content=delta.text)))
+            elif isinstance(delta, ReasoningDelta):
+                events.append(self.chunk(ChunkDelta(reasoning_content=delta.text)))
+            else:
+                head = ChunkFunction(name=delta.name, arguments="")
+                call = ChunkToolCall(index=delta.index, id=delta.id, type="function", function=head)
+                events.append(self.chunk(ChunkDelta(tool_calls=[call])))
+                body = ChunkToolCall(index=delta.index, function=ChunkFunction(arguments=delta.arguments))
+                events.append(self.chunk(ChunkDelta(tool_calls=[body])))
+        return events
+
     def usage_chunk(self) -> bytes:
         return _event(
             ChatCompletionChunk(
@@ -76,37 +121,42 @@ class Completion:
         )
 
 
-async def visible_text(outputs: AsyncIterator[Output], completion: Completion) -> AsyncGenerator[str, None]:
-    """Text pieces as they become visible; sets ``completion``'s finish reason and usage."""
-    detokenizer = completion.detokenizer
-    async for output in outputs:
-        completion.prompt_tokens = output.prompt_tokens or completion.prompt_tokens
-        completion.completion_tokens = output.completion_tokens
-        piece = detokenizer.push(output.token_ids)
-        if piece:
-            completion.text.append(piece)
-            yield piece
-        if detokenizer.stopped:
-            completion.finish_reason = "stop"
-            return
-        if output.finish_reason is not None:
-            completion.finish_reason = _finish_reason(output.finish_reason)
-            break
-    tail = detokenizer.finish()
-    if tail:
-        completion.text.append(tail)
-        yield tail
-    if completion.finish_reason is None:
+async def answer_deltas(
+    outputs: AsyncIterator[Output], completion: Completion, record: RequestRecord
+) -> AsyncGenerator[list[AnswerDelta], None]:
+    """The answer's deltas as they become visible; sets ``completion``'s finish reason and usage."""
+    answer = completion.answer
+    try:
+        async for output in outputs:
+            completion.prompt_tokens = output.prompt_tokens or completion.prompt_tokens
+            completion.completion_tokens = output.completion_tokens
+            deltas = answer.push(output.token_ids)
+            reason = "stop" if answer.stopped else output.finish_reason  # a stop string ends it all
+            if reason is not None and not answer.stopped:
+                reason = _finish_reason(reason)
+                deltas += answer.finish(reason)
+            completion.take(deltas)
+            if reason is not None:
+                completion.end(reason)
+            if deltas:
+                yield deltas
+            if completion.finish_reason is not None:
+                return
         raise OpenAIError(502, "the worker ended the stream without a final message")
+    finally:
+        record.answered(
+            completion.finish_reason, answer.tool_calls, answer.reasoning_tokens, answer.recoveries
+        )
 
 
 async def sse(
     outputs: AsyncGenerator[Output, None],
     completion: Completion,
+    record: RequestRecord,
     *,
     include_usage: bool,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE body: a role chunk, content chunks, the finish chunk, usage if asked, ``[DONE]``.
+    """The SSE body: a role chunk, the answer's chunks, the finish chunk, usage if asked, ``[DONE]``.
 
     A failure after the response started cannot change the status any more, so it becomes a final
     ``data: {"error": ...}`` event before ``[DONE]`` (the OpenAI client raises it as an APIError).
@@ -114,8 +164,9 @@ async def sse(
     try:
         async with contextlib.aclosing(outputs):
             yield completion.chunk(ChunkDelta(role="assistant", content=""))
-            async for piece in visible_text(outputs, completion):
-                yield completion.chunk(ChunkDelta(content=piece))
+            async for deltas in answer_deltas(outputs, completion, record):
+                for event in completion.chunks(deltas):
+                    yield event
         yield completion.chunk(ChunkDelta(), completion.finish_reason)
         if include_usage:
             yield completion.usage_chunk()

@@ -26,9 +26,11 @@ from dynamo_prep.frontend.app import create_app
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.http_server import HttpServer, bind_http
+from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
+from dynamo_prep.routing.metrics import KvMetrics
 
 __all__ = ["FrontendConfig", "run_frontend", "serve_frontend"]
 
@@ -63,7 +65,8 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     store = ModelFileStore(config.cache_dir)
     client = RequestPlaneClient(context)
     metrics = FrontendMetrics()  # this frontend's own registry, handed to every component
-    watcher = _watcher(config, catalog, store, context, client, metrics)
+    kv = _kv_routing(config, context, metrics)
+    watcher = _watcher(config, catalog, store, context, client, metrics, kv)
     try:
         watcher.open()
     except (zmq.ZMQError, TrustError, ValueError) as exc:
@@ -75,7 +78,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         watcher.close()
         log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
         return EXIT_FAILED
-    app = create_app(catalog, client, router=Router(), settings=config.http, metrics=metrics)
+    app = create_app(catalog, client, router=Router(), kv=kv, settings=config.http, metrics=metrics)
     http = HttpServer(app, sock)
     log.info(
         "frontend_started",
@@ -87,11 +90,27 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         cache_dir=str(store.root),
         http_host=config.http_host,
         http_port=http.port,
+        router_mode=config.router.mode,
     )
     try:
-        return await _supervise(_components(watcher, http), stop)
+        return await _supervise(_components(watcher, http, kv), stop)
     finally:
+        if kv is not None:
+            kv.subscriber.close()
         await client.close()
+
+
+def _kv_routing(
+    config: FrontendConfig, context: zmq.asyncio.Context, metrics: FrontendMetrics
+) -> KvRouting | None:
+    if config.router.mode != "kv":
+        return None
+    return KvRouting(
+        overlap_score_weight=config.router.kv_overlap_score_weight,
+        temperature=config.router.temperature,
+        metrics=KvMetrics(metrics.registry),
+        context=context,
+    )
 
 
 def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collaborator
@@ -101,6 +120,7 @@ def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collabora
     context: zmq.asyncio.Context,
     client: RequestPlaneClient,
     metrics: FrontendMetrics,
+    kv: KvRouting | None,
 ) -> DiscoveryWatcher:
     builder = PreprocessorBuilder(store, local_model_path=config.model_path, context=context)
     return DiscoveryWatcher(
@@ -113,12 +133,18 @@ def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collabora
         context=context,
         on_endpoint_lost=client.endpoint_lost,
         metrics=metrics.discovery,
+        listeners=[kv] if kv is not None else [],
     )
 
 
-def _components(watcher: DiscoveryWatcher, http: HttpServer) -> dict[str, Coroutine[Any, Any, None]]:
-    """Everything the frontend runs concurrently (both read and write one ``ModelCatalog``)."""
-    return {"discovery_watcher": watcher.run(), "http_server": http.run()}
+def _components(
+    watcher: DiscoveryWatcher, http: HttpServer, kv: KvRouting | None
+) -> dict[str, Coroutine[Any, Any, None]]:
+    """Everything the frontend runs concurrently (they share one ``ModelCatalog``, and the KV index)."""
+    components = {"discovery_watcher": watcher.run(), "http_server": http.run()}
+    if kv is not None:
+        components["kv_events"] = kv.subscriber.run()
+    return components
 
 
 async def _supervise(components: Mapping[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> int:

@@ -10,6 +10,7 @@ real outcome (the error's status, or 499 when the client went away) instead of t
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -18,6 +19,7 @@ from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
+from dynamo_prep.routing.policy import Decision
 
 __all__ = ["CLIENT_GONE", "RequestRecord"]
 
@@ -52,6 +54,10 @@ class RequestRecord:
     images: int | None = None
     ttft_s: float | None = None
     finish_reason: str | None = None
+    tool_calls: int = 0
+    reasoning_tokens: int = 0
+    kv_overlap_blocks: int | None = None
+    prompt_blocks: int | None = None
     _inflight: bool = False
     _last_token_at: float | None = None
 
@@ -66,10 +72,13 @@ class RequestRecord:
             self._inflight = True
             self.metrics.inflight.labels(model=name).inc()
 
-    def routed(self, instance: Instance) -> None:
-        """The instance serving the request now (the last one, after a migration)."""
+    def routed(self, instance: Instance, decision: Decision | None = None) -> None:
+        """The instance serving the request now (the last one, after a migration), and what the KV
+        router knew when it chose it."""
         self.instance_id = instance.instance_id
         self.endpoint = instance.endpoint
+        if decision is not None:
+            self.kv_overlap_blocks, self.prompt_blocks = decision.overlap_blocks, decision.prompt_blocks
 
     def preprocessed(self, request: PreprocessedRequest, seconds: float) -> None:
         self.metrics.preprocess_duration.labels(model=self.model).observe(seconds)
@@ -97,6 +106,16 @@ class RequestRecord:
             if output.finish_reason in _FAILED_FINISH:
                 self.fail(*_FAILED_FINISH[output.finish_reason])
 
+    def answered(
+        self, finish_reason: str | None, tool_calls: int, reasoning_tokens: int, recoveries: Mapping[str, int]
+    ) -> None:
+        """What the client was answered (its finish reason, e.g. ``tool_calls``, replaces the
+        worker's), and what the answer parser made of the output; recoveries are counted by kind."""
+        self.finish_reason = finish_reason or self.finish_reason
+        self.tool_calls, self.reasoning_tokens = tool_calls, reasoning_tokens
+        for kind, count in recoveries.items():
+            self.metrics.output_parse_errors.labels(model=self.model, kind=kind).inc(count)
+
     def fail(self, status: int, error: str) -> None:
         """The first failure is the request's outcome (later ones are its consequences)."""
         if self.status is None:
@@ -122,6 +141,10 @@ class RequestRecord:
             "duration_ms": round(duration_s * 1000, 1),
             "instance_id": self.instance_id,
             "endpoint": self.endpoint,
+            "tool_calls": self.tool_calls,
+            "reasoning_tokens": self.reasoning_tokens,
+            "kv_overlap_blocks": self.kv_overlap_blocks,
+            "prompt_blocks": self.prompt_blocks,
         }
         if self.error is None:
             log.info("request_finished", finish_reason=self.finish_reason, **fields)

@@ -1,9 +1,10 @@
 """``dynamo-prep up``: a whole local cluster in one command, for trying the project out.
 
-It starts the frontend (embedded discovery plane, HTTP on ``--http-port``) and two mock workers
-of the demo model, one enforcing SGLang's image contract and one vLLM's, so the router's mixed
-pool is what you talk to: consecutive requests alternate between the flavors and each reply says
-which one served it. Children are plain ``dynamo-prep`` processes whose logs go to files (their
+It starts the frontend (embedded discovery plane, HTTP on ``--http-port``, KV routing) and two
+mock workers of the demo model with a prefix cache publishing KV events, one enforcing SGLang's
+image contract and one vLLM's, so the router's mixed pool is what you talk to: a new prompt goes
+where there is room, a repeated one where its prefix is cached, and each reply says which flavor
+served it. Children are plain ``dynamo-prep`` processes whose logs go to files (their
 directory is printed). Ctrl-C or SIGTERM stops the workers and the frontend (SIGTERM, a grace
 period, then SIGKILL for stragglers) and exits 0.
 """
@@ -28,17 +29,17 @@ from urllib.parse import urlsplit
 
 import structlog
 
+from dynamo_prep.engines.base import FLAVORS
 from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 
-__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up"]
+__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up", "tool_curl_commands"]
 
 log = structlog.get_logger("dynamo_prep.up")
 
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 10.0
 POLL_S = 0.2
-FLAVORS = ("sglang", "vllm")
 DEFAULT_UP_DISCOVERY = "tcp://127.0.0.1:7555"
 DEFAULT_UP_MODEL = "kimi-k3-demo"
 DEFAULT_WATCH_ADDRESS = "tcp://127.0.0.1:7557"
@@ -91,18 +92,22 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
     children: list[_Child] = []
     try:
         children.append(
-            _start(
-                "frontend",
-                directory,
-                log_level,
-                ["frontend", "--discovery-bind", discovery_bind, "--http-port", str(http_port)],
-            )
+            _start("frontend", directory, log_level, ["frontend", *_frontend_args(discovery_bind, http_port)])
         )
         for flavor in FLAVORS:
             # Workers also announce to the watch address: `dynamo-prep watch --bind` there sees them
             # at once (they re-announce on its subscription); nobody listening there costs nothing.
             announce_to = f"{connect},{watch_address}"
-            worker = ["worker", "--model-path", model, "--discovery", announce_to, "--flavor", flavor]
+            worker = [
+                "worker",
+                "--model-path",
+                model,
+                "--discovery",
+                announce_to,
+                "--flavor",
+                flavor,
+                "--kv-events",
+            ]
             children.append(_start(f"worker-{flavor}", directory, log_level, worker))
         log.info("up_starting", url=base_url, model=model, log_dir=str(directory))
         served_as = _wait_ready(base_url, model, children, stopping)
@@ -113,6 +118,11 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
     finally:
         _stop_all(children)
         log.info("up_stopped", log_dir=str(directory))
+
+
+def _frontend_args(discovery_bind: str, http_port: int) -> list[str]:
+    """The frontend of a local cluster: the embedded plane, and KV routing over its workers' caches."""
+    return ["--discovery-bind", discovery_bind, "--http-port", str(http_port), "--router-mode", "kv"]
 
 
 def curl_command(base_url: str, model: str, image_url: str = DEMO_IMAGE_URL) -> str:
@@ -131,8 +141,46 @@ def curl_command(base_url: str, model: str, image_url: str = DEMO_IMAGE_URL) -> 
             }
         ],
     }
+    return _curl(base_url, body, stream=True)
+
+
+DEMO_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+DEMO_QUESTION = "What is the weather in Paris?"
+
+
+def tool_curl_commands(base_url: str, model: str) -> tuple[str, str]:
+    """A tool-calling exchange, ready to paste: the question (answered with a call of get_weather),
+    then the conversation with the call and the tool's result (answered in plain text)."""
+    call = {
+        "id": "call_demo",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    question = {"role": "user", "content": DEMO_QUESTION}
+    asked = {"model": model, "tools": [DEMO_TOOL], "messages": [question]}
+    answered = {
+        "model": model,
+        "tools": [DEMO_TOOL],
+        "messages": [
+            question,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_demo", "content": "sunny, 21 C"},
+        ],
+    }
+    return _curl(base_url, asked, stream=False), _curl(base_url, answered, stream=False)
+
+
+def _curl(base_url: str, body: dict[str, Any], *, stream: bool) -> str:
+    flags = "-sN" if stream else "-s"
     return (
-        f"curl -sN {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
+        f"curl {flags} {base_url}/v1/chat/completions -H 'Content-Type: application/json' "
         f"-d {shlex.quote(json.dumps(body))}"
     )
 
@@ -196,9 +244,15 @@ def _print_banner(base_url: str, model: str, directory: Path, watch_address: str
         "",
         f"dynamo-prep is up: {base_url}  (model {model}; mock workers: {', '.join(FLAVORS)})",
         f"logs: {directory}/{{frontend,worker-sglang,worker-vllm}}.log",
-        "Try (run it twice: requests alternate between the sglang and the vllm worker):",
+        "Try (run it twice: the second run goes to the worker whose KV cache holds the prompt;",
+        "the frontend log's request_finished says kv_overlap_blocks):",
         "",
         curl_command(base_url, model),
+        "",
+        "A tool call (the mock calls the first tool a request declares, as a model would), then the",
+        "answer once the tool has run (the call and its result sent back):",
+        "",
+        *tool_curl_commands(base_url, model),
         "",
         f"Watch the discovery plane live: dynamo-prep watch --bind {watch_address}",
         "Ctrl-C stops everything.",

@@ -18,10 +18,13 @@ PROTOCOL_VERSION = 1
 TOPIC_PREFIX = "dynamo_prep.v1.card."
 DEFAULT_NAMESPACE = "dynamo"
 # Where a frontend binds its embedded plane, and where a broker takes workers' (XSUB) and
-# frontends' (XPUB) connections, unless told otherwise.
-DEFAULT_BIND = "tcp://0.0.0.0:7555"
-DEFAULT_BROKER_XSUB = "tcp://0.0.0.0:7555"
-DEFAULT_BROKER_XPUB = "tcp://0.0.0.0:7556"
+# frontends' (XPUB) connections, unless told otherwise: this machine only. Reaching a plane from
+# other hosts is a choice made with an explicit address (and CURVE keys, or a firewall).
+DEFAULT_BIND = "tcp://127.0.0.1:7555"
+DEFAULT_BROKER_XSUB = "tcp://127.0.0.1:7555"
+DEFAULT_BROKER_XPUB = "tcp://127.0.0.1:7556"
+_LOCAL_HOSTS = ("127.", "localhost", "[::1]", "::1")
+OPEN_PLANE_HINT = "any process that reaches these addresses can announce models; configure CURVE keys"
 DEFAULT_TTL_MS = 3000
 DEFAULT_HEARTBEAT_S = 1.0
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -112,6 +115,15 @@ _message_decoder = msgspec.msgpack.Decoder(DiscoveryMessage)
 def topic(namespace: str = DEFAULT_NAMESPACE) -> bytes:
     """The topic frame (also the subscription prefix) for a namespace."""
     return f"{TOPIC_PREFIX}{namespace}".encode()
+
+
+def reachable_from_elsewhere(address: str) -> bool:
+    """Whether a bound address takes connections from other hosts (anything but loopback, ipc, inproc)."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return False
+    host = rest.rsplit(":", 1)[0]
+    return not host.startswith(_LOCAL_HOSTS)
 
 
 def now_ms() -> int:

@@ -18,6 +18,7 @@ reported, not fatal to its batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final, Literal
 
 import msgspec
@@ -32,6 +33,7 @@ __all__ = [
     "BlockRemoved",
     "BlockStored",
     "DecodedBatch",
+    "ImageSpan",
     "KVEvent",
     "KVEventBatch",
     "KvEventDecodeError",
@@ -40,6 +42,7 @@ __all__ = [
     "decode_seq",
     "encode_batch",
     "encode_seq",
+    "mm_extra_keys",
     "parse_live",
     "parse_replay",
     "replay_request",
@@ -313,3 +316,74 @@ def _is_map(byte: int) -> bool:
 
 def _is_array(byte: int) -> bool:
     return 0x90 <= byte <= 0x9F or byte in (0xDC, 0xDD)
+
+
+# -- multimodal extra keys ---------------------------------------------------------------------
+
+
+class ImageSpan(msgspec.Struct, frozen=True):
+    """One image in a prompt: its identity and the token positions ``[start, start + length)`` it
+    occupies (its placeholder ids as rendered for the engine that receives the prompt).
+
+    ``identifier`` is the image's identity (the multimodal UUID the frontend sends the engine: a
+    content hash of the image URL or data), so blocks covering different images never share a hash.
+    """
+
+    identifier: str
+    start: int
+    length: int
+
+
+def mm_extra_keys(spans: Sequence[ImageSpan], block_start: int, block_size: int) -> list[tuple[str, int]]:
+    """The ``(identifier, offset)`` pairs of the block ``[block_start, block_start + block_size)``.
+
+    vLLM's rule, the one home of it: one pair per image overlapping the block, in the order of
+    ``spans`` (prompt order), with ``offset = image start - block_start`` (negative when the image
+    began in an earlier block). An image overlaps the block when it starts before the block ends
+    and ends after the block starts. An empty list means the block has no image.
+    """
+    block_end = block_start + block_size
+    return [
+        (span.identifier, span.start - block_start)
+        for span in spans
+        if span.start < block_end and span.start + span.length > block_start
+    ]
+
+
+def placeholder_starts(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]:
+    """Start positions of the non-overlapping occurrences of ``pattern`` (an image placeholder's
+    ids) in ``token_ids``, left to right: where each image of a prompt sits, in prompt order."""
+    if not pattern:
+        return []
+    first, width = pattern[0], len(pattern)
+    target = list(pattern)
+    starts: list[int] = []
+    position = 0
+    last = len(token_ids) - width
+    ids = token_ids if isinstance(token_ids, list) else list(token_ids)
+    while position <= last:
+        try:
+            position = ids.index(first, position, last + 1)
+        except ValueError:
+            break
+        if width == 1 or ids[position : position + width] == target:
+            starts.append(position)
+            position += width
+        else:
+            position += 1
+    return starts
+
+
+def image_spans(
+    token_ids: Sequence[int], placeholder: Sequence[int], identifiers: Sequence[str]
+) -> list[ImageSpan]:
+    """The prompt's images as spans: the k-th occurrence of ``placeholder`` is the k-th image.
+
+    Fewer occurrences than identifiers (the engine expands images itself, or the prompt was cut)
+    give spans for the ones found; extra occurrences have no identity and are left out.
+    """
+    starts = placeholder_starts(token_ids, placeholder)
+    return [
+        ImageSpan(identifier=identifier, start=start, length=len(placeholder))
+        for identifier, start in zip(identifiers, starts, strict=False)
+    ]

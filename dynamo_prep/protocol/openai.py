@@ -6,7 +6,7 @@ formatter validates the shapes it understands with errors that name the message.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
@@ -23,6 +23,13 @@ class RequestError(ValueError):
         return cls(f"{says}: {detail}")
 
 
+# What the wire can carry: ints a MessagePack frame holds (int64), names and tags a log line can
+# show. Ranges that mean something to an engine are checked by the preprocessor, with its messages.
+Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Tag = Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class NvExt(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Dynamo's request extension; ``annotations`` asks for ``formatted_prompt``/``token_ids``."""
 
@@ -33,34 +40,35 @@ class NvExt(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     """``POST /v1/chat/completions`` body (unknown fields are ignored, like OpenAI servers do)."""
 
-    model: str
+    model: Name
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    min_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    min_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    top_k: Int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: Int = 1
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
-    user: str | None = None
-    reasoning_effort: str | None = None
+    top_logprobs: Int | None = None
+    user: Tag | None = None
+    reasoning_effort: Tag | None = None
     chat_template_args: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    include_reasoning: bool = True
     nvext: NvExt | None = None
 
     def template_args(self) -> dict[str, Any]:
@@ -91,9 +99,25 @@ class Usage(msgspec.Struct, kw_only=True):
     total_tokens: int
 
 
+class FunctionCall(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # a JSON object, as a string (OpenAI's shape)
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct, kw_only=True):
-    content: str
+    """The answer; ``reasoning_content`` (Dynamo's, SGLang's and DeepSeek's name) and ``tool_calls``
+    are left out when there are none. ``content`` is null when the model only called tools."""
+
+    content: str | None
     role: str = "assistant"
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -114,9 +138,26 @@ class ChatCompletionResponse(msgspec.Struct, kw_only=True):
     object: str = "chat.completion"
 
 
+class ChunkFunction(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    arguments: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChunkToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A streamed call: its first chunk carries ``id``, ``type`` and the name; later ones argument
+    fragments, which concatenate to the call's ``arguments``."""
+
+    index: int
+    function: ChunkFunction
+    id: str | msgspec.UnsetType = msgspec.UNSET
+    type: str | msgspec.UnsetType = msgspec.UNSET
+
+
 class ChunkDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ChunkToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChunkChoice(msgspec.Struct, kw_only=True):
@@ -167,7 +208,7 @@ class ErrorBody(msgspec.Struct, kw_only=True):
 class TokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's ``POST /tokenize``: a chat (``messages``) or a plain ``prompt``; other keys are chat fields."""
 
-    model: str
+    model: Name
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
     add_special_tokens: bool = False

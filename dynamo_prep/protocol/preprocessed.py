@@ -8,7 +8,11 @@ import msgspec
 
 
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """When generation ends. ``stop_token_ids_hidden`` are the model's EOS ids (not echoed)."""
+    """When generation ends. ``stop_token_ids_hidden`` are the model's EOS ids (not echoed).
+
+    ``stop`` (stop strings) is Dynamo's field; this frontend leaves it empty and applies the
+    client's stop strings to the answer's content itself, cancelling the generation at a match.
+    """
 
     max_tokens: int
     min_tokens: int | None = None
@@ -37,10 +41,16 @@ class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 class ImageRef(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One image of the request, in prompt order: an http(s) URL or a ``data:`` URL."""
+    """One image of the request, in prompt order: an http(s) URL or a ``data:`` URL.
+
+    ``uuid`` is the image's identity, a content hash of its URL (a ``data:`` URL is the image
+    itself): the frontend routes by it and hands it to the engine (vLLM's multimodal UUID), so
+    the engine's KV-cache events name the same image.
+    """
 
     url: str
     detail: str | None = None
+    uuid: str = ""
 
 
 class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -12,42 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import structlog
 import zmq
 
-from dynamo_prep.engines.mock import EngineContractError
+from dynamo_prep.engines.base import CheckFn, EngineContractError, GenerateFn
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
 
-__all__ = ["EngineOutput", "GenerateFn", "GenerationServer"]
+__all__ = ["GenerationServer", "Reply"]
 
 log = structlog.get_logger("dynamo_prep.worker")
 
 Reply = Callable[[wire.FromWorker], Awaitable[None]]
+"""Sends one message to the peer that made the request (bound by the request-plane dispatcher)."""
 _StopReason = Literal["cancelled", "shutdown"]
-# A migrated prompt ends with at most this many tokens of the mock's own reply.
-
-
-class EngineOutput(Protocol):
-    """One streamed step as an engine yields it (``MockOutput`` is one)."""
-
-    @property
-    def token_ids(self) -> list[int]: ...
-    @property
-    def finish_reason(self) -> str | None: ...
-    @property
-    def prompt_tokens(self) -> int: ...
-    @property
-    def completion_tokens(self) -> int: ...
-
-
-GenerateFn = Callable[[PreprocessedRequest], AsyncIterator[EngineOutput]]
-CheckFn = Callable[[PreprocessedRequest], None]
 
 
 @dataclass
@@ -134,7 +117,7 @@ class GenerationServer:
             return ErrorReply(request_id=request_id, code=503, message="worker is draining")
         if request_id in self._running:
             return ErrorReply(request_id=request_id, code=400, message="duplicate request_id")
-        if message.deadline_ms <= wire_now_ms():
+        if message.deadline_ms <= now_ms():
             return ErrorReply(
                 request_id=request_id, code=504, message="deadline passed before the request started"
             )
@@ -145,9 +128,8 @@ class GenerationServer:
                 return ErrorReply(request_id=request_id, code=400, message=str(exc))
         return None
 
-    async def on_cancel(self, message: Cancel, reply: Reply) -> None:
-        """Cancel a running generation; its task sends the final "cancelled" Output."""
-        del reply
+    async def on_cancel(self, message: Cancel, _reply: Reply) -> None:
+        """Cancel a running generation; its task sends the final "cancelled" Output (not ``_reply``)."""
         running = self._running.get(message.request_id)
         if running is None:
             log.debug("cancel_unknown_request", request_id=message.request_id)
@@ -228,10 +210,6 @@ class GenerationServer:
             prompt_tokens=progress.prompt_tokens,
             completion_tokens=progress.completion_tokens,
         )
-
-
-def wire_now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 async def _send_quietly(reply: Reply, message: wire.FromWorker) -> None:

@@ -3,18 +3,22 @@
 The worker owns two sockets. A ROUTER bound on a random port is its request plane (advertised in
 every announce as ``endpoint``); a ``CardPublisher`` announces the card on the discovery plane.
 The request loop is a dispatcher on message type: ``FetchFile`` always, plus Generate / Cancel /
-Ping when the worker runs an engine (``GenerationServer``, in ``worker_generate``).
+Ping when the worker runs an engine (``GenerationServer``, in ``worker.generate``).
+
+With KV events, every announce also carries where the engine publishes them (``kv_events``):
+either a fixed address (a real engine's publisher, ``register``) or the bound addresses of a
+``KvEventPublisher`` the worker starts and closes itself (the mock engine's).
 
 Stopping is graceful in Dynamo's order: withdraw the card first (frontends stop routing here),
 then drain (new Generate gets a retryable 503, in-flight requests may finish for
-``drain_timeout_s``), then cancel what is left and close the request plane.
+``drain_timeout_s``), then cancel what is left, close the KV publisher (the drained requests'
+last events are out) and close the request plane.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,31 +29,31 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from dynamo_prep.card import ModelCardError, ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.files import FileServer
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
-from dynamo_prep.discovery.trust import ClientCurve, TrustError
-from dynamo_prep.engines.mock import Flavor, MockContinuation, MockEngine
-from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.discovery.trust import ClientCurve
+from dynamo_prep.engines.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
+from dynamo_prep.protocol.discovery import (
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_NAMESPACE,
+    DEFAULT_TTL_MS,
+    KvEventsEndpoint,
+)
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
-from dynamo_prep.worker_generate import GenerationServer
-from dynamo_prep.worker_metrics import MetricsServer, WorkerMetrics
+from dynamo_prep.worker.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_ENDPOINT_HOST
+from dynamo_prep.worker.generate import GenerationServer, Reply
+from dynamo_prep.worker.metrics import MetricsServer, WorkerMetrics
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "RequestDispatcher", "Worker", "run_worker"]
+__all__ = ["STOP_TIMEOUT_S", "RequestDispatcher", "Worker"]
 
 log = structlog.get_logger("dynamo_prep.worker")
 
-EXIT_OK = 0
-EXIT_ERROR = 1
 STOP_TIMEOUT_S = 5.0
-DEFAULT_DRAIN_TIMEOUT_S = 5.0
-DEFAULT_TOKEN_DELAY_S = 0.02
 ROUTER_LINGER_MS = 100
 
 M = TypeVar("M")
-Reply = Callable[[wire.FromWorker], Awaitable[None]]
 Handler = Callable[[Any, Reply], Awaitable[None]]
 
 
@@ -86,7 +90,11 @@ class RequestDispatcher:
 
 
 class Worker:
-    """One worker instance: request-plane ROUTER plus card publisher, started and stopped together."""
+    """One worker instance: request-plane ROUTER plus card publisher, started and stopped together.
+
+    ``kv_events`` (a real engine's publisher address) or ``kv_publisher`` (started here, its bound
+    addresses advertised), not both.
+    """
 
     def __init__(
         self,
@@ -95,7 +103,7 @@ class Worker:
         *,
         discovery: Sequence[str],
         namespace: str = DEFAULT_NAMESPACE,
-        endpoint_host: str = "127.0.0.1",
+        endpoint_host: str = DEFAULT_ENDPOINT_HOST,
         heartbeat_s: float = DEFAULT_HEARTBEAT_S,
         ttl_ms: int = DEFAULT_TTL_MS,
         legacy_runtime: Mapping[str, Any] | None = None,
@@ -106,7 +114,11 @@ class Worker:
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         metrics: WorkerMetrics | None = None,
         metrics_port: int | None = None,
+        kv_events: KvEventsEndpoint | None = None,
+        kv_publisher: KvEventPublisher | None = None,
     ) -> None:
+        if kv_events is not None and kv_publisher is not None:
+            raise ValueError("give kv_events (a fixed address) or kv_publisher (started here), not both")
         self.card = card
         self.metrics = metrics if metrics is not None else WorkerMetrics()
         self.instance_id = instance_id or uuid.uuid4().hex
@@ -134,6 +146,8 @@ class Worker:
         self._runner: asyncio.Task[None] | None = None
         self._metrics_port = metrics_port
         self.metrics_server: MetricsServer | None = None
+        self.kv_events = kv_events
+        self.kv_publisher = kv_publisher
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -147,13 +161,14 @@ class Worker:
             raise
         self._router = router
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
-        if self._metrics_port is not None:
-            try:
+        try:
+            if self._metrics_port is not None:
                 self.metrics_server = MetricsServer(self.metrics.registry, self._metrics_port)
-            except OSError:
-                router.close(linger=0)
-                self._router = None
-                raise
+            if self.kv_publisher is not None:
+                self.kv_events = self.kv_publisher.start()
+        except (OSError, zmq.ZMQError):
+            await self._close_bound()
+            raise
         self._publisher = CardPublisher(
             self.card,
             endpoint=self.endpoint,
@@ -165,6 +180,7 @@ class Worker:
             legacy_runtime=self._legacy_runtime,
             curve=self._curve,
             context=self._context,
+            kv_events=self.kv_events,
         )
         structlog.contextvars.bind_contextvars(instance_id=self.instance_id, model=self.card.display_name)
         log.info(
@@ -172,7 +188,9 @@ class Worker:
             model=self.card.display_name,
             instance_id=self.instance_id,
             endpoint=self.endpoint,
-            image_placeholder_token=self.card.runtime_config.image_placeholder_token,
+            kv_events=None if self.kv_events is None else self.kv_events.endpoint,
+            kv_replay_endpoint=None if self.kv_events is None else self.kv_events.replay_endpoint,
+            declared_token=self.card.runtime_config.image_placeholder_token,
             legacy_runtime=dict(self._legacy_runtime or {}),
             mdcsum=self.card.mdcsum(),
         )
@@ -216,13 +234,19 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._runner
             self._runner = None
+        await self._close_bound()
+        log.info("worker_stopped", instance_id=self.instance_id)
+
+    async def _close_bound(self) -> None:
+        """Close what ``start()`` bound: the KV publisher, the request plane, the metrics server."""
+        if self.kv_publisher is not None:
+            await self.kv_publisher.close()
         if self._router is not None:
             self._router.close(linger=ROUTER_LINGER_MS)
             self._router = None
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.close)
             self.metrics_server = None
-        log.info("worker_stopped", instance_id=self.instance_id)
 
     async def _serve(self, router: zmq.asyncio.Socket) -> None:
         while True:
@@ -241,137 +265,3 @@ class Worker:
 
     async def _fetch_file(self, request: FetchFile, reply: Reply) -> None:
         await reply(await asyncio.to_thread(self.files.handle, request))
-
-
-def run_worker(
-    *,
-    model_path: str | Path,
-    served_name: str | None,
-    declared_image_token: str | None,
-    legacy_expands_image_pad_token: bool,
-    discovery: Sequence[str],
-    namespace: str,
-    endpoint_host: str,
-    heartbeat_s: float,
-    ttl_ms: int,
-    curve_secret_key: Path | None,
-    curve_server_key: Path | None,
-    engine: str = "mock",
-    flavor: Flavor = "sglang",
-    token_delay_s: float = DEFAULT_TOKEN_DELAY_S,
-    migration_limit: int = 0,
-    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
-    metrics_port: int | None = None,
-) -> int:
-    """The ``dynamo-prep worker`` process; returns the exit code (0 after SIGTERM/SIGINT).
-
-    ``metrics_port`` serves ``dynamo_worker_*`` metrics on ``/metrics`` (None: off; 0: a free port,
-    logged in ``worker_metrics_started``).
-    """
-    try:
-        model_dir = resolve_model_dir(model_path)
-        continuing = _mock_engine(engine, model_dir, flavor, token_delay_s)
-        token = _declared_token(declared_image_token, continuing, legacy=legacy_expands_image_pad_token)
-        card = ModelDeploymentCard.from_model_dir(
-            model_dir,
-            served_name=served_name,
-            migration_limit=migration_limit,
-            runtime_config=ModelRuntimeConfig(image_placeholder_token=token),
-        )
-        curve = _client_curve(curve_secret_key, curve_server_key)
-    except (ModelCardError, TrustError, OSError, ValueError) as exc:
-        log.error("worker_start_failed", model_path=str(model_path), error=str(exc))
-        return EXIT_ERROR
-    legacy = {"expands_image_pad_token": True} if legacy_expands_image_pad_token else None
-    metrics = WorkerMetrics()
-    check = metrics.counting_check(continuing.check_contract, flavor)
-    return asyncio.run(
-        _serve_until_signalled(
-            lambda context: Worker(
-                card,
-                model_dir,
-                discovery=discovery,
-                namespace=namespace,
-                endpoint_host=endpoint_host,
-                heartbeat_s=heartbeat_s,
-                ttl_ms=ttl_ms,
-                legacy_runtime=legacy,
-                curve=curve,
-                context=context,
-                generation=GenerationServer(continuing.generate, check=check),
-                drain_timeout_s=drain_timeout_s,
-                metrics=metrics,
-                metrics_port=metrics_port,
-            )
-        )
-    )
-
-
-def _mock_engine(engine: str, model_dir: Path, flavor: Flavor, token_delay_s: float) -> MockContinuation:
-    """The GPU-free engine; a model directory it cannot load is a start failure, not a silent worker."""
-    if engine != "mock":
-        raise ValueError(f"unknown engine {engine!r} (known: mock)")
-    if token_delay_s < 0:
-        raise ValueError(f"--token-delay must be >= 0, got {token_delay_s}")
-    return MockContinuation(MockEngine(model_dir, flavor=flavor, token_delay_s=token_delay_s))
-
-
-def _declared_token(flag: str | None, engine: MockContinuation, *, legacy: bool) -> str | None:
-    """An explicit ``--declare-image-token`` wins; a legacy worker declares nothing; else the engine's."""
-    if flag is not None:
-        token, source = flag, "flag"
-    elif legacy:
-        token, source = None, "legacy"
-    else:
-        token = engine.engine.declared_image_token
-        source = "engine" if token is not None else "none"
-    log.info("worker_declared_image_token", token=token, source=source)
-    return token
-
-
-def _client_curve(secret_key: Path | None, server_key: Path | None) -> ClientCurve | None:
-    if secret_key is None and server_key is None:
-        return None
-    if secret_key is None or server_key is None:
-        raise TrustError("CURVE needs both --curve-secret-key and --curve-server-key")
-    return ClientCurve.load(secret_key, server_key)
-
-
-async def _serve_until_signalled(make_worker: Callable[[zmq.asyncio.Context], Worker]) -> int:
-    # Handlers go in before anything is logged, so a SIGTERM right after worker_started is graceful.
-    loop = asyncio.get_running_loop()
-    stopping = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    context = zmq.asyncio.Context()
-    try:
-        worker = make_worker(context)
-        try:
-            await worker.start()
-        except (zmq.ZMQError, OSError) as exc:
-            log.error("worker_start_failed", error=str(exc))
-            return EXIT_ERROR
-        return await _run_until(worker, stopping)
-    finally:
-        # Every socket is closed with a bounded linger, so this waits at most that long.
-        context.term()
-
-
-async def _run_until(worker: Worker, stopping: asyncio.Event) -> int:
-    running = asyncio.create_task(worker.run())
-    signalled = asyncio.create_task(stopping.wait())
-    await asyncio.wait({running, signalled}, return_when=asyncio.FIRST_COMPLETED)
-    code = EXIT_OK
-    if running.done() and running.exception() is not None:
-        log.error("worker_failed", error=repr(running.exception()))
-        code = EXIT_ERROR
-    try:
-        await asyncio.wait_for(worker.stop(), timeout=worker.stop_timeout_s)
-    except TimeoutError:
-        log.error("worker_stop_timeout", timeout_s=worker.stop_timeout_s)
-        code = EXIT_ERROR
-    signalled.cancel()
-    running.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await running
-    return code

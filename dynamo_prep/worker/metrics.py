@@ -3,8 +3,10 @@
 Counted where the worker's messages pass, not inside the generation code: every message a
 Generate handler sends goes through a counting ``reply``, so requests are counted by their final
 message (``stop``, ``length``, ``cancelled``, ``deadline`` or ``error_<code>``: the same words as
-the worker's ``request_finished`` line) and tokens by what was actually streamed. Contract
-violations are counted around the engine's contract check. The registry is the worker's own
+the worker's ``request_finished`` line), tokens by what was actually streamed and prompt tokens by
+the final ``Output`` of each request that ran. Contract violations are counted around the engine's
+contract check; prefix-cache hits where the engine admits a prompt (``count_prefill``), since no
+message carries them. The registry is the worker's own
 (never prometheus_client's global one); the server is prometheus_client's, in a daemon thread.
 """
 
@@ -17,10 +19,12 @@ from wsgiref.simple_server import WSGIServer
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from dynamo_prep.engines.mock import EngineContractError
+from dynamo_prep.engines.base import CheckFn, EngineContractError
+from dynamo_prep.engines.mock import Prefill
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import ErrorReply, Generate, Output
+from dynamo_prep.worker.generate import Reply
 
 __all__ = ["PREFIX", "MetricsServer", "WorkerMetrics"]
 
@@ -28,13 +32,12 @@ log = structlog.get_logger("dynamo_prep.worker")
 
 PREFIX = "dynamo_worker_"
 DEFAULT_METRICS_HOST = "0.0.0.0"
-Reply = Callable[[wire.FromWorker], Awaitable[None]]
 GenerateHandler = Callable[[Generate, Reply], Awaitable[None]]
-Check = Callable[[PreprocessedRequest], None]
 
 
 class WorkerMetrics:
-    """Requests by outcome, requests in flight, streamed tokens, engine contract violations."""
+    """Requests by outcome, requests in flight, streamed and prompt tokens, engine contract
+    violations, prefix-cache hits and blocks held."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -55,6 +58,23 @@ class WorkerMetrics:
             ["flavor"],
             registry=reg,
         )
+        self.prompt_tokens = Counter(
+            f"{PREFIX}prompt_tokens", "Prompt tokens of the requests that ran (final outputs)", registry=reg
+        )
+        self.kv_cached_tokens = Counter(
+            f"{PREFIX}kv_cached_tokens",
+            "Prompt tokens whose KV the prefix cache already held (not prefilled again)",
+            registry=reg,
+        )
+        self.kv_blocks = Gauge(f"{PREFIX}kv_blocks", "Blocks held by the prefix cache", registry=reg)
+
+    def track_kv_blocks(self, blocks: Callable[[], int]) -> None:
+        """The gauge reads the prefix cache's own count at scrape time."""
+        self.kv_blocks.set_function(lambda: float(blocks()))
+
+    def count_prefill(self, prefill: Prefill) -> None:
+        """One prompt admitted into the prefix cache: count the tokens it reused."""
+        self.kv_cached_tokens.inc(prefill.cached_tokens)
 
     def track_inflight(self, in_flight: Callable[[], int]) -> None:
         """The gauge reads the generation server's own count at scrape time (never drifts)."""
@@ -68,7 +88,7 @@ class WorkerMetrics:
 
         return on_generate
 
-    def counting_check(self, check: Check, flavor: str) -> Check:
+    def counting_check(self, check: CheckFn, flavor: str) -> CheckFn:
         """``check`` that counts each ``EngineContractError`` it raises under ``flavor``."""
 
         def checked(request: PreprocessedRequest) -> None:
@@ -86,6 +106,7 @@ class WorkerMetrics:
                 self.generated_tokens.inc(len(message.token_ids))
                 if message.finish_reason is not None:
                     self.requests.labels(status=message.finish_reason).inc()
+                    self.prompt_tokens.inc(message.prompt_tokens)
             elif isinstance(message, ErrorReply):
                 self.requests.labels(status=f"error_{message.code}").inc()
             await reply(message)

@@ -1,0 +1,167 @@
+"""What a real engine's ``--kv-events-config`` publishes, as the address a frontend can connect to.
+
+vLLM and SGLang take the same JSON object (``enable_kv_cache_events``, ``publisher``,
+``endpoint``, ``replay_endpoint``, ``topic``, plus buffer sizes we do not need) and build the same
+ZeroMQ publisher from it, so one reading serves both:
+
+* Enabled: vLLM publishes only with ``enable_kv_cache_events: true``; SGLang releases before
+  that key existed publish whenever ``publisher`` is ``"zmq"``, so for SGLang an absent key with
+  ``"zmq"`` counts as enabled. ``publisher`` defaults to ``"zmq"`` when enabled; anything else
+  publishes nowhere we can follow.
+* Data parallel rank ``r`` publishes on the configured ports plus ``r`` (``offset_endpoint_port``).
+* The PUB binds only when its address has ``*`` or ``::`` in it, or is ``ipc://`` (else the engine
+  *connects* to it, towards a relay, and there is nothing to subscribe to). The replay ROUTER
+  always binds. A wildcard host (``*``, ``0.0.0.0``, ``::``) is replaced by the worker's
+  ``endpoint_host``: a frontend must connect to a concrete address. ``inproc://`` is not
+  reachable from another process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import msgspec
+import structlog
+
+from dynamo_prep.engines.base import Flavor
+from dynamo_prep.protocol.discovery import KvEventsEndpoint
+
+__all__ = ["WILDCARD_HOSTS", "kv_events_endpoint"]
+
+log = structlog.get_logger("dynamo_prep.engines")
+
+WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
+_MAX_PORT: Final = 65535
+
+
+class _KvEventsConfig(msgspec.Struct, kw_only=True):
+    """The fields of vLLM's / SGLang's ``KVEventsConfig`` that say where events go (others ignored)."""
+
+    enable_kv_cache_events: bool | None = None
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
+class _NotAdvertisedError(Exception):
+    """An address no frontend can connect to; ``reason`` is a stable label for the log."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def kv_events_endpoint(
+    config: Mapping[str, Any] | str | object,
+    *,
+    flavor: Flavor,
+    endpoint_host: str,
+    data_parallel_rank: int = 0,
+) -> KvEventsEndpoint | None:
+    """The announce's ``kv_events`` for an engine started with ``config``, or None (logged why).
+
+    ``config`` is the ``--kv-events-config`` value as a dict, as its JSON text, or as the engine's
+    own config object (read by attribute). Raises ValueError for a config the engine itself would
+    refuse (not an object, wrong field types, a port that is not a number where an offset applies).
+    """
+    if data_parallel_rank < 0:
+        raise ValueError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
+    parsed = _parse(config)
+    enabled = parsed.enable_kv_cache_events is True or (
+        flavor == "sglang" and parsed.enable_kv_cache_events is None
+    )
+    publisher = parsed.publisher or ("zmq" if parsed.enable_kv_cache_events else "null")
+    fields = {"flavor": flavor, "endpoint": parsed.endpoint, "data_parallel_rank": data_parallel_rank}
+    if not enabled or publisher == "null":
+        log.info("kv_events_not_advertised", reason="disabled", publisher=publisher, **fields)
+        return None
+    if publisher != "zmq":
+        log.warning("kv_events_not_advertised", reason="publisher_not_zmq", publisher=publisher, **fields)
+        return None
+    endpoint = _offset(parsed.endpoint, data_parallel_rank)
+    replay = _offset(parsed.replay_endpoint, data_parallel_rank)
+    try:
+        advertised = _pub_address(endpoint, endpoint_host)
+    except _NotAdvertisedError as refused:
+        log.warning("kv_events_not_advertised", reason=refused.reason, **fields)
+        return None
+    result = KvEventsEndpoint(
+        endpoint=advertised, replay_endpoint=_replay_address(replay, endpoint_host), topic=parsed.topic
+    )
+    log.info(
+        "kv_events_advertised",
+        flavor=flavor,
+        endpoint=result.endpoint,
+        replay_endpoint=result.replay_endpoint,
+        topic=result.topic,
+        data_parallel_rank=data_parallel_rank,
+    )
+    return result
+
+
+def _parse(config: Mapping[str, Any] | str | object) -> _KvEventsConfig:
+    try:
+        if isinstance(config, str | bytes):
+            return msgspec.json.decode(config, type=_KvEventsConfig)
+        if isinstance(config, Mapping):
+            return msgspec.convert(dict(config), _KvEventsConfig)
+        return msgspec.convert(config, _KvEventsConfig, from_attributes=True)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"kv_events_config: {exc}") from None
+
+
+def _offset(endpoint: str | None, rank: int) -> str | None:
+    """The engines' ``offset_endpoint_port``: rank ``r`` uses port + ``r`` (``inproc``: a suffix)."""
+    if not endpoint or not rank:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{rank}"
+    if "tcp" not in endpoint:
+        raise ValueError(f"kv_events_config: {endpoint!r} cannot be offset by a data parallel rank")
+    if ":" not in endpoint:
+        return endpoint
+    base, _, port = endpoint.rpartition(":")
+    if not port.isdigit():
+        raise ValueError(f"kv_events_config: the port of {endpoint!r} is not a number")
+    return f"{base}:{int(port) + rank}"
+
+
+def _pub_address(endpoint: str | None, endpoint_host: str) -> str:
+    if not endpoint:
+        raise _NotAdvertisedError("no_endpoint")
+    if endpoint.startswith("inproc://"):
+        raise _NotAdvertisedError("inproc")
+    if endpoint.startswith("ipc://"):
+        return endpoint
+    if "*" not in endpoint and "::" not in endpoint:
+        raise _NotAdvertisedError("publisher_connects")
+    return _tcp_address(endpoint, endpoint_host)
+
+
+def _replay_address(endpoint: str | None, endpoint_host: str) -> str | None:
+    """The ROUTER's address (it always binds); None, logged, when it cannot be reached."""
+    if endpoint is None or endpoint.startswith("ipc://"):
+        return endpoint
+    try:
+        if endpoint.startswith("inproc://"):
+            raise _NotAdvertisedError("inproc")
+        return _tcp_address(endpoint, endpoint_host)
+    except _NotAdvertisedError as refused:
+        log.warning("kv_replay_not_advertised", reason=refused.reason, replay_endpoint=endpoint)
+        return None
+
+
+def _tcp_address(endpoint: str, endpoint_host: str) -> str:
+    """``tcp://HOST:PORT`` with a wildcard host replaced; the port must be a concrete number."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme != "tcp":
+        raise _NotAdvertisedError("unsupported_transport")
+    host, _, port = rest.rpartition(":")
+    if not port.isdigit() or not 0 < int(port) <= _MAX_PORT:
+        raise _NotAdvertisedError("no_port")
+    if host in WILDCARD_HOSTS:
+        bare_ipv6 = ":" in endpoint_host and not endpoint_host.startswith("[")
+        host = f"[{endpoint_host}]" if bare_ipv6 else endpoint_host
+    return f"tcp://{host}:{port}"

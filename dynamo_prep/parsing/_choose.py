@@ -1,0 +1,139 @@
+"""Which answer parser a model gets: the worker's declaration when it names a known parser, else
+the model family. Parser names are vLLM's."""
+
+from __future__ import annotations
+
+from typing import Final, Literal, NamedTuple
+
+import structlog
+
+from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.formatter import is_kimi_k3
+from dynamo_prep.parsing._answer import AnswerParser, CallIds
+from dynamo_prep.parsing._tokens import vocab_of
+from dynamo_prep.parsing.hermes import HermesAnswerParser
+from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
+from dynamo_prep.parsing.plain import PlainAnswerParser
+from dynamo_prep.tokenizer import Tokenizer
+
+log = structlog.get_logger("dynamo_prep.parsing")
+
+KIMI_K3_PARSER: Final = "kimi_k3"
+HERMES_TOOL_PARSER: Final = "hermes"
+DEEPSEEK_R1_REASONING_PARSER: Final = "deepseek_r1"
+THINK_TAG_REASONING_PARSERS: Final = ("qwen3", DEEPSEEK_R1_REASONING_PARSER)
+REASONING_PARSERS: Final = (KIMI_K3_PARSER, *THINK_TAG_REASONING_PARSERS)
+TOOL_CALL_PARSERS: Final = (KIMI_K3_PARSER, HERMES_TOOL_PARSER)
+CHATML_START: Final = "<|im_start|>"
+_WARNED_MAX = 1024
+
+
+class ParserChoice(NamedTuple):
+    """The reasoning and tool-call parser names in effect for a model (None: that half is off)."""
+
+    reasoning: str | None
+    tool_calls: str | None
+
+
+K3_FAMILY: Final = ParserChoice(KIMI_K3_PARSER, KIMI_K3_PARSER)
+HERMES_FAMILY: Final = ParserChoice("qwen3", HERMES_TOOL_PARSER)
+PLAIN: Final = ParserChoice(None, None)
+
+_warned: set[tuple[str | None, ...]] = set()
+
+
+def _first_time(*key: str | None) -> bool:
+    """True once per key (a model and what is wrong with it): warnings are per model, not per request."""
+    if key in _warned:
+        return False
+    if len(_warned) >= _WARNED_MAX:
+        _warned.clear()
+    _warned.add(key)
+    return True
+
+
+def family_parsers(card: ModelDeploymentCard, tokenizer: Tokenizer) -> ParserChoice:
+    """Kimi-K3 by the formatter's detection rule; ChatML (a Qwen model_type, or a tokenizer with
+    ``<|im_start|>``) gets Qwen's think tags and Hermes calls; anything else is plain content."""
+    if is_kimi_k3(card.model_type, card.display_name):
+        return K3_FAMILY
+    if (card.model_type or "").startswith("qwen") or tokenizer.is_special_token(CHATML_START):
+        return HERMES_FAMILY
+    return PLAIN
+
+
+def parser_choice(card: ModelDeploymentCard, tokenizer: Tokenizer) -> ParserChoice:
+    """The declared parsers where known, the family's otherwise (an unknown name is warned about)."""
+    family = family_parsers(card, tokenizer)
+    declared = card.runtime_config
+    reasoning, tools = declared.reasoning_parser, declared.tool_call_parser
+    model = card.display_name
+    if reasoning is not None and reasoning not in REASONING_PARSERS:
+        if _first_time("unknown", model, "reasoning", reasoning):
+            log.warning(
+                "answer_parser_unknown", model=model, reasoning_parser=reasoning, using=family.reasoning
+            )
+        reasoning = None
+    if tools is not None and tools not in TOOL_CALL_PARSERS:
+        if _first_time("unknown", model, "tools", tools):
+            log.warning("answer_parser_unknown", model=model, tool_call_parser=tools, using=family.tool_calls)
+        tools = None
+    choice = ParserChoice(reasoning or family.reasoning, tools or family.tool_calls)
+    if KIMI_K3_PARSER not in choice:
+        return choice
+    if not all(tokenizer.is_special_token(marker) for marker in MARKER_STRINGS):
+        fallback = PLAIN if family == K3_FAMILY else family
+        if _first_time("unusable", model, *choice):
+            log.warning(
+                "answer_parser_unusable",
+                model=model,
+                parser=KIMI_K3_PARSER,
+                reason="the tokenizer does not register the four K3 markers",
+                using=fallback.tool_calls or fallback.reasoning,
+            )
+        return fallback
+    if choice != K3_FAMILY and _first_time("mixed", model, *choice):
+        log.warning(
+            "answer_parsers_mixed",
+            model=model,
+            reasoning_parser=choice.reasoning,
+            tool_call_parser=choice.tool_calls,
+            using=KIMI_K3_PARSER,
+        )
+    return K3_FAMILY
+
+
+def answer_parser_for(
+    card: ModelDeploymentCard,
+    tokenizer: Tokenizer,
+    *,
+    thinking: bool,
+    prompt_form: Literal["reference", "hosted"] = "reference",
+    tools_enabled: bool = True,
+    call_ids: CallIds | None = None,
+) -> AnswerParser:
+    """A fresh parser for one response of ``card``'s model.
+
+    ``thinking``: for K3, the prompt ended in the ``think`` channel (else ``response``; from a
+    rendered prompt: ``open_channel == "think"``, and ``prompt_form`` is ``"hosted"`` when no channel
+    is open); for the
+    think-tag parsers, the prompt opened a ``<think>`` block (``prompt_ends_in_think``), so text
+    before ``</think>`` is reasoning (``deepseek_r1`` always assumes so, as vLLM's does).
+    ``tools_enabled=False`` (``tool_choice: "none"``) drops every call.
+    """
+    choice = parser_choice(card, tokenizer)
+    vocab = vocab_of(tokenizer)
+    if choice == K3_FAMILY:
+        return KimiK3AnswerParser(
+            vocab, thinking=thinking, prompt_form=prompt_form, tools_enabled=tools_enabled, call_ids=call_ids
+        )
+    if choice == PLAIN:
+        return PlainAnswerParser(vocab)
+    return HermesAnswerParser(
+        vocab,
+        think_tags=choice.reasoning is not None,
+        start_in_reasoning=thinking or choice.reasoning == DEEPSEEK_R1_REASONING_PARSER,
+        tool_calls=choice.tool_calls is not None,
+        tools_enabled=tools_enabled,
+        call_ids=call_ids,
+    )

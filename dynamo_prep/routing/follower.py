@@ -1,0 +1,329 @@
+"""One instance's KV-event stream put in order: the subscriber's rules, without sockets.
+
+``InstanceFollower`` takes raw frames (live ``[topic, seq, payload]``, replay replies) and the clock,
+and calls the sink and a ``ReplayChannel``; the subscriber owns the sockets around it. Rules:
+
+* Batches are applied in seq order, each at most once. ``last`` is the last applied seq (None: no
+  base yet, the next batch is taken as it comes). A batch's seq is consumed even when its payload
+  is unusable (counted, logged); bad events are skipped and the rest of the batch applies.
+* While a replay is outstanding, live batches are buffered (bounded) and applied after it, so a
+  replayed old batch is never applied after a newer live one. A seq <= ``last`` is a duplicate.
+* A live seq > ``last + 1`` is a gap: replay from ``last + 1``. Without a replay channel, or when
+  the replay cannot fill it (its first batch is past ``last + 1``, it answers garbage, it brings
+  nothing while a gap remains, the live buffer overflows, or it is silent for ``timeout_s``), the
+  instance is reset and resyncs from what there is (the replayed batches, else the buffered live).
+* The live stream of one publisher never goes backwards, so a live seq <= the highest live seq seen
+  is a publisher restart: reset, then start over (a replay from 0 when there is a channel).
+* Nothing here raises on peer input, and a failing sink is logged and does not stop the stream.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from dynamo_prep.protocol.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KvEventDecodeError,
+    decode_batch,
+    parse_live,
+    parse_replay,
+)
+from dynamo_prep.routing.eventlog import KvLog
+from dynamo_prep.routing.metrics import KvMetrics
+
+__all__ = [
+    "MAX_PENDING_BATCHES",
+    "MAX_PENDING_BYTES",
+    "REPLAY_TIMEOUT_S",
+    "InstanceFollower",
+    "KvEventSink",
+    "ReplayChannel",
+]
+
+REPLAY_TIMEOUT_S = 2.0
+# Live batches buffered during one replay; past either bound the replay is given up (reset).
+MAX_PENDING_BATCHES = 20_000
+MAX_PENDING_BYTES = 256 << 20
+
+
+class KvEventSink(Protocol):
+    """Where the ordered events go (the KV index). Re-exported by ``routing.subscriber``."""
+
+    def apply(self, instance_id: str, events: Sequence[KVEvent]) -> None: ...  # in seq order
+
+    def reset(self, instance_id: str) -> None: ...  # forget every block of this instance
+
+
+class ReplayChannel(Protocol):
+    """The DEALER to one publisher's replay ROUTER."""
+
+    def request(self, start_seq: int) -> None:
+        """Ask for every buffered batch from ``start_seq`` on (errors surface as the deadline)."""
+
+    def cancel(self) -> None:
+        """Forget the outstanding replay: its late replies must never be read (a new DEALER)."""
+
+
+@dataclass(slots=True)
+class _Replay:
+    start: int
+    reason: str
+    started: float
+    deadline: float
+    batches: int = 0
+    applied: int = 0
+    reset: bool = False
+    truncated: bool = False
+
+
+class InstanceFollower:
+    """Orders one instance's batches into ``sink``; ``replay`` is None without a replay endpoint."""
+
+    def __init__(
+        self,
+        instance_id: str,
+        sink: KvEventSink,
+        *,
+        topic: bytes,
+        replay: ReplayChannel | None,
+        metrics: KvMetrics,
+        clock: Callable[[], float],
+        timeout_s: float = REPLAY_TIMEOUT_S,
+        max_pending: int = MAX_PENDING_BATCHES,
+        log: KvLog | None = None,
+    ) -> None:
+        self.instance_id = instance_id
+        self.last: int | None = None
+        self.live_high: int | None = None
+        self.pending: deque[tuple[int, bytes]] = deque()
+        self._pending_bytes = 0
+        self._replay: _Replay | None = None
+        self._sink = sink
+        self._topic = topic
+        self._channel = replay
+        self._metrics = metrics
+        self._clock = clock
+        self._timeout_s = timeout_s
+        self._max_pending = max_pending
+        self._log = log or KvLog(instance_id)
+
+    @property
+    def replaying(self) -> bool:
+        return self._replay is not None
+
+    def deadline(self) -> float | None:
+        """When the outstanding replay times out (None: no replay outstanding)."""
+        return self._replay.deadline if self._replay is not None else None
+
+    def start(self) -> None:
+        """Catch up first: replay everything the publisher still buffers (from seq 0)."""
+        if self._channel is not None:
+            self._start_replay(0, "catch_up")
+
+    def close(self) -> None:
+        """Stop following: an outstanding replay is abandoned (the owner resets the sink)."""
+        if self._replay is not None:
+            self._finish_replay("abandoned")
+        self._clear_pending()
+
+    # -- input ---------------------------------------------------------------------------------
+
+    def on_live(self, frames: list[bytes]) -> None:
+        """One message of the SUB socket."""
+        try:
+            topic, seq, payload = parse_live(frames)
+        except KvEventDecodeError as exc:
+            self._reject(exc.reason, exc.detail, "live")
+            return
+        if topic != self._topic:
+            self._reject("other_topic", f"topic {topic[:64]!r}", "live")
+            return
+        if self.live_high is not None and seq <= self.live_high:
+            self._restart(seq)
+        self.live_high = seq
+        if self._replay is not None:
+            self._buffer(seq, payload)
+        else:
+            self._offer(seq, payload)
+
+    def on_replay(self, frames: list[bytes]) -> None:
+        """One reply of the replay ROUTER, as the DEALER received it."""
+        replay = self._replay
+        if replay is None:
+            self._reject("unexpected_replay", f"{len(frames)} frames with no replay outstanding", "replay")
+            return
+        try:
+            frame = parse_replay(frames)
+        except KvEventDecodeError as exc:
+            self._reject(exc.reason, exc.detail, "replay")
+            self._give_up("replay_garbage")
+            return
+        replay.deadline = self._clock() + self._timeout_s  # it is answering: the deadline is for silence
+        if frame.end:
+            self._end_replay(replay)
+            return
+        replay.batches += 1
+        seq, last = frame.seq, self.last
+        if last is not None and seq <= last:
+            self._metrics.duplicates.inc()
+        elif last is None or seq == last + 1:
+            replay.truncated = replay.truncated or (last is None and seq > replay.start)
+            replay.applied += 1
+            self._apply(seq, frame.payload)
+        else:  # the publisher no longer buffers last + 1 (or skipped it): resync from here
+            self._metrics.gaps.inc()
+            self._log.gap(last + 1, seq, now=self._clock())
+            replay.reset = True
+            replay.applied += 1
+            self._reset("replay_incomplete")
+            self._apply(seq, frame.payload)
+
+    def expire(self) -> None:
+        """Time passes: a replay silent past its deadline is given up."""
+        replay = self._replay
+        if replay is not None and self._clock() >= replay.deadline:
+            self._give_up("replay_timeout", outcome="timeout")
+
+    # -- ordering ------------------------------------------------------------------------------
+
+    def _offer(self, seq: int, payload: bytes) -> None:
+        """A live batch with no replay outstanding."""
+        last = self.last
+        if last is None or seq == last + 1:
+            self._apply(seq, payload)
+            return
+        if seq <= last:
+            self._metrics.duplicates.inc()
+            return
+        self._metrics.gaps.inc()
+        self._log.gap(last + 1, seq, now=self._clock())
+        if self._channel is None:
+            self._reset("gap_without_replay")
+            self._apply(seq, payload)
+            return
+        self._start_replay(last + 1, "gap")
+        self._buffer(seq, payload)
+
+    def _buffer(self, seq: int, payload: bytes) -> None:
+        self.pending.append((seq, payload))
+        self._pending_bytes += len(payload)
+        if len(self.pending) > self._max_pending or self._pending_bytes > MAX_PENDING_BYTES:
+            self._give_up("pending_overflow")
+
+    def _start_replay(self, start: int, reason: str) -> None:
+        assert self._channel is not None
+        now = self._clock()
+        self._replay = _Replay(start, reason, started=now, deadline=now + self._timeout_s)
+        self._log.replay_started(start, reason, now=now)
+        self._channel.request(start)
+
+    def _end_replay(self, replay: _Replay) -> None:
+        """The end marker: a gap that remains after a replay that brought nothing cannot be filled."""
+        last = self.last
+        newer = next((seq for seq, _ in self.pending if last is None or seq > last), None)
+        if last is not None and newer is not None and newer > last + 1 and not replay.applied:
+            replay.reset = True
+            self._reset("replay_incomplete")
+        self._finish_replay("reset" if replay.reset else "truncated" if replay.truncated else "filled")
+        self._drain_pending()
+
+    def _give_up(self, reason: str, *, outcome: str = "reset") -> None:
+        """The replay cannot fill the gap: reset and resync from the buffered live batches."""
+        self._finish_replay(outcome)
+        self._reset(reason)
+        self._drain_pending()
+
+    def _finish_replay(self, outcome: str) -> None:
+        replay = self._replay
+        assert replay is not None
+        self._replay = None
+        if outcome not in ("filled", "truncated") and self._channel is not None:
+            self._channel.cancel()
+        now = self._clock()
+        self._metrics.replays.labels(outcome=outcome).inc()
+        self._log.replay_finished(
+            outcome,
+            replay.start,
+            batches=replay.batches,
+            last_seq=self.last,
+            seconds=now - replay.started,
+            now=now,
+        )
+
+    def _drain_pending(self) -> None:
+        """Apply the buffered live batches; one of them may start another replay (the rest waits)."""
+        pending = self.pending
+        self.pending = deque()
+        self._pending_bytes = 0
+        while pending and self._replay is None:
+            self._offer(*pending.popleft())
+        for seq, payload in pending:
+            self._buffer(seq, payload)
+
+    def _restart(self, seq: int) -> None:
+        """The live seq went back: a new publisher behind the same address; start over."""
+        if self._replay is not None:
+            self._finish_replay("abandoned")
+        self._clear_pending()
+        self._reset("publisher_restart")
+        self.live_high = None
+        if self._channel is not None:
+            self._start_replay(0, "publisher_restart")
+
+    def _clear_pending(self) -> None:
+        self.pending.clear()
+        self._pending_bytes = 0
+
+    # -- the sink ------------------------------------------------------------------------------
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        self.last = seq
+        try:
+            decoded = decode_batch(payload)
+        except KvEventDecodeError as exc:
+            self._reject(exc.reason, f"seq {seq}: {exc.detail}", "batch")
+            return
+        for skipped in decoded.skipped:
+            self._reject(skipped.reason, f"seq {seq}: {skipped.detail}", "event")
+        events = decoded.batch.events
+        if not events:
+            return
+        self._count(events)
+        try:
+            self._sink.apply(self.instance_id, events)
+        except Exception as exc:  # the index's bug must not stop this instance's stream
+            self._metrics.rejected.labels(reason="sink_error").inc()
+            self._log.sink_failed("apply", exc, now=self._clock())
+
+    def _count(self, events: list[KVEvent]) -> None:
+        metrics = self._metrics
+        for event in events:
+            if isinstance(event, BlockStored):
+                metrics.stored_events.inc()
+                metrics.stored_blocks.inc(len(event.block_hashes))
+            elif isinstance(event, BlockRemoved):
+                metrics.removed_events.inc()
+                metrics.removed_blocks.inc(len(event.block_hashes))
+            elif isinstance(event, AllBlocksCleared):
+                metrics.cleared_events.inc()
+
+    def _reset(self, reason: str) -> None:
+        now = self._clock()
+        self._metrics.resets.labels(reason=reason).inc()
+        self._log.reset(reason, last_seq=self.last, now=now)
+        self.last = None
+        try:
+            self._sink.reset(self.instance_id)
+        except Exception as exc:
+            self._metrics.rejected.labels(reason="sink_error").inc()
+            self._log.sink_failed("reset", exc, now=now)
+
+    def _reject(self, reason: str, detail: str, source: str) -> None:
+        self._metrics.rejected.labels(reason=reason).inc()
+        self._log.rejected(reason, detail, source=source, now=self._clock())

@@ -1,0 +1,362 @@
+"""Frontend side of the KV-event plane: follow the publisher of every live instance into one sink.
+
+Per instance: a SUB connected to ``kv_events.endpoint`` (subscribed to its topic) and, when the
+instance has a ``replay_endpoint``, a DEALER to it. Each instance is served by its own task, so a
+slow or hostile publisher can only delay or reset its own blocks. Rules (``follower.py`` has the
+details, docs/kv-events.md the reasons):
+
+* On ``add``, catch up first: subscribe, replay everything from seq 0, apply the replayed batches
+  in order, then the live ones buffered meanwhile with a higher seq. Without a replay endpoint,
+  start from the first live batch.
+* Apply in seq order; a duplicate is dropped; a gap triggers a replay from ``last + 1`` (live is
+  buffered meanwhile); if the replay cannot fill it (no endpoint, no answer within the deadline,
+  the publisher no longer buffers ``last + 1``), ``sink.reset`` and resync from what there is.
+  A publisher restart (the live seq goes back) resets the instance and starts over.
+* ``remove`` (the instance expired or withdrew) closes its sockets and calls ``sink.reset``.
+* Garbage never crashes, blocks, or touches another instance: frames above ``MAX_FRAME_BYTES``
+  are refused by libzmq, everything else is decoded once, counted by reason and logged at most
+  once per (instance, reason) per second. libzmq drops such a peer for good (a protocol error is
+  never retried), so the SUB reconnects itself ``RECONNECT_DELAY_S`` after any disconnect; what
+  was lost meanwhile is a gap like any other.
+* Transport cost: each task wakes on one ``await poll()`` and drains up to ``max_drain`` messages
+  per socket through shadow synchronous sockets (``zmq.asyncio`` allocates a Future per ``recv``).
+
+Every method runs on the frontend's event loop; ``run()`` serves until ``close()`` or cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from dynamo_prep.protocol.discovery import Instance, KvEventsEndpoint
+from dynamo_prep.protocol.kv_events import MAX_BATCH_BYTES, replay_request
+from dynamo_prep.routing.eventlog import KvLog
+from dynamo_prep.routing.follower import REPLAY_TIMEOUT_S, InstanceFollower, KvEventSink
+from dynamo_prep.routing.metrics import KvMetrics
+
+__all__ = ["MAX_DRAIN_PER_WAKE", "MAX_FRAME_BYTES", "KvEventSink", "KvEventSubscriber"]
+
+MAX_DRAIN_PER_WAKE = 256
+# libzmq refuses (and disconnects) above this; well above MAX_BATCH_BYTES so that oversize payloads
+# still arrive and are counted as too_large.
+MAX_FRAME_BYTES = 2 * MAX_BATCH_BYTES
+LIVE_RCVHWM = 100_000  # vLLM's send HWM: a burst the loop has not drained yet is not dropped
+REPLAY_RCVHWM = 100_000  # above the publisher's buffer (10,000): a whole replay fits in the pipe
+RECONNECT_DELAY_S = 0.2
+ERROR_BACKOFF_S = 1.0
+_monitor_ids = itertools.count()
+
+
+class _DealerChannel:
+    """The ``ReplayChannel`` of one instance: a DEALER, replaced whenever a replay is given up."""
+
+    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+        self.address = address
+        self.socket: zmq.asyncio.Socket | None = None
+        self.shadow: zmq.Socket[Any] | None = None
+        self._context = context
+
+    def open(self) -> None:
+        """Create and connect the DEALER (raises ``zmq.ZMQError`` on a bad address)."""
+        if self.socket is not None:
+            return
+        socket = self._context.socket(zmq.DEALER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        try:
+            socket.connect(self.address)
+        except zmq.ZMQError:
+            socket.close(linger=0)
+            raise
+        self.socket = socket
+        self.shadow = zmq.Socket.shadow(socket.underlying)
+
+    def request(self, start_seq: int) -> None:
+        try:
+            self.open()
+            assert self.shadow is not None
+            self.shadow.send_multipart(replay_request(start_seq), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # no answer will come: the follower's deadline resets the instance
+
+    def cancel(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.socket is not None:
+            self.socket.close(linger=0)
+        self.socket = None
+        self.shadow = None
+
+
+@dataclass(slots=True)
+class _Followed:
+    """One followed instance: its sockets, its ordering state and the task serving them.
+
+    ``monitor`` is a PAIR receiving the SUB's disconnect events (libzmq's socket monitor).
+    """
+
+    kv: KvEventsEndpoint
+    follower: InstanceFollower
+    socket: zmq.asyncio.Socket
+    shadow: zmq.Socket[Any]
+    monitor: zmq.asyncio.Socket
+    monitor_shadow: zmq.Socket[Any]
+    channel: _DealerChannel | None
+    log: KvLog
+    task: asyncio.Task[None] | None = None
+    reconnect_at: float | None = None
+    closed: bool = field(default=False)
+
+    def close_sockets(self) -> None:
+        if self.socket.closed:
+            return
+        self.closed = True
+        with contextlib.suppress(zmq.ZMQError):
+            self.socket.monitor(None, 0)
+        self.monitor.close(linger=0)
+        self.socket.close(linger=0)
+        if self.channel is not None:
+            self.channel.close()
+
+    def monitor_disconnects(self) -> None:
+        """Note a disconnect of the SUB (events drained from the monitor), to reconnect it soon."""
+        while True:
+            try:
+                self.monitor_shadow.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if self.reconnect_at is None:
+                self.reconnect_at = time.monotonic() + RECONNECT_DELAY_S
+
+    def reconnect(self) -> None:
+        self.reconnect_at = None
+        with contextlib.suppress(zmq.ZMQError):  # libzmq may have forgotten the endpoint already
+            self.socket.disconnect(self.kv.endpoint)
+        self.socket.connect(self.kv.endpoint)
+        self.log.reconnected(self.kv.endpoint)
+
+
+class KvEventSubscriber:
+    """Follows the KV publishers of the instances it is given and feeds ``sink`` in seq order."""
+
+    def __init__(
+        self,
+        sink: KvEventSink,
+        *,
+        metrics: KvMetrics | None = None,
+        context: zmq.asyncio.Context | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        replay_timeout_s: float = REPLAY_TIMEOUT_S,
+        max_drain: int = MAX_DRAIN_PER_WAKE,
+    ) -> None:
+        self.sink = sink
+        self.metrics = metrics if metrics is not None else KvMetrics()
+        self._context = context or zmq.asyncio.Context.instance()
+        self._clock = clock
+        self._timeout_s = replay_timeout_s
+        self._max_drain = max_drain
+        self._followed: dict[str, _Followed] = {}
+        self._running = False
+        self._stop = asyncio.Event()
+
+    @property
+    def instance_ids(self) -> frozenset[str]:
+        return frozenset(self._followed)
+
+    def follower(self, instance_id: str) -> InstanceFollower | None:
+        """The ordering state of one instance (diagnostics, tests)."""
+        followed = self._followed.get(instance_id)
+        return followed.follower if followed is not None else None
+
+    # -- membership ----------------------------------------------------------------------------
+
+    def add(self, instance: Instance) -> bool:
+        """Follow ``instance``'s KV events (True), or not when it advertises none or cannot be reached.
+
+        Adding an instance already followed at the same addresses changes nothing; at other
+        addresses it is followed anew (its old blocks are reset).
+        """
+        current = self._followed.get(instance.instance_id)
+        if current is not None:
+            if current.kv == instance.kv_events:
+                return True
+            self.remove(instance.instance_id, reason="kv_events_changed")
+        kv = instance.kv_events
+        if kv is None:
+            return False
+        followed = self._open(instance.instance_id, kv)
+        if followed is None:
+            return False
+        self._followed[instance.instance_id] = followed
+        self.metrics.instances.set(len(self._followed))
+        followed.log.subscribed(kv)
+        followed.follower.start()
+        if self._running:
+            self._start(instance.instance_id, followed)
+        return True
+
+    def remove(self, instance_id: str, *, reason: str = "removed") -> None:
+        """Stop following an instance (expired, withdrawn): close its sockets, reset its blocks."""
+        followed = self._followed.pop(instance_id, None)
+        if followed is None:
+            return
+        followed.follower.close()
+        if followed.task is not None and followed.task is not asyncio.current_task():
+            followed.task.cancel()  # its ``finally`` closes the sockets, off any pending poll
+        else:
+            followed.close_sockets()
+        followed.closed = True
+        self.metrics.instances.set(len(self._followed))
+        self.metrics.resets.labels(reason=reason).inc()
+        followed.log.unsubscribed(reason)
+        with contextlib.suppress(Exception):  # a failing sink is the index's bug; the instance is gone
+            self.sink.reset(instance_id)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve every followed instance until ``close()`` or cancellation, then close them all."""
+        self._running = True
+        for instance_id, followed in self._followed.items():
+            self._start(instance_id, followed)
+        try:
+            await self._stop.wait()
+        finally:
+            self._running = False
+            tasks = [f.task for f in self._followed.values() if f.task is not None]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for followed in self._followed.values():
+                followed.close_sockets()
+            self._followed.clear()
+            self.metrics.instances.set(0)
+
+    def close(self) -> None:
+        """Stop ``run()`` (the index is not reset: the frontend is going away with it)."""
+        self._stop.set()
+
+    # -- per instance --------------------------------------------------------------------------
+
+    def _open(self, instance_id: str, kv: KvEventsEndpoint) -> _Followed | None:
+        log = KvLog(instance_id)
+        socket = self._context.socket(zmq.SUB)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.RCVHWM, LIVE_RCVHWM)
+        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        topic = kv.topic.encode()
+        socket.setsockopt(zmq.SUBSCRIBE, topic)
+        address = f"inproc://kv-events-monitor-{next(_monitor_ids)}"
+        socket.monitor(address, zmq.EVENT_DISCONNECTED)
+        monitor = self._context.socket(zmq.PAIR)
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        try:
+            socket.connect(kv.endpoint)
+        except zmq.ZMQError as exc:
+            socket.monitor(None, 0)
+            monitor.close(linger=0)
+            socket.close(linger=0)
+            log.connect_failed(kv.endpoint, str(exc), replay=False)
+            return None
+        channel = None
+        if kv.replay_endpoint is not None:
+            channel = _DealerChannel(self._context, kv.replay_endpoint)
+            try:
+                channel.open()
+            except zmq.ZMQError as exc:  # follow live only: a gap then resets instead of replaying
+                log.connect_failed(kv.replay_endpoint, str(exc), replay=True)
+                channel = None
+        follower = InstanceFollower(
+            instance_id,
+            self.sink,
+            topic=topic,
+            replay=channel,
+            metrics=self.metrics,
+            clock=self._clock,
+            timeout_s=self._timeout_s,
+            log=log,
+        )
+        shadow: zmq.Socket[Any] = zmq.Socket.shadow(socket.underlying)
+        monitor_shadow: zmq.Socket[Any] = zmq.Socket.shadow(monitor.underlying)
+        return _Followed(kv, follower, socket, shadow, monitor, monitor_shadow, channel, log)
+
+    def _start(self, instance_id: str, followed: _Followed) -> None:
+        followed.task = asyncio.get_running_loop().create_task(
+            self._serve(followed), name=f"kv-events:{instance_id}"
+        )
+
+    async def _serve(self, followed: _Followed) -> None:
+        try:
+            while not followed.closed:
+                try:
+                    await self._wake(followed)
+                except Exception as exc:  # a bug here must not end the instance's stream for good
+                    followed.log.serve_failed(exc, now=self._clock())
+                    await asyncio.sleep(ERROR_BACKOFF_S)
+        finally:
+            followed.close_sockets()
+
+    async def _wake(self, followed: _Followed) -> None:
+        """Wait for a socket, the replay deadline or a reconnect; drain both sockets; act on time."""
+        follower, channel = followed.follower, followed.channel
+        poller = zmq.asyncio.Poller()
+        poller.register(followed.socket, zmq.POLLIN)
+        poller.register(followed.monitor, zmq.POLLIN)
+        if channel is not None and channel.socket is not None:
+            poller.register(channel.socket, zmq.POLLIN)
+        await poller.poll(self._timeout_ms(followed))
+        drained = self._drain(followed, followed.shadow, follower.on_live)
+        if channel is not None:
+            drained = max(drained, self._drain(followed, channel.shadow, follower.on_replay, channel))
+        if followed.closed:
+            return
+        follower.expire()
+        followed.monitor_disconnects()
+        if followed.reconnect_at is not None and time.monotonic() >= followed.reconnect_at:
+            followed.reconnect()
+        if drained >= self._max_drain:
+            await asyncio.sleep(0)  # a flooded instance lets the others run
+
+    def _timeout_ms(self, followed: _Followed) -> int | None:
+        """Until the replay deadline or the reconnect, whichever is first (None: no timeout)."""
+        waits = []
+        deadline = followed.follower.deadline()
+        if deadline is not None:
+            waits.append(deadline - self._clock())
+        if followed.reconnect_at is not None:
+            waits.append(followed.reconnect_at - time.monotonic())
+        return max(0, math.ceil(min(waits) * 1000)) if waits else None
+
+    def _drain(
+        self,
+        followed: _Followed,
+        shadow: zmq.Socket[Any] | None,
+        handle: Callable[[list[bytes]], None],
+        channel: _DealerChannel | None = None,
+    ) -> int:
+        """Up to ``max_drain`` messages of one socket, without Futures. The follower may give a
+        replay up mid-drain, which replaces ``channel``'s DEALER: the old one is not read again."""
+        received = 0
+        while shadow is not None and received < self._max_drain and not followed.closed:
+            if channel is not None and channel.shadow is not shadow:
+                break
+            try:
+                frames = shadow.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            received += 1
+            handle(frames)
+        return received

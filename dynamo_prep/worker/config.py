@@ -1,0 +1,172 @@
+"""The worker's options, validated once: what every ``dynamo-prep worker`` flag means.
+
+Light on purpose (no ZeroMQ, no tokenizer, no formatter): the CLI reads its defaults here. What
+needs the model (the engine, the card, a replies file) is loaded when the process starts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, cast, get_args
+
+from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, FLAVORS, REPLY_FORMATS, Flavor, ReplyFormat
+from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
+
+if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import ZeroMQ
+    from dynamo_prep.discovery.trust import ClientCurve
+
+__all__ = [
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "DEFAULT_ENDPOINT_HOST",
+    "DEFAULT_KV_BLOCKS",
+    "DEFAULT_PREFILL_MS_PER_1K",
+    "DEFAULT_TOKEN_DELAY_S",
+    "ENGINES",
+    "EngineKind",
+    "WorkerConfig",
+]
+
+DEFAULT_ENDPOINT_HOST = "127.0.0.1"
+DEFAULT_TOKEN_DELAY_S = 0.02
+DEFAULT_DRAIN_TIMEOUT_S = 5.0
+DEFAULT_KV_BLOCKS = 2048
+DEFAULT_PREFILL_MS_PER_1K = 0.0
+EngineKind = Literal["mock"]
+ENGINES: tuple[EngineKind, ...] = get_args(EngineKind)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Validated worker options (what the CLI flags mean, checked once).
+
+    ``kv_events``: the mock engine keeps a paged prefix cache of ``kv_blocks`` blocks (the card's
+    ``kv_cache_block_size`` tokens each), publishes its KV events and charges ``prefill_ms_per_1k``
+    per 1000 prompt tokens it does not hold.
+    """
+
+    model_dir: Path
+    discovery: tuple[str, ...]
+    served_name: str | None = None
+    declared_image_token: str | None = None
+    legacy_expands_image_pad_token: bool = False
+    namespace: str = DEFAULT_NAMESPACE
+    endpoint_host: str = DEFAULT_ENDPOINT_HOST
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    ttl_ms: int = DEFAULT_TTL_MS
+    curve: ClientCurve | None = None
+    engine: EngineKind = "mock"
+    flavor: Flavor = "sglang"
+    token_delay_s: float = DEFAULT_TOKEN_DELAY_S
+    replies: Path | None = None
+    reply_format: ReplyFormat = DEFAULT_REPLY_FORMAT
+    migration_limit: int = 0
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
+    metrics_port: int | None = None
+    kv_events: bool = False
+    kv_blocks: int = DEFAULT_KV_BLOCKS
+    prefill_ms_per_1k: float = DEFAULT_PREFILL_MS_PER_1K
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        model_path: str | Path,
+        discovery: Sequence[str],
+        served_name: str | None = None,
+        declared_image_token: str | None = None,
+        legacy_expands_image_pad_token: bool = False,
+        namespace: str = DEFAULT_NAMESPACE,
+        endpoint_host: str = DEFAULT_ENDPOINT_HOST,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+        ttl_ms: int = DEFAULT_TTL_MS,
+        curve_secret_key: Path | None = None,
+        curve_server_key: Path | None = None,
+        engine: str = "mock",
+        flavor: str = "sglang",
+        token_delay_s: float = DEFAULT_TOKEN_DELAY_S,
+        replies: str | Path | None = None,
+        reply_format: str = DEFAULT_REPLY_FORMAT,
+        migration_limit: int = 0,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        metrics_port: int | None = None,
+        kv_events: bool = False,
+        kv_blocks: int | None = None,
+        prefill_ms_per_1k: float | None = None,
+    ) -> WorkerConfig:
+        """Raises ValueError (TrustError for CURVE key files) naming the option that is wrong.
+
+        ``kv_blocks`` and ``prefill_ms_per_1k`` (None: the default) are options of ``kv_events``.
+        """
+        if not discovery:
+            raise ValueError("--discovery needs at least one address")
+        if declared_image_token is not None and legacy_expands_image_pad_token:
+            raise ValueError("--declare-image-token and --legacy-expands-image-pad-token exclude each other")
+        if declared_image_token == "":
+            raise ValueError("--declare-image-token must not be empty")
+        for option, value, known in (
+            ("--engine", engine, ENGINES),
+            ("--flavor", flavor, FLAVORS),
+            ("--reply-format", reply_format, REPLY_FORMATS),
+        ):
+            if value not in known:
+                raise ValueError(f"unknown {option} {value!r} (known: {', '.join(known)})")
+        for option, number in (("--heartbeat", heartbeat_s), ("--ttl-ms", ttl_ms)):
+            if not number > 0:
+                raise ValueError(f"{option} must be > 0, got {number}")
+        for option, number in (
+            ("--token-delay", token_delay_s),
+            ("--migration-limit", migration_limit),
+            ("--drain-timeout", drain_timeout_s),
+        ):
+            if not number >= 0:
+                raise ValueError(f"{option} must be >= 0, got {number}")
+        if metrics_port is not None and not 0 <= metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in 0..65535, got {metrics_port}")
+        _check_kv_options(kv_events, kv_blocks, prefill_ms_per_1k)
+        return cls(
+            model_dir=resolve_model_dir(model_path),
+            discovery=tuple(discovery),
+            served_name=served_name,
+            declared_image_token=declared_image_token,
+            legacy_expands_image_pad_token=legacy_expands_image_pad_token,
+            namespace=namespace,
+            endpoint_host=endpoint_host,
+            heartbeat_s=heartbeat_s,
+            ttl_ms=ttl_ms,
+            curve=_client_curve(curve_secret_key, curve_server_key),
+            engine=cast(EngineKind, engine),
+            flavor=cast(Flavor, flavor),
+            token_delay_s=token_delay_s,
+            replies=Path(replies) if replies is not None else None,
+            reply_format=cast(ReplyFormat, reply_format),
+            migration_limit=migration_limit,
+            drain_timeout_s=drain_timeout_s,
+            metrics_port=metrics_port,
+            kv_events=kv_events,
+            kv_blocks=DEFAULT_KV_BLOCKS if kv_blocks is None else kv_blocks,
+            prefill_ms_per_1k=DEFAULT_PREFILL_MS_PER_1K if prefill_ms_per_1k is None else prefill_ms_per_1k,
+        )
+
+
+def _check_kv_options(kv_events: bool, kv_blocks: int | None, prefill_ms_per_1k: float | None) -> None:
+    for option, value in (("--kv-blocks", kv_blocks), ("--prefill-ms-per-1k", prefill_ms_per_1k)):
+        if value is not None and not kv_events:
+            raise ValueError(f"{option} needs --kv-events")
+    if kv_blocks is not None and not kv_blocks >= 1:
+        raise ValueError(f"--kv-blocks must be >= 1, got {kv_blocks}")
+    if prefill_ms_per_1k is not None and not 0 <= prefill_ms_per_1k < math.inf:
+        raise ValueError(f"--prefill-ms-per-1k must be a finite number >= 0, got {prefill_ms_per_1k}")
+
+
+def _client_curve(secret_key: Path | None, server_key: Path | None) -> ClientCurve | None:
+    if secret_key is None and server_key is None:
+        return None
+    if secret_key is None or server_key is None:
+        raise ValueError("CURVE needs both --curve-secret-key and --curve-server-key")
+    from dynamo_prep.discovery.trust import ClientCurve  # noqa: PLC0415 - ZeroMQ only when keyed
+
+    return ClientCurve.load(secret_key, server_key)

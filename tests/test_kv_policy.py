@@ -1,0 +1,167 @@
+"""The routing choice: affinity, the half-prompt balance rule, load, ties, temperature; the load tracker."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.protocol.kv_events import ImageSpan
+from dynamo_prep.routing.index import KvIndex
+from dynamo_prep.routing.policy import Decision, KvRouter, LoadTracker, choose, count_blocks
+
+WORKERS = ["w0", "w1", "w2"]
+
+
+def test_the_instance_holding_the_prefix_wins() -> None:
+    decision = choose(WORKERS, {"w1": 8, "w2": 2}, 10, {}, {"w0": 0, "w1": 500, "w2": 10})
+    assert decision == Decision("w1", overlap_blocks=8, prompt_blocks=10, cost=2.0, reason="overlap")
+
+
+def test_load_outweighs_a_small_overlap_advantage() -> None:
+    # w1 holds 8 of 10 blocks but is busy; w2 holds 6 and is idle: 2 + 30 > 4 + 0
+    decision = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 30}, {})
+    assert (decision.instance_id, decision.cost, decision.reason) == ("w2", 4.0, "overlap")
+    weighted = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 30}, {}, overlap_score_weight=20.0)
+    assert weighted.instance_id == "w1"  # prefill weighs 20x: 40 + 30 beats 80
+    cheap_prefill = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 3}, {}, overlap_score_weight=0.1)
+    assert cheap_prefill.instance_id == "w2"  # 0.2 + 3 vs 0.4 + 0
+
+
+def test_a_new_prefix_goes_to_the_least_loaded_instance_not_the_one_holding_the_preamble() -> None:
+    # w0 holds the shared 4-block system prompt of a 20-block conversation: less than half of it
+    # (by cost alone w0 would win: 16 + 5 < 20 + 3)
+    decision = choose(WORKERS, {"w0": 4}, 20, {"w0": 5, "w1": 5, "w2": 3}, {"w0": 100, "w1": 10, "w2": 10})
+    assert decision.reason == "balance" and decision.instance_id == "w2"
+    assert decision.overlap_blocks == 0 and decision.cost == 20 + 3
+    # equal load: the instance holding fewer blocks gets the new prefix
+    tied = choose(WORKERS, {"w0": 4}, 20, {}, {"w0": 100, "w1": 30, "w2": 10})
+    assert tied.instance_id == "w2"
+    # exactly half the prompt is affinity again
+    assert choose(WORKERS, {"w0": 10}, 20, {}, {}).reason == "overlap"
+
+
+def test_new_prefixes_spread_across_instances_as_load_builds_up() -> None:
+    tracker = LoadTracker()
+    chosen = []
+    for n in range(6):
+        active = {worker: tracker.active_blocks(worker) for worker in WORKERS}
+        decision = choose(WORKERS, {"w0": 2}, 30, active, {"w0": 2})
+        tracker.dispatch(f"r{n}", decision.instance_id, decision.prompt_blocks)
+        chosen.append(decision.instance_id)
+    assert Counter(chosen) == {"w0": 2, "w1": 2, "w2": 2}
+
+
+def test_empty_and_unmatched_prompts_are_balanced() -> None:
+    assert choose(WORKERS, {}, 0, {"w0": 1, "w1": 0, "w2": 1}, {}).instance_id == "w1"
+    assert choose(WORKERS, {}, 3, {"w0": 1, "w1": 0, "w2": 1}, {}).reason == "balance"
+
+
+def test_ties_go_to_fewer_blocks_held_then_rotate_with_the_turn() -> None:
+    assert choose(WORKERS, {"w0": 5, "w1": 5}, 6, {}, {"w0": 9, "w1": 3}).instance_id == "w1"
+    rotated = [choose(WORKERS, {}, 4, {}, {}, turn=turn).instance_id for turn in range(4)]
+    assert rotated == ["w0", "w1", "w2", "w0"]
+    # candidates are deduplicated and ordered by id, so the caller's order does not matter
+    assert choose(["w2", "w0", "w2"], {}, 4, {}, {}, turn=1).instance_id == "w2"
+
+
+def test_temperature_samples_a_softmax_over_normalised_costs() -> None:
+    overlaps, prompt = {"w0": 10, "w1": 8, "w2": 6}, 10  # costs 0, 2, 4 -> normalised 0, 0.5, 1
+    rng = random.Random(1234)
+    draws = 30_000
+    counts = Counter(
+        choose(WORKERS, overlaps, prompt, {}, {}, temperature=1.0, rng=rng).instance_id for _ in range(draws)
+    )
+    weights = [math.exp(-x) for x in (0.0, 0.5, 1.0)]
+    for worker, weight in zip(WORKERS, weights, strict=True):
+        expected = draws * weight / sum(weights)
+        assert abs(counts[worker] - expected) < 4 * math.sqrt(expected), (worker, counts)
+    cold = Counter(
+        choose(WORKERS, overlaps, prompt, {}, {}, temperature=0.05, rng=random.Random(5)).instance_id
+        for _ in range(200)
+    )
+    assert cold["w0"] > 195  # a low temperature is nearly greedy
+    same_seed = [
+        choose(WORKERS, overlaps, prompt, {}, {}, temperature=1, rng=random.Random(9)) for _ in range(3)
+    ]
+    assert len(set(same_seed)) == 1
+
+
+def test_temperature_does_not_apply_to_the_balance_rule() -> None:
+    rng = random.Random(3)
+    picks = {
+        choose(WORKERS, {}, 8, {"w0": 4, "w2": 4}, {}, temperature=5.0, rng=rng).instance_id
+        for _ in range(50)
+    }
+    assert picks == {"w1"}
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(ValueError, match="no candidate"):
+        choose([], {}, 1, {}, {})
+    with pytest.raises(ValueError, match="temperature"):
+        choose(WORKERS, {}, 1, {}, {}, temperature=-1)
+
+
+def test_load_tracker_adds_at_dispatch_and_releases_once() -> None:
+    tracker = LoadTracker()
+    tracker.dispatch("a", "w0", 10)
+    tracker.dispatch("b", "w0", 5)
+    tracker.dispatch("c", "w1", 7)
+    with pytest.raises(ValueError, match="already active"):
+        tracker.dispatch("a", "w2", 1)
+    assert tracker.active() == {"w0": 15, "w1": 7}
+    tracker.release("a")
+    tracker.release("a")
+    tracker.release("unknown")
+    assert tracker.active_blocks("w0") == 5
+    tracker.forget("w0")
+    tracker.release("b")  # its instance is gone: nothing to release
+    assert tracker.active() == {"w1": 7}
+    tracker.release("c")
+    assert tracker.active() == {}
+
+
+def test_count_blocks_counts_a_partial_block() -> None:
+    assert [count_blocks(n, 16) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+
+
+def test_router_hashes_matches_chooses_and_tracks_load_end_to_end() -> None:
+    """Two mock engines publish into one index; the router follows the cached prefix, balances new
+    prefixes, and an image changes what is cached."""
+    index = KvIndex(4)
+    caches = {
+        name: PagedPrefixCache(4, 1000, hash_kind=kind) for name, kind in (("a", "int"), ("b", "bytes"))
+    }
+    router = KvRouter(index, seed=0)
+
+    def serve(request_id: str, prompt: list[int], images: list[ImageSpan] | None = None) -> Decision:
+        decision = router.decide(sorted(caches), prompt, images or [])
+        router.dispatch(request_id, decision)
+        cache = caches[decision.instance_id]
+        cache.admit(request_id, prompt, images or [])
+        index.apply(decision.instance_id, cache.take_events())
+        return decision
+
+    def finish(request_id: str) -> None:
+        router.release(request_id)
+        for cache in caches.values():
+            cache.release(request_id)
+
+    system = list(range(1000, 1040))  # 10 blocks
+    first = serve("r1", [*system, *range(1, 9)])
+    assert first.reason == "balance"
+    finish("r1")
+    second = serve("r2", [*system, *range(50, 58)])  # 10 of 12 blocks cached on the first instance
+    assert (second.instance_id, second.overlap_blocks, second.reason) == (first.instance_id, 10, "overlap")
+    other = serve("r3", list(range(5000, 5048)))  # a new prefix goes to the idle instance
+    assert other.instance_id != first.instance_id and other.reason == "balance"
+    assert router.load.active_blocks(first.instance_id) == 12
+    finish("r2")
+    finish("r3")
+    assert router.load.active() == {}
+    pictured = serve("r4", [*system, *range(1, 9)], [ImageSpan("sha256:chart", 36, 6)])
+    assert pictured.instance_id == first.instance_id and pictured.overlap_blocks == 9
