@@ -162,29 +162,20 @@ def test_store_fetches_caches_and_materializes(
     assert len(router.requests) == len(card.files)
 
 
-def test_store_rebuilds_from_blobs_without_fetching(
-    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
+@pytest.mark.parametrize(("edit", "refetched"), [("replace", 0), ("in_place", 1)])
+def test_a_tampered_model_dir_is_rebuilt(
+    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path, edit: str, refetched: int
 ) -> None:
+    """A replaced file leaves its blob intact (rebuilt without fetching); the directory's file IS the
+    blob (one copy), so an edit in place corrupts both and the checksum has it fetched again."""
     card, _ = model
     store = ModelFileStore(tmp_path / "cache")
     path = store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5)
-    (path / "config.json").unlink()
-    (path / "config.json").write_text("replaced")  # a new file: the blob keeps its bytes
-    assert store.model_dir_for(card, endpoint=None) == path
-    assert len(router.requests) == len(card.files)
-    assert ModelDeploymentCard.from_model_dir(path, served_name=card.display_name).mdcsum() == card.mdcsum()
-
-
-def test_a_file_edited_in_place_is_refetched(
-    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
-) -> None:
-    """The directory's file IS the blob (one copy): an edit corrupts both, the checksum finds it."""
-    card, _ = model
-    store = ModelFileStore(tmp_path / "cache")
-    path = store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5)
+    if edit == "replace":
+        (path / "config.json").unlink()
     (path / "config.json").write_text("tampered")
     assert store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5) == path
-    assert len(router.requests) == len(card.files) + 1
+    assert len(router.requests) == len(card.files) + refetched
     assert ModelDeploymentCard.from_model_dir(path, served_name=card.display_name).mdcsum() == card.mdcsum()
 
 

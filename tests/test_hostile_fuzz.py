@@ -4,13 +4,9 @@ checks the same properties over >= 10,000 cases each."""
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Any
-
 import pytest
-from hypothesis import given, settings
 from strategies_hostile import TARGETS
-from test_fuzz import SEEDED
+from test_fuzz import seeded_outcomes
 
 EXAMPLES = {"tokenizer_split": 150, "stop_strings": 300, "chat_template": 200}
 DOCUMENTED = {
@@ -28,15 +24,7 @@ DOCUMENTED = {
 @pytest.mark.parametrize("target", sorted(EXAMPLES))
 def test_fuzz_target(target: str) -> None:
     """Only documented outcomes, the target's properties hold, and at least 5% of the cases are accepted."""
-    strategy, check = TARGETS[target]
-    outcomes: Counter[str] = Counter()
-
-    @settings(SEEDED, max_examples=EXAMPLES[target])
-    @given(strategy)
-    def run(example: Any) -> None:
-        outcomes[check(example)] += 1
-
-    run()
+    outcomes = seeded_outcomes(*TARGETS[target], EXAMPLES[target])
     assert set(outcomes) <= DOCUMENTED[target], dict(outcomes)
     assert outcomes["ok"] >= EXAMPLES[target] // 20, dict(outcomes)
 
