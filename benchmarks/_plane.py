@@ -1,4 +1,4 @@
-"""Shared helpers of the discovery, scale and HTTP suites: processes, CPU, percentiles, simulated workers.
+"""Shared helpers of the benchmark suites: processes, CPU, percentiles, metrics, simulated workers.
 
 ``python -m benchmarks._plane publish --instances N --discovery ADDR ...`` is a *simulated worker
 fleet*: one process announcing many instances of one model card, each with its own instance_id,
@@ -33,8 +33,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 TESTS_DIR = Path(__file__).resolve().parent.parent / "tests"
 if str(TESTS_DIR) not in sys.path:
@@ -54,6 +56,7 @@ __all__ = [
     "percentile",
     "reap",
     "running",
+    "scrape_metrics",
     "spawn",
     "start_dynamo",
     "start_frontend",
@@ -101,6 +104,17 @@ def summary(values: Sequence[float]) -> dict[str, float]:
         "max": max(values),
         "mean": statistics.fmean(values),
     }
+
+
+def scrape_metrics(port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """Every sample of a Prometheus ``/metrics`` page, keyed ``name{label=value,...}`` (labels sorted)."""
+    text = httpx.get(f"http://{host}:{port}/metrics", timeout=10).text
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{key}={value}" for key, value in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
 
 
 def iso_to_epoch(stamp: str) -> float:

@@ -56,8 +56,8 @@ def test_two_frontends_get_the_card_and_a_late_one_at_once(
     late = connect(collectors, xpub)
     assert late.wait_messages(announces)[0].instance_id == instance_id
     assert late.snapshot()[0].at - joined < 5  # heartbeat is 30 s: this came from the subscription
-    subscription_announces = worker.find("card_announced", reason="subscription")
-    assert len(subscription_announces) >= 2
+    # The worker's log is read in the background: wait for its line about the second subscription.
+    wait_for(lambda: len(worker.find("card_announced", reason="subscription")) >= 2, message="2 announces")
 
 
 def test_broker_restart_resumes_announcements(

@@ -197,3 +197,4 @@ def test_curve_broker_stops_forwarding_a_key_removed_from_the_allow_list(
         before = heard(revoked)
         frontend.wait_messages(lambda m: m.instance_id == allowed, count=heard(allowed) + 10)
         assert heard(revoked) == before
+        broker.wait_event("broker_dropped_revoked", key=public_key(revoked_public))

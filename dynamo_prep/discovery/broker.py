@@ -12,6 +12,7 @@ The XPUB side is open (frontends behind a broker trust the broker).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +28,14 @@ from dynamo_prep.discovery.trust import (
     start_authenticator,
 )
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.discovery import OPEN_PLANE_HINT, reachable_from_elsewhere
 
 __all__ = ["Broker", "run_broker"]
 
 log = structlog.get_logger("dynamo_prep.discovery")
 
+_dropped = RateLimiter()  # one line per revoked key per second
 POLL_MS = 100  # bounds how long a stop request waits
 BROKER_LINGER_MS = 200
 # Dropping at the high-water mark is harmless (full-card heartbeats); a deep queue only adds delay.
@@ -117,8 +120,10 @@ def _forward(source: zmq.Socket[Any], sink: zmq.Socket[Any], allow: AllowList | 
             frames = source.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return
-        if allow is not None and not allow.allows(authenticated_key(frames[0])):
-            log.debug("broker_dropped_revoked", frames=len(frames))
+        if allow is not None and not allow.allows(key := authenticated_key(frames[0])):
+            suppressed = _dropped.allow(str(key), time.monotonic())
+            if suppressed is not None:
+                log.warning("broker_dropped_revoked", key=key, suppressed=suppressed)
             continue
         try:
             sink.send_multipart(frames, zmq.NOBLOCK, copy=False)
