@@ -33,12 +33,24 @@ from dynamo_prep.protocol.preprocessed import (
 )
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["OpenAIPreprocessor", "PreprocessError", "PreprocessedRequest", "TokenizedPrompt", "stop_strings"]
+__all__ = [
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "OpenAIPreprocessor",
+    "PreprocessError",
+    "PreprocessedRequest",
+    "TokenizedPrompt",
+    "stop_strings",
+]
 
 log = structlog.get_logger("dynamo_prep.preprocessor")
 
 TOOL_CHOICE_STRINGS = frozenset({"none", "auto", "required"})
 ANNOTATIONS = frozenset({"formatted_prompt", "token_ids"})
+# Stop strings are matched on every output token, here and by the engine: bounded like TGI's
+# --max-stop-sequences, but looser than OpenAI's 4 (self-hosted clients send a few more).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
 
 
 class PreprocessError(ValueError):
@@ -251,14 +263,31 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
         )
     if chat.top_p is not None and not 0 < chat.top_p <= 1:
         raise PreprocessError(f"top_p must be in (0, 1], got {chat.top_p}", param="top_p")
-    for stop in stop_strings(chat.stop):
-        if not stop:
-            raise PreprocessError("stop strings must not be empty", param="stop")
+    validate_stop(stop_strings(chat.stop))
     unknown = set(chat.nvext.annotations) - ANNOTATIONS if chat.nvext else set()
     if unknown:
         raise PreprocessError(
             f"unknown annotation(s) {sorted(unknown)}; known: {sorted(ANNOTATIONS)}", param="nvext"
         )
+
+
+def validate_stop(stops: list[str]) -> None:
+    """At most ``MAX_STOP_STRINGS`` non-empty stop strings of at most ``MAX_STOP_CHARS`` characters."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise PreprocessError(
+            f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP_STRINGS}, "
+            f"but got an array with length {len(stops)} instead.",
+            param="stop",
+        )
+    for index, stop in enumerate(stops):
+        if not stop:
+            raise PreprocessError("stop strings must not be empty", param="stop")
+        if len(stop) > MAX_STOP_CHARS:
+            raise PreprocessError(
+                f"Invalid 'stop[{index}]': string too long. Expected a string with maximum length "
+                f"{MAX_STOP_CHARS}, but got a string with length {len(stop)} instead.",
+                param="stop",
+            )
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -23,7 +23,13 @@ from dynamo_prep.formatter import (
     prompt_formatter_for,
 )
 from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError, stop_strings
+from dynamo_prep.preprocessor import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    OpenAIPreprocessor,
+    PreprocessError,
+    stop_strings,
+)
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -356,6 +362,38 @@ def test_bad_requests_are_preprocess_errors(
 ) -> None:
     with pytest.raises(PreprocessError, match=message):
         k3.preprocess(request_body)
+
+
+def test_stop_strings_up_to_the_limits_are_accepted(k3: OpenAIPreprocessor) -> None:
+    stops = [f"{i:03d}".ljust(MAX_STOP_CHARS, "x") for i in range(MAX_STOP_STRINGS)]
+    out = k3.preprocess(chat(user("hi"), stop=stops))
+    assert out.token_ids == k3.preprocess(chat(user("hi"))).token_ids
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [
+        (
+            [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)],
+            rf"Invalid 'stop': array too long\. Expected an array with maximum length {MAX_STOP_STRINGS}, "
+            rf"but got an array with length {MAX_STOP_STRINGS + 1} instead\.",
+        ),
+        ([f"s{i}" for i in range(40_000)], "maximum length 64, but got an array with length 40000"),
+        (
+            ["ok", "y" * (MAX_STOP_CHARS + 1)],
+            rf"Invalid 'stop\[1\]': string too long\. Expected a string with maximum length "
+            rf"{MAX_STOP_CHARS}, but got a string with length {MAX_STOP_CHARS + 1} instead\.",
+        ),
+        ("z" * 100_000, r"Invalid 'stop\[0\]': string too long"),
+    ],
+)
+def test_too_many_or_too_long_stop_strings_are_refused(
+    k3: OpenAIPreprocessor, stop: str | list[str], message: str
+) -> None:
+    """Issue 13: 40,000 stop strings cost 72 ms per output token; the request is a 400 naming the limit."""
+    with pytest.raises(PreprocessError, match=message) as caught:
+        k3.preprocess(chat(user("hi"), stop=stop))
+    assert caught.value.param == "stop"
 
 
 @pytest.mark.parametrize(
