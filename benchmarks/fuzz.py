@@ -2,9 +2,10 @@
 
 ``python -m benchmarks.fuzz [--cases N] [--seed S] [--target NAME ...]`` runs every target of
 ``tests/strategies.py`` (card payloads and round trips, discovery envelopes and registry sequences,
-chat requests on both demo models, the Kimi-K3 renderer) and of ``tests/kv_strategies.py`` (the KV
-subscriber's frame handling). The strategies live in ``tests/`` so the
-seeded slice in ``make test`` and this run share one definition; this module puts ``tests/`` on
+chat requests on both demo models, the Kimi-K3 renderer), of ``tests/kv_strategies.py`` (the KV
+subscriber's frame handling) and of ``tests/strategies_hostile.py`` (the tokenizer's long-run split,
+stop strings, chat templates under their bounds). The strategies live in ``tests/`` so the seeded
+slices in ``make test`` and this run share one definition; this module puts ``tests/`` on
 ``sys.path`` to import them.
 
 Per target it prints how many cases were accepted, rejected with the documented error, or hit an
@@ -33,10 +34,11 @@ if str(TESTS_DIR) not in sys.path:
 
 import kv_strategies  # noqa: E402  (lives in tests/, shared with tests/test_kv_fuzz.py)
 import strategies  # noqa: E402  (lives in tests/, shared with tests/test_fuzz.py)
+import strategies_hostile  # noqa: E402  (lives in tests/, shared with tests/test_hostile_fuzz.py)
 
 DEFAULT_CASES = 10_000
 MIN_CASES = 10_000
-TARGETS = {**strategies.TARGETS, **kv_strategies.TARGETS}
+TARGETS = {**strategies.TARGETS, **kv_strategies.TARGETS, **strategies_hostile.TARGETS}
 
 
 @dataclass
@@ -175,14 +177,12 @@ def _print_report(results: list[TargetResult], wall: float) -> None:
 
 # ---------------------------------------------------------------------------- answer parsers
 # Random output ids through the answer parsers (K3 on ids, Hermes on text and on ids). The target
-# lives with its seeded slice in tests/test_parsing_fuzz.py; it is added here rather than to
-# strategies.TARGETS, whose seeded slice tests/test_fuzz.py keeps to its own list.
+# lives with its seeded slice in tests/test_parsing_fuzz.py; it is added to this run's targets,
+# not to strategies.TARGETS, whose seeded slice tests/test_fuzz.py keeps to its own list.
 
 import test_parsing_fuzz  # noqa: E402  (lives in tests/, like strategies)
 
-strategies.TARGETS.setdefault(
-    "answer_parser", (test_parsing_fuzz.answer_ids(), test_parsing_fuzz.check_answer_ids)
-)
+TARGETS.setdefault("answer_parser", (test_parsing_fuzz.answer_ids(), test_parsing_fuzz.check_answer_ids))
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -247,7 +247,8 @@ def _add_worker(commands: Any) -> None:
         type=float,
         default=None,
         metavar="MS",
-        help="with --kv-events: prefill delay per 1000 prompt tokens not in the cache "
+        help="with --kv-events: prefill time per 1000 prompt tokens not in the cache; prefills queue "
+        "one after another, as on a GPU "
         f"(default {defaults.DEFAULT_PREFILL_MS_PER_1K:g})",
     )
     _add_discovery_client(worker)

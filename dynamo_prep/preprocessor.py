@@ -8,6 +8,7 @@ what to change.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +34,24 @@ from dynamo_prep.protocol.preprocessed import (
 )
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["OpenAIPreprocessor", "PreprocessError", "PreprocessedRequest", "TokenizedPrompt", "stop_strings"]
+__all__ = [
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "OpenAIPreprocessor",
+    "PreprocessError",
+    "PreprocessedRequest",
+    "TokenizedPrompt",
+    "stop_strings",
+]
 
 log = structlog.get_logger("dynamo_prep.preprocessor")
 
 TOOL_CHOICE_STRINGS = frozenset({"none", "auto", "required"})
 ANNOTATIONS = frozenset({"formatted_prompt", "token_ids"})
+# Stop strings are matched on every output token, here and by the engine: bounded like TGI's
+# --max-stop-sequences, but looser than OpenAI's 4 (self-hosted clients send a few more).
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
 
 
 class PreprocessError(ValueError):
@@ -172,7 +185,7 @@ class OpenAIPreprocessor:
 
     def _max_tokens(self, chat: ChatCompletionRequest, prompt_tokens: int) -> int:
         limit = self.context_length
-        requested = chat.max_completion_tokens if chat.max_completion_tokens is not None else chat.max_tokens
+        requested = chat.requested_max_tokens
         if prompt_tokens >= limit:
             raise PreprocessError(
                 f"This model's maximum context length is {limit} tokens. However, your messages "
@@ -237,28 +250,75 @@ def _tool_names(tools: list[dict[str, Any]] | None) -> set[str]:
     return names
 
 
+@dataclass(frozen=True, slots=True)
+class _Range:
+    low: float
+    high: float | None = None  # None: no upper bound
+    open_low: bool = False
+
+    def holds(self, value: float) -> bool:
+        above = value > self.low if self.open_low else value >= self.low
+        return above and (self.high is None or value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"at least {self.low:g}"
+        return f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}]"
+
+
+# The sampling values an engine accepts (OpenAI's ranges; top_k -1 and 0 are "off" in vLLM and SGLang).
+_RANGES: dict[str, _Range] = {
+    "temperature": _Range(0, 2),
+    "top_p": _Range(0, 1, open_low=True),
+    "top_k": _Range(-1),
+    "presence_penalty": _Range(-2, 2),
+    "frequency_penalty": _Range(-2, 2),
+    "repetition_penalty": _Range(0, 2, open_low=True),
+    "min_tokens": _Range(0),
+    "max_tokens": _Range(1),
+    "max_completion_tokens": _Range(1),
+}
+
+
 def validate_sampling(chat: ChatCompletionRequest) -> None:
     """Reject values no engine can honour, before any work is done."""
     if chat.n != 1:
         raise PreprocessError("only n=1 is supported", param="n")
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name, allowed in _RANGES.items():
         value = getattr(chat, name)
-        if value is not None and value < 1:
-            raise PreprocessError(f"{name} must be at least 1, got {value}", param=name)
-    if chat.temperature is not None and not 0 <= chat.temperature <= 2:
-        raise PreprocessError(
-            f"temperature must be between 0 and 2, got {chat.temperature}", param="temperature"
-        )
-    if chat.top_p is not None and not 0 < chat.top_p <= 1:
-        raise PreprocessError(f"top_p must be in (0, 1], got {chat.top_p}", param="top_p")
-    for stop in stop_strings(chat.stop):
-        if not stop:
-            raise PreprocessError("stop strings must not be empty", param="stop")
+        if value is not None and not allowed.holds(value):
+            raise PreprocessError(f"{name} must be {allowed}, got {value}", param=name)
+    if chat.logprobs or chat.top_logprobs:
+        param = "logprobs" if chat.logprobs else "top_logprobs"
+        raise PreprocessError("logprobs are not supported by this frontend", param=param)
+    limit = chat.requested_max_tokens
+    if chat.min_tokens is not None and limit is not None and chat.min_tokens > limit:
+        raise PreprocessError(f"min_tokens {chat.min_tokens} exceeds max_tokens {limit}", param="min_tokens")
+    validate_stop(stop_strings(chat.stop))
     unknown = set(chat.nvext.annotations) - ANNOTATIONS if chat.nvext else set()
     if unknown:
         raise PreprocessError(
             f"unknown annotation(s) {sorted(unknown)}; known: {sorted(ANNOTATIONS)}", param="nvext"
         )
+
+
+def validate_stop(stops: list[str]) -> None:
+    """At most ``MAX_STOP_STRINGS`` non-empty stop strings of at most ``MAX_STOP_CHARS`` characters."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise PreprocessError(
+            f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP_STRINGS}, "
+            f"but got an array with length {len(stops)} instead.",
+            param="stop",
+        )
+    for index, stop in enumerate(stops):
+        if not stop:
+            raise PreprocessError("stop strings must not be empty", param="stop")
+        if len(stop) > MAX_STOP_CHARS:
+            raise PreprocessError(
+                f"Invalid 'stop[{index}]': string too long. Expected a string with maximum length "
+                f"{MAX_STOP_CHARS}, but got a string with length {len(stop)} instead.",
+                param="stop",
+            )
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:

@@ -15,6 +15,7 @@ import hashlib
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -80,7 +81,8 @@ PAT_STR_BY_MODEL_TYPE: Mapping[str, str] = MappingProxyType(
 )
 KNOWN_MODEL_TYPES = tuple(sorted(PAT_STR_BY_MODEL_TYPE))
 _HF_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
-_LONG_RUN = re.compile(rf"\s{{{MAX_RUN_CHARS + 1},}}|\S{{{MAX_RUN_CHARS + 1},}}")
+_SPACE_RUN = re.compile(r"\s*")
+_WORD_RUN = re.compile(r"\S*")
 
 
 class TokenizerError(ValueError):
@@ -93,8 +95,13 @@ class _Vocab(NamedTuple):
     special_tokens: dict[str, int]
 
 
-_ENCODINGS: dict[tuple[str, str, tuple[tuple[str, int], ...]], tiktoken.Encoding] = {}
-_BASE_COUNTS: dict[str, int] = {}  # tokenizer file sha256 -> number of base tokens
+# Shared, never owned: an Encoding lives while a Tokenizer holds it, so a model's vocabulary goes
+# with its last tokenizer. Keyed by (file sha256, pattern, specials); by file sha256 alone for the
+# base-token count (any live Encoding of that file knows it).
+_ENCODINGS: weakref.WeakValueDictionary[tuple[str, str, tuple[tuple[str, int], ...]], tiktoken.Encoding] = (
+    weakref.WeakValueDictionary()
+)
+_BY_FILE: weakref.WeakValueDictionary[str, tiktoken.Encoding] = weakref.WeakValueDictionary()
 _BUILD_LOCK = threading.Lock()
 
 
@@ -174,7 +181,7 @@ class Tokenizer:
 
     @property
     def encoding(self) -> tiktoken.Encoding:
-        """The shared tiktoken Encoding (one per tokenizer file, pattern and specials per process)."""
+        """The tiktoken Encoding, shared by every live tokenizer of the same file, pattern and specials."""
         return self._encoding
 
     def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
@@ -336,18 +343,42 @@ def split_for_encoding(
 
     Only overlong runs are cut (every ``max_run`` chars from the run start), as the reference's
     ``_split_whitespaces_or_nonwhitespaces`` does; ``\\s`` in ``re`` is exactly ``str.isspace()``.
+    Linear in the text (``_long_runs``).
     """
-    long_run = (
-        _LONG_RUN if max_run == MAX_RUN_CHARS else re.compile(rf"\s{{{max_run + 1},}}|\S{{{max_run + 1},}}")
-    )
     for start in range(0, len(text), window):
         chunk = text[start : start + window]
         cut = 0
-        for match in long_run.finditer(chunk):
-            for position in range(match.start() + max_run, match.end(), max_run):
+        for run_start, run_end in _long_runs(chunk, max_run):
+            for position in range(run_start + max_run, run_end, max_run):
                 yield chunk[cut:position]
                 cut = position
         yield chunk[cut:]
+
+
+def _long_runs(chunk: str, max_run: int) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` of every whitespace / non-whitespace run longer than ``max_run``, in order.
+
+    Such a run spans more than ``max_run`` positions, so it holds a multiple of ``max_run``: only
+    those probes are looked at. A probe's run is measured forward from the probe and at most
+    ``max_run`` back (a run reaching further back would hold the previous probe, which measured it),
+    and probes inside a measured run are skipped, so every character is read O(1) times. (A regex
+    such as ``\\s{25001,}`` retries from every position of a long run that falls short: quadratic.)
+    """
+    measured = 0
+    for probe in range(0, len(chunk), max_run):
+        if probe < measured:
+            continue
+        run = _SPACE_RUN if chunk[probe].isspace() else _WORD_RUN
+        end = probe + _run_length(run, chunk, probe)
+        start = probe - _run_length(run, chunk[max(probe - max_run, 0) : probe][::-1], 0)
+        measured = end
+        if end - start > max_run:
+            yield start, end
+
+
+def _run_length(run: re.Pattern[str], text: str, position: int) -> int:
+    match = run.match(text, position)
+    return match.end() - position if match else 0
 
 
 def _model_type(config: dict[str, Any]) -> str | None:
@@ -397,15 +428,17 @@ def _added_tokens(tokenizer_config: dict[str, Any], path: Path) -> dict[int, tup
 def _vocab(
     path: Path, pat_str: str, added: dict[int, tuple[str, bool]], tc_path: Path
 ) -> tuple[_Vocab, bool]:
-    """The shared Encoding for this file's bytes, pattern and specials; built once per process."""
+    """The Encoding for this file's bytes, pattern and specials: shared while any tokenizer holds it."""
     data = _read_bytes(path)
     sha256 = hashlib.sha256(data).hexdigest()
     with _BUILD_LOCK:
         ranks = None
-        if sha256 not in _BASE_COUNTS:
+        sibling = _BY_FILE.get(sha256)
+        if sibling is not None:
+            num_base = sibling.n_vocab - NUM_RESERVED_SPECIAL_TOKENS  # specials fill the slots above
+        else:
             ranks = _parse_ranks(data, path)
-            _BASE_COUNTS[sha256] = len(ranks)
-        num_base = _BASE_COUNTS[sha256]
+            num_base = len(ranks)
         _check_added_range(added, num_base, tc_path)
         specials = _special_tokens(num_base, added)
         key = (sha256, pat_str, tuple(specials.items()))
@@ -423,6 +456,7 @@ def _vocab(
                 f"{path}: cannot build the tiktoken encoding (pat_str {pat_str!r}): {exc}"
             ) from exc
         _ENCODINGS[key] = encoding
+        _BY_FILE[sha256] = encoding
         return _Vocab(encoding, num_base, specials), False
 
 

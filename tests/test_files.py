@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import zmq
 from support.plane import write_model_dir
 
 from dynamo_prep.card import ModelCardError, ModelDeploymentCard
 from dynamo_prep.discovery.files import (
+    DEFAULT_CACHE_MAX_BYTES,
     FileFetchError,
     FileServer,
     ModelFileError,
@@ -157,15 +162,20 @@ def test_store_fetches_caches_and_materializes(
     assert len(router.requests) == len(card.files)
 
 
-def test_store_rebuilds_from_blobs_without_fetching(
-    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
+@pytest.mark.parametrize(("edit", "refetched"), [("replace", 0), ("in_place", 1)])
+def test_a_tampered_model_dir_is_rebuilt(
+    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path, edit: str, refetched: int
 ) -> None:
+    """A replaced file leaves its blob intact (rebuilt without fetching); the directory's file IS the
+    blob (one copy), so an edit in place corrupts both and the checksum has it fetched again."""
     card, _ = model
     store = ModelFileStore(tmp_path / "cache")
     path = store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5)
+    if edit == "replace":
+        (path / "config.json").unlink()
     (path / "config.json").write_text("tampered")
-    assert store.model_dir_for(card, endpoint=None) == path
-    assert len(router.requests) == len(card.files)
+    assert store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5) == path
+    assert len(router.requests) == len(card.files) + refetched
     assert ModelDeploymentCard.from_model_dir(path, served_name=card.display_name).mdcsum() == card.mdcsum()
 
 
@@ -229,6 +239,133 @@ def test_default_cache_dir_honours_the_environment(monkeypatch: pytest.MonkeyPat
     assert ModelFileStore().root == tmp_path
     monkeypatch.delenv("DYN_PREP_CACHE_DIR")
     assert default_cache_dir() == Path.home() / ".cache" / "dynamo_prep"
+
+
+# --- one copy per file, and a bounded cache ---------------------------------------------------
+
+
+def cache_bytes(root: Path) -> int:
+    """What the cache holds on disk: every distinct file (inode) once, as ``du`` counts."""
+    inodes = {}
+    for path in root.rglob("*"):
+        if path.is_file():
+            stat = path.stat()
+            inodes[(stat.st_dev, stat.st_ino)] = stat.st_size
+    return sum(inodes.values())
+
+
+def test_a_model_dir_holds_its_blobs_not_copies(
+    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
+) -> None:
+    """Issue 13: a 300 MB file was stored twice (blob and model directory)."""
+    card, _ = model
+    store = ModelFileStore(tmp_path / "cache")
+    path = store.model_dir_for(card, endpoint=router.endpoint, timeout_s=5)
+    for name, ref in card.files.items():
+        assert os.path.samefile(path / name, store.blob_path(ref.sha256)), name
+    assert cache_bytes(tmp_path / "cache") == sum(ref.size for ref in card.files.values())
+
+
+def test_a_model_dir_on_another_filesystem_gets_copies(
+    model: tuple[ModelDeploymentCard, Path], router: ThreadRouter, tmp_path: Path
+) -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("no second filesystem to put the model directories on")
+    models = Path(tempfile.mkdtemp(dir=shm))
+    try:
+        (tmp_path / "cache").mkdir()
+        (tmp_path / "cache" / "models").symlink_to(models)
+        store = ModelFileStore(tmp_path / "cache")
+        path = store.model_dir_for(card := model[0], endpoint=router.endpoint, timeout_s=5)
+        for name, ref in card.files.items():
+            assert not os.path.samefile(path / name, store.blob_path(ref.sha256))
+            assert (path / name).read_bytes() == store.blob_path(ref.sha256).read_bytes()
+        assert (
+            ModelDeploymentCard.from_model_dir(path, served_name=card.display_name).mdcsum() == card.mdcsum()
+        )
+    finally:
+        shutil.rmtree(models)
+
+
+class Served:
+    """A model directory of its own (a distinct chat template of ``size`` bytes), served by a worker."""
+
+    def __init__(self, tmp_path: Path, name: str, size: int) -> None:
+        template = name + "{{ messages }}" + "#" * size
+        self.directory = write_model_dir(tmp_path / name, chat_template=template)
+        self.card = ModelDeploymentCard.from_model_dir(self.directory)
+        self.router = ThreadRouter(FileServer(self.card, self.directory))
+        self.template = self.card.files["chat_template.jinja"].sha256
+
+    def fetch(self, store: ModelFileStore) -> Path:
+        return store.model_dir_for(self.card, endpoint=self.router.endpoint, timeout_s=5)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[list[Served]]:
+    models = [Served(tmp_path, name, 200_000) for name in ("a", "b", "c")]
+    yield models
+    for served in models:
+        served.router.close()
+
+
+def test_the_cap_evicts_the_least_recently_used_model(served: list[Served], tmp_path: Path) -> None:
+    a, b, c = served
+    shared = sum(ref.size for name, ref in a.card.files.items() if name != "chat_template.jinja")
+    one_model = shared + a.card.files["chat_template.jinja"].size
+    store = ModelFileStore(tmp_path / "cache", max_bytes=shared + 2 * (one_model - shared) + 1000)
+    for model in (a, b):
+        model.fetch(store)
+        store.release(model.card.mdcsum())
+    a.fetch(store)  # a is used again: b is now the least recently used
+    store.release(a.card.mdcsum())
+    c_dir = c.fetch(store)
+    assert not (store.models / b.card.mdcsum()).exists()
+    assert not store.blob_path(b.template).exists()
+    assert (store.models / a.card.mdcsum()).is_dir() and store.blob_path(a.template).is_file()
+    for ref in c.card.files.values():  # c's files (the tokenizer shared with a and b among them) stay
+        assert store.blob_path(ref.sha256).is_file()
+    assert (
+        ModelDeploymentCard.from_model_dir(c_dir, served_name=c.card.display_name).mdcsum() == c.card.mdcsum()
+    )
+    assert cache_bytes(store.root) <= store.max_bytes
+    assert [r.sha256 for r in b.router.requests] == [b.template]  # b shared the rest with a
+    b.fetch(store)  # an evicted model comes back: only what was evicted is fetched again
+    assert [r.sha256 for r in b.router.requests] == [b.template, b.template]
+
+
+def test_live_models_are_never_evicted(served: list[Served], tmp_path: Path) -> None:
+    store = ModelFileStore(tmp_path / "cache", max_bytes=1)
+    with structlog.testing.capture_logs() as logs:
+        dirs = [model.fetch(store) for model in served]
+    for model, directory in zip(served, dirs, strict=True):
+        assert ModelDeploymentCard.from_model_dir(directory, served_name="x").files == model.card.files
+    warnings = [entry for entry in logs if entry["event"] == "model_cache_over_limit"]
+    assert warnings and warnings[-1]["live_models"] == 3 and warnings[-1]["max_bytes"] == 1
+    store.release(served[0].card.mdcsum())
+    freed = store.evict()
+    assert freed >= served[0].card.files["chat_template.jinja"].size
+    assert not (store.models / served[0].card.mdcsum()).exists()
+    assert all((store.models / model.card.mdcsum()).is_dir() for model in served[1:])
+
+
+def test_a_failed_fetch_leaves_nothing_live(model: tuple[ModelDeploymentCard, Path], tmp_path: Path) -> None:
+    card, _ = model
+    store = ModelFileStore(tmp_path / "cache", max_bytes=0)
+    with pytest.raises(ModelFileError):
+        store.model_dir_for(card)
+    assert store._live == {}
+
+
+def test_the_cap_defaults_to_4_gib_and_honours_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DYN_PREP_CACHE_MAX_BYTES", raising=False)
+    assert ModelFileStore(Path("/nonexistent")).max_bytes == DEFAULT_CACHE_MAX_BYTES == 4 << 30
+    monkeypatch.setenv("DYN_PREP_CACHE_MAX_BYTES", "1000")
+    assert ModelFileStore(Path("/nonexistent")).max_bytes == 1000
+    monkeypatch.setenv("DYN_PREP_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ModelFileError, match="DYN_PREP_CACHE_MAX_BYTES must be a number of bytes"):
+        ModelFileStore(Path("/nonexistent"))
 
 
 def _fields(card: ModelDeploymentCard) -> dict[str, Any]:

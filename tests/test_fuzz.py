@@ -9,6 +9,7 @@ under ``strict=True``): delete the marker and the ``KNOWN_BUGS`` entry together.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -55,16 +56,21 @@ def test_fuzz_target(target: str) -> None:
 
     At least 5% of the cases must be accepted, so the accepted-path properties really run.
     """
-    strategy, check = TARGETS[target]
+    outcomes = seeded_outcomes(*TARGETS[target], EXAMPLES[target])
+    assert outcomes["ok"] >= EXAMPLES[target] // 20, dict(outcomes)
+
+
+def seeded_outcomes(strategy: Any, check: Callable[[Any], str], examples: int) -> Counter[str]:
+    """How often ``check`` returned each outcome over ``examples`` derandomized examples."""
     outcomes: Counter[str] = Counter()
 
-    @settings(SEEDED, max_examples=EXAMPLES[target])
+    @settings(SEEDED, max_examples=examples)
     @given(strategy)
     def run(example: Any) -> None:
         outcomes[check(example)] += 1
 
     run()
-    assert outcomes["ok"] >= EXAMPLES[target] // 20, dict(outcomes)
+    return outcomes
 
 
 def test_every_target_is_seeded() -> None:

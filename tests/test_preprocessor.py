@@ -23,7 +23,13 @@ from dynamo_prep.formatter import (
     prompt_formatter_for,
 )
 from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError, stop_strings
+from dynamo_prep.preprocessor import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    OpenAIPreprocessor,
+    PreprocessError,
+    stop_strings,
+)
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -340,7 +346,17 @@ def test_ignore_eos_hides_no_eos(k3: OpenAIPreprocessor) -> None:
         (chat(user("hi"), reasoning_effort="extreme"), "extreme"),
         (chat(user("hi"), n=2), "only n=1"),
         (chat(user("hi"), max_tokens=0), "max_tokens must be at least 1"),
-        (chat(user("hi"), temperature=3.0), "temperature"),
+        (chat(user("hi"), temperature=3.0), "temperature must be in \\[0, 2\\], got 3.0"),
+        (chat(user("hi"), top_p=0), "top_p must be in \\(0, 1\\]"),
+        (chat(user("hi"), top_k=-2), "top_k must be at least -1"),
+        (chat(user("hi"), presence_penalty=2.5), "presence_penalty must be in \\[-2, 2\\]"),
+        (chat(user("hi"), frequency_penalty=-3), "frequency_penalty"),
+        (chat(user("hi"), repetition_penalty=0), "repetition_penalty must be in \\(0, 2\\]"),
+        (chat(user("hi"), min_tokens=-1), "min_tokens must be at least 0"),
+        (chat(user("hi"), min_tokens=9, max_tokens=8), "min_tokens 9 exceeds max_tokens 8"),
+        (chat(user("hi"), max_completion_tokens=0), "max_completion_tokens must be at least 1"),
+        (chat(user("hi"), logprobs=True), "logprobs are not supported"),
+        (chat(user("hi"), top_logprobs=3), "logprobs are not supported"),
         (chat(user("hi"), stop=[""]), "stop strings must not be empty"),
         (chat(user("hi"), nvext={"annotations": ["everything"]}), "unknown annotation"),
         (chat(), "at least one message"),
@@ -356,6 +372,38 @@ def test_bad_requests_are_preprocess_errors(
 ) -> None:
     with pytest.raises(PreprocessError, match=message):
         k3.preprocess(request_body)
+
+
+def test_stop_strings_up_to_the_limits_are_accepted(k3: OpenAIPreprocessor) -> None:
+    stops = [f"{i:03d}".ljust(MAX_STOP_CHARS, "x") for i in range(MAX_STOP_STRINGS)]
+    out = k3.preprocess(chat(user("hi"), stop=stops))
+    assert out.token_ids == k3.preprocess(chat(user("hi"))).token_ids
+
+
+@pytest.mark.parametrize(
+    ("stop", "message"),
+    [
+        (
+            [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)],
+            rf"Invalid 'stop': array too long\. Expected an array with maximum length {MAX_STOP_STRINGS}, "
+            rf"but got an array with length {MAX_STOP_STRINGS + 1} instead\.",
+        ),
+        ([f"s{i}" for i in range(40_000)], "maximum length 64, but got an array with length 40000"),
+        (
+            ["ok", "y" * (MAX_STOP_CHARS + 1)],
+            rf"Invalid 'stop\[1\]': string too long\. Expected a string with maximum length "
+            rf"{MAX_STOP_CHARS}, but got a string with length {MAX_STOP_CHARS + 1} instead\.",
+        ),
+        ("z" * 100_000, r"Invalid 'stop\[0\]': string too long"),
+    ],
+)
+def test_too_many_or_too_long_stop_strings_are_refused(
+    k3: OpenAIPreprocessor, stop: str | list[str], message: str
+) -> None:
+    """Issue 13: 40,000 stop strings cost 72 ms per output token; the request is a 400 naming the limit."""
+    with pytest.raises(PreprocessError, match=message) as caught:
+        k3.preprocess(chat(user("hi"), stop=stop))
+    assert caught.value.param == "stop"
 
 
 @pytest.mark.parametrize(

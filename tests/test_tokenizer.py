@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
-from collections.abc import Iterator
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import pytest
 import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from strategies_hostile import reference_pieces, reference_split
 
 from dynamo_prep.formatter import KimiK3Formatter, Segment
 from dynamo_prep.models import DEMO_MODELS_DIR
@@ -19,6 +21,7 @@ from dynamo_prep.prompt import Run
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import (
     KIMI_PAT_STR,
+    MAX_ENCODE_CHARS,
     MAX_RUN_CHARS,
     SEGMENT_CACHE_MAX_ENTRIES,
     Tokenizer,
@@ -47,25 +50,6 @@ K3_NAMED = {
 }
 NOT_HF_SPECIAL = {3, 4, 5}
 PLACEHOLDER = "<|kimi_image_placeholder|>"
-
-
-def reference_split(s: str, limit: int) -> Iterator[str]:
-    """Kimi's ``_split_whitespaces_or_nonwhitespaces``, character by character."""
-    run_len = 0
-    run_is_space = s[0].isspace() if s else False
-    start = 0
-    for i, char in enumerate(s):
-        is_space = char.isspace()
-        if run_is_space ^ is_space:
-            run_len = 1
-            run_is_space = is_space
-        else:
-            run_len += 1
-            if run_len > limit:
-                yield s[start:i]
-                start = i
-                run_len = 1
-    yield s[start:]
 
 
 def copy_demo(tmp_path: Path, name: str = "kimi-k3-demo") -> Path:
@@ -213,6 +197,51 @@ def test_run_splitting_matches_the_reference(text: str, limit: int) -> None:
     assert list(split_for_encoding(text, max_run=limit)) == expected
 
 
+_RUNS = st.lists(
+    st.tuples(st.sampled_from(" \t\n\x1f\u3000aé.你"), st.integers(min_value=1, max_value=30)), max_size=12
+)
+
+
+@settings(max_examples=400, derandomize=True, deadline=None)
+@given(_RUNS, st.integers(min_value=1, max_value=9), st.integers(min_value=1, max_value=80))
+def test_run_splitting_of_long_runs_matches_the_reference(
+    runs: list[tuple[str, int]], limit: int, window: int
+) -> None:
+    """Runs around multiples of the limit and across window edges: the probes must find every one."""
+    text = "".join(char * count for char, count in runs)
+    assert list(split_for_encoding(text, window=window, max_run=limit)) == reference_pieces(
+        text, window, limit
+    )
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [MAX_RUN_CHARS, 1, MAX_RUN_CHARS],
+        [MAX_RUN_CHARS + 1],
+        [1, MAX_RUN_CHARS + 1, MAX_RUN_CHARS - 1, 2 * MAX_RUN_CHARS + 1],
+        [MAX_RUN_CHARS - 1, 2 * MAX_RUN_CHARS, 3, 3 * MAX_RUN_CHARS - 7],
+        [MAX_ENCODE_CHARS - 10, 3 * MAX_RUN_CHARS],  # a run across the window edge is cut there first
+    ],
+)
+def test_runs_at_the_real_limits_match_the_reference(lengths: list[int]) -> None:
+    text = "".join(("a" if i % 2 else " ") * n for i, n in enumerate(lengths))
+    assert list(split_for_encoding(text)) == reference_pieces(text, MAX_ENCODE_CHARS, MAX_RUN_CHARS)
+
+
+def test_a_hostile_whitespace_request_keeps_the_reference_ids(cl100k_k3_tokenizer: Tokenizer) -> None:
+    """Issue 13: 240 KB of runs just under the limit (the quadratic case of a ``\\s{25001,}`` regex)."""
+    text = (" " * MAX_RUN_CHARS + "x") * 5 + ("y" * MAX_RUN_CHARS + "\n") * 4 + " " * (MAX_RUN_CHARS + 2)
+    encoding = cl100k_k3_tokenizer.encoding
+    expected = [i for piece in reference_split(text, MAX_RUN_CHARS) for i in encoding.encode_ordinary(piece)]
+    assert cl100k_k3_tokenizer.encode(text) == expected
+    segments = [Segment("<|open|>", True), Segment(text, False)]
+    assert cl100k_k3_tokenizer.encode_segments(segments) == [
+        cl100k_k3_tokenizer.special_tokens["<|open|>"],
+        *expected,
+    ]
+
+
 # --- encode_segments -------------------------------------------------------------------------
 
 _SEGMENT_TEXT = st.one_of(
@@ -325,6 +354,39 @@ def test_identical_files_share_one_encoding(
     assert again is not cl100k_k3_tokenizer
     assert again.encoding is cl100k_k3_tokenizer.encoding
     assert Tokenizer.from_model_dir(copy_demo(tmp_path)).encoding is k3_demo_tokenizer.encoding
+
+
+def test_an_encoding_lives_exactly_as_long_as_its_tokenizers(tmp_path: Path) -> None:
+    """Issue 13: vocabularies were never evicted. The shared Encoding goes with its last tokenizer."""
+    model = copy_demo(tmp_path)
+    with (model / "tiktoken.model").open("ab") as handle:
+        handle.write(b"\n")  # the same ranks in a file of its own (its own sha256, its own Encoding)
+    first = Tokenizer.from_model_dir(model)
+    second = Tokenizer.from_model_dir(model)
+    assert second.encoding is first.encoding
+    encoding = weakref.ref(first.encoding)
+    ids = first.encode("Hello world")
+    del first
+    gc.collect()
+    assert encoding() is second.encoding
+    del second
+    gc.collect()
+    assert encoding() is None
+    again = Tokenizer.from_model_dir(model)  # rebuilt from the file, identical
+    assert again.encode("Hello world") == ids
+    assert again.n_vocab == 8192 + 256
+
+
+def test_a_live_encoding_serves_its_file_under_another_pattern(
+    tmp_path: Path, k3_demo_tokenizer: Tokenizer
+) -> None:
+    """The base-token count comes from any live Encoding of the file; the pattern makes a new one."""
+    model = copy_demo(tmp_path)
+    edit_json(model / "tokenizer_config.json", pat_str=r"[\s\S]")
+    tok = Tokenizer.from_model_dir(model)
+    assert tok.encoding is not k3_demo_tokenizer.encoding
+    assert tok.n_vocab == k3_demo_tokenizer.n_vocab
+    assert tok.special_tokens == k3_demo_tokenizer.special_tokens
 
 
 def test_qwen_demo_has_its_own_encoding(k3_demo_tokenizer: Tokenizer, qwen_demo_tokenizer: Tokenizer) -> None:

@@ -395,16 +395,18 @@ async def test_expiry_removes_the_instance_and_the_model(
 
 
 async def test_withdraw_removes_at_once(start: Start, logs: Logs, k3_card: ModelDeploymentCard) -> None:
-    watcher, peer = await start()
+    released: list[str] = []
+    watcher, peer = await start(on_model_removed=released.append)
     await peer.publish(announce("w", 1, card_bytes(k3_card), ttl_ms=60_000))
     await wait_log(logs, "model_added")
-    assert watcher.catalog.names() == ["kimi-k3-demo"]
+    assert watcher.catalog.names() == ["kimi-k3-demo"] and released == []
     await peer.publish(encode_message(Withdraw(instance_id="w", seq=2, sent_ms=0)))
     removed = await wait_log(logs, "instance_removed", instance_id="w")
     assert removed["reason"] == "withdraw"
     await wait_log(logs, "model_removed")
     assert watcher.catalog.names() == []
     assert watcher.catalog.get("kimi-k3-demo") is None
+    assert released == [k3_card.mdcsum()]  # its cached files may be evicted from now on
 
 
 async def test_a_flood_larger_than_one_drain_is_fully_processed(

@@ -2,18 +2,22 @@
 
 Nothing that arrives on the wire is ever used as a path. The worker serves only files its own
 card lists, looked up by sha256; the frontend accepts only the known logical file names a card
-may carry and names blobs after verified, validated hashes.
+may carry and names blobs after verified, validated hashes. The cache holds one copy of each
+file (model directories hard-link their blobs) and stays under a size cap (``ModelFileStore``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -33,17 +37,21 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.wire import MAX_FILE_BYTES, ErrorReply, FetchFile, FileData
 
 __all__ = [
+    "DEFAULT_CACHE_MAX_BYTES",
     "FileFetchError",
     "FileServer",
     "ModelFileError",
     "ModelFileStore",
     "default_cache_dir",
+    "default_cache_max_bytes",
     "fetch_file",
 ]
 
 log = structlog.get_logger("dynamo_prep.discovery")
 
 CACHE_DIR_ENV = "DYN_PREP_CACHE_DIR"
+CACHE_MAX_BYTES_ENV = "DYN_PREP_CACHE_MAX_BYTES"
+DEFAULT_CACHE_MAX_BYTES = 4 << 30  # 16 files of the largest size the request plane carries
 KNOWN_FILE_NAMES = frozenset((*REQUIRED_JSON_FILES, TOKENIZER_FILE, *OPTIONAL_FILES))
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 REPLY_OVERHEAD_BYTES = 4096  # a FileData's envelope around the file's bytes
@@ -138,18 +146,42 @@ def default_cache_dir() -> Path:
     return Path(configured) if configured else Path.home() / ".cache" / "dynamo_prep"
 
 
+def default_cache_max_bytes() -> int:
+    """``$DYN_PREP_CACHE_MAX_BYTES``, else ``DEFAULT_CACHE_MAX_BYTES`` (4 GiB)."""
+    configured = os.environ.get(CACHE_MAX_BYTES_ENV)
+    if not configured:
+        return DEFAULT_CACHE_MAX_BYTES
+    try:
+        value = int(configured)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ModelFileError(f"{CACHE_MAX_BYTES_ENV} must be a number of bytes, got {configured!r}")
+    return value
+
+
 class ModelFileStore:
     """Frontend side: a content-addressed cache (``root/blobs/<sha256>``) of model files.
 
     ``model_dir_for`` gives a directory ``ModelDeploymentCard.from_model_dir`` can read and whose
     files match the card byte for byte: a local model directory if its checksums match, else
     ``root/models/<mdcsum>/`` materialized from blobs, fetching missing blobs from the worker.
+
+    One copy per file: a model directory hard-links its blobs (a copy only where the filesystem
+    cannot link), so a checksum mismatch in either is the same corruption, found and re-fetched.
+    The cache stays under ``max_bytes`` (distinct files counted once): after each materialization
+    the least recently used model directories and blobs are evicted, except those of models this
+    store handed out and that were not ``release``d since (their builds may read them again).
     """
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, *, max_bytes: int | None = None) -> None:
         self.root = root or default_cache_dir()
         self.blobs = self.root / "blobs"
         self.models = self.root / "models"
+        self.max_bytes = default_cache_max_bytes() if max_bytes is None else max_bytes
+        self._lock = threading.Lock()  # builds run in threads: eviction and the live set are shared
+        self._live: dict[str, frozenset[str]] = {}  # mdcsum -> its blobs' sha256, kept from eviction
+        self._clock_ns = 0  # the last use stamped (mtime is the LRU clock; file times are coarse)
 
     def model_dir_for(
         self,
@@ -165,18 +197,86 @@ class ModelFileStore:
         if local_model_path is not None and _local_matches(card, local_model_path):
             log.info("model_files_local", model=card.display_name, mdcsum=mdcsum, path=str(local_model_path))
             return resolve_model_dir(local_model_path)
+        with self._lock:  # live before anything is fetched: a concurrent eviction keeps its blobs
+            was_live = mdcsum in self._live
+            self._live[mdcsum] = frozenset(ref.sha256 for ref in card.files.values())
+        try:
+            return self._cached_dir(card, mdcsum, endpoint, timeout_s, context)
+        except BaseException:
+            if not was_live:
+                self.release(mdcsum)
+            raise
+
+    def _cached_dir(
+        self,
+        card: ModelDeploymentCard,
+        mdcsum: str,
+        endpoint: str | None,
+        timeout_s: float,
+        context: zmq.Context[Any] | None,
+    ) -> Path:
         target = self.models / mdcsum
+        blobs = [self.blob_path(ref.sha256) for ref in card.files.values()]
         if _dir_matches(card, target):
+            self._touch([target, *blobs])
             log.info(
                 "model_files_cached", model=card.display_name, mdcsum=mdcsum, path=str(target), fetched=0
             )
             return target
         fetched = self._ensure_blobs(card, endpoint, timeout_s, context)
-        self._materialize(card, target)
+        linked = self._materialize(card, target)
+        self._touch([target, *blobs])
         log.info(
-            "model_files_cached", model=card.display_name, mdcsum=mdcsum, path=str(target), fetched=fetched
+            "model_files_cached",
+            model=card.display_name,
+            mdcsum=mdcsum,
+            path=str(target),
+            fetched=fetched,
+            linked=linked,
         )
+        self.evict()
         return target
+
+    def release(self, mdcsum: str) -> None:
+        """The model left this process: its directory and blobs may be evicted from now on."""
+        with self._lock:
+            self._live.pop(mdcsum, None)
+
+    def evict(self) -> int:
+        """Remove least recently used entries no live model uses until the cache fits ``max_bytes``;
+        returns the bytes freed. Over the cap with only live entries left, it warns and keeps them."""
+        with self._lock:
+            usage = _CacheUsage(self.blobs, self.models)
+            if usage.total <= self.max_bytes:
+                return 0
+            before, evicted = usage.total, 0
+            live_blobs = {sha for blobs in self._live.values() for sha in blobs}
+            for path in usage.least_recently_used():
+                if usage.total <= self.max_bytes:
+                    break
+                if path.name in self._live or path.name in live_blobs:
+                    continue
+                usage.remove(path)
+                evicted += 1
+            freed = before - usage.total
+            log.info("model_cache_evicted", entries=evicted, freed_bytes=freed, cache_bytes=usage.total)
+            if usage.total > self.max_bytes:
+                log.warning(
+                    "model_cache_over_limit",
+                    cache_bytes=usage.total,
+                    max_bytes=self.max_bytes,
+                    live_models=len(self._live),
+                )
+            return freed
+
+    def _touch(self, paths: Iterable[Path]) -> None:
+        """Mark entries as used now, each later than any entry marked before (an LRU order even
+        when file timestamps tick coarser than uses)."""
+        with self._lock:
+            self._clock_ns = stamp = max(time.time_ns(), self._clock_ns + 1)
+        for path in paths:
+            with contextlib.suppress(OSError):  # evicted meanwhile by another store on this directory
+                os.utime(path, ns=(stamp, stamp))
 
     def blob_path(self, sha256: str) -> Path:
         if not _SHA256.match(sha256):
@@ -210,13 +310,15 @@ class ModelFileStore:
             log.info("model_file_fetched", sha256=ref.sha256, size=len(data), endpoint=endpoint)
         return fetched
 
-    def _materialize(self, card: ModelDeploymentCard, target: Path) -> None:
-        """Build the directory beside ``target`` and rename it into place (readers never see half)."""
+    def _materialize(self, card: ModelDeploymentCard, target: Path) -> int:
+        """Build the directory beside ``target`` and rename it into place (readers never see half);
+        returns how many files are hard links to their blobs (the rest are copies)."""
         self.models.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".tmp-", dir=self.models))
+        linked = 0
         try:
             for name, ref in card.files.items():
-                shutil.copyfile(self.blob_path(ref.sha256), staging / name)
+                linked += _link_or_copy(self.blob_path(ref.sha256), staging / name)
             if target.exists():
                 shutil.rmtree(target)  # stale or corrupted: _dir_matches said so
             os.replace(staging, target)
@@ -224,6 +326,67 @@ class ModelFileStore:
             shutil.rmtree(staging, ignore_errors=True)
             if not _dir_matches(card, target):  # a concurrent writer may have won the rename
                 raise
+        return linked
+
+
+class _CacheUsage:
+    """The cache's blobs and model directories, and its size: each distinct file (inode) once."""
+
+    def __init__(self, blobs: Path, models: Path) -> None:
+        self._entries: list[tuple[int, Path]] = []  # (last use in ns, blob or model directory)
+        self._files: dict[Path, list[tuple[int, int]]] = {}  # entry -> the inodes it holds
+        self._links: dict[tuple[int, int], int] = {}  # inode -> names in the cache
+        self._sizes: dict[tuple[int, int], int] = {}
+        for blob in _children(blobs):
+            self._add(blob, [blob])
+        for model in _children(models):
+            self._add(model, list(_children(model)))
+        self.total = sum(self._sizes.values())
+
+    def least_recently_used(self) -> list[Path]:
+        return [path for _, path in sorted(self._entries, key=lambda entry: entry[0])]
+
+    def remove(self, path: Path) -> None:
+        """Delete an entry; the bytes of files that lose their last name in the cache are freed."""
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        for inode in self._files.pop(path, []):
+            self._links[inode] -= 1
+            if not self._links[inode]:
+                self.total -= self._sizes[inode]
+
+    def _add(self, entry: Path, files: list[Path]) -> None:
+        try:
+            last_use = entry.stat().st_mtime_ns
+            stats = [file.stat() for file in files]
+        except OSError:  # removed meanwhile (another store on the same directory)
+            return
+        inodes = [(stat.st_dev, stat.st_ino) for stat in stats]
+        for inode, stat in zip(inodes, stats, strict=True):
+            self._links[inode] = self._links.get(inode, 0) + 1
+            self._sizes[inode] = stat.st_size
+        self._entries.append((last_use, entry))
+        self._files[entry] = inodes
+
+
+def _children(directory: Path) -> list[Path]:
+    """Entries of a cache directory, without the ``.tmp-`` files and directories being written."""
+    try:
+        return [path for path in directory.iterdir() if not path.name.startswith(".")]
+    except OSError:
+        return []
+
+
+def _link_or_copy(blob: Path, target: Path) -> bool:
+    """Hard-link ``blob`` as ``target``; copy it where the filesystem cannot link (True: linked)."""
+    try:
+        os.link(blob, target)
+    except OSError:
+        shutil.copyfile(blob, target)
+        return False
+    return True
 
 
 def _check_card_files(card: ModelDeploymentCard) -> None:

@@ -130,6 +130,7 @@ class DiscoveryWatcher:
         clock: Callable[[], float] = time.monotonic,
         max_drain: int = MAX_DRAIN_PER_WAKE,
         on_endpoint_lost: Callable[[str], None] | None = None,
+        on_model_removed: Callable[[str], None] | None = None,
         metrics: DiscoveryMetrics | None = None,
         listeners: Sequence[InstanceListener] = (),
     ) -> None:
@@ -162,6 +163,7 @@ class DiscoveryWatcher:
         self._authenticator: ThreadAuthenticator | None = None
         self._allow: AllowList | None = None
         self._on_endpoint_lost = on_endpoint_lost
+        self._on_model_removed = on_model_removed  # called with the mdcsum: its cached files may go
         self._listeners = tuple(listeners)
         self._compositions: dict[str, frozenset[str]] = {}
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
@@ -353,6 +355,8 @@ class DiscoveryWatcher:
                 self._builds.pop(event.model, None)  # an in-flight build sees this and drops its result
                 self._log.model_removed(event)
                 self._note_composition(event.model)
+                if self._on_model_removed is not None:
+                    self._on_model_removed(event.mdcsum)
             case CardRejected():
                 self._reject(event.reason, f"instance {event.instance_id}: {event.detail}", self._clock())
             case ChecksumMismatch():

@@ -71,6 +71,11 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     include_reasoning: bool = True
     nvext: NvExt | None = None
 
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's current name) or else ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
     def template_args(self) -> dict[str, Any]:
         """``chat_template_kwargs`` (vLLM/SGLang spelling) overlaid by ``chat_template_args``."""
         merged: dict[str, Any] = dict(self.chat_template_kwargs or {})

@@ -23,18 +23,25 @@ A Jinja-templated model must get the prompt its checkpoint was trained on, so re
   keyword arguments, which override special tokens of the same name.
 
 Every failure a request can cause is a ``PromptRenderError`` (HTTP 400), never a raw exception.
+
+Bounded (``bounds``): the environment routes loops, calls, filters, ``*``/``**``/``+``/``%``, string
+concatenation (``~``), container literals and output through a per-render ``Budget``, so a hostile
+template is a ``TemplateLimitError`` (a 400) or a ``ChatTemplateError`` at compile time, never a
+hang. Normal templates render byte for byte as before: the hooks only check, never change values.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import json
-from collections.abc import Callable, Mapping, Sequence
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
 import jinja2
+import jinja2.compiler
 import jinja2.exceptions
 import jinja2.ext
 import jinja2.nodes
@@ -45,11 +52,23 @@ import jinja2.utils
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynamo_prep.card import ModelCardError
+from dynamo_prep.formatter.jinja.bounds import (
+    MAX_TEMPLATE_CHARS,
+    RENDER_LIMITS,
+    TemplateLimitError,
+    TemplateLimits,
+    bounded,
+    compiling,
+    current,
+    log_limit,
+)
+from dynamo_prep.formatter.jinja.checks import STR_METHOD_CHECKS, bounded_filter, bounded_json
 from dynamo_prep.prompt import PromptRenderError
 
 __all__ = ["ChatTemplateError", "compile_template", "render_template", "template_context", "to_plain"]
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_SHORT = 256
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 
 
@@ -123,21 +142,111 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     """transformers' ``tojson``: no HTML escaping, non-ASCII kept, json.dumps options exposed."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return bounded_json(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+_STRFTIME_WIDTH = re.compile(r"%[-_0^#]*(\d+)")
 
 
 def _strftime_now(format: str) -> str:
+    if isinstance(format, str):  # glibc pads ``%<width>Y``: a width is an allocation
+        current().check("a date string", len(format) + sum(map(int, _STRFTIME_WIDTH.findall(format))))
     return datetime.now().strftime(format)
 
 
+class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator with the budget hooks: loops tick, built strings and literals are admitted."""
+
+    def visit_For(self, node: jinja2.nodes.For, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        """The loop iterates ``environment.bounded_iter(<iterable>)`` (Jinja allows no custom nodes)."""
+        bounded_node = copy.copy(node)
+        hook = jinja2.nodes.EnvironmentAttribute("bounded_iter", lineno=node.iter.lineno)
+        bounded_node.iter = jinja2.nodes.Call(hook, [node.iter], [], None, None, lineno=node.iter.lineno)
+        super().visit_For(bounded_node, frame)
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        self._admitted(super().visit_Concat, node, frame)
+
+    def visit_List(self, node: jinja2.nodes.List, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        self._admitted(super().visit_List, node, frame)
+
+    def visit_Dict(self, node: jinja2.nodes.Dict, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        self._admitted(super().visit_Dict, node, frame)
+
+    def visit_Tuple(self, node: jinja2.nodes.Tuple, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        if node.ctx != "load":  # an assignment target
+            super().visit_Tuple(node, frame)
+        else:
+            self._admitted(super().visit_Tuple, node, frame)
+
+    def _admitted(
+        self,
+        visit: Callable[[Any, jinja2.compiler.Frame], None],
+        node: jinja2.nodes.Node,
+        frame: jinja2.compiler.Frame,
+    ) -> None:
+        self.write("environment.admit(")
+        visit(node, frame)
+        self.write(")")
+
+
 class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
-    """transformers' sandbox, with fast paths that return exactly what the generic lookups return.
+    """transformers' sandbox, bounded, with fast paths that return exactly what the generic lookups return.
 
     ``message.role`` on a plain dict goes attribute-first in Jinja: ``getattr`` raises, then the
     item is read. A plain dict has no attributes beyond ``dir(dict)``, so for any other name the
     item lookup is the answer; loop variables (``loop.first``, ``loop.previtem``) are public
     properties the sandbox always allows. Rendering a chat template is mostly such lookups.
+
+    Intercepted operators are never constant-folded (Jinja's rule for sandboxes), so
+    ``{{ 7 ** 10000000 }}`` cannot run at compile time; at render time they are checked first.
     """
+
+    code_generator_class = _BoundedCodeGenerator
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+
+    def call_binop(self, context: jinja2.runtime.Context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "+":
+            return self.admit(left + right)
+        budget = current()
+        if operator == "**":
+            budget.power(left, right)
+        elif operator == "*":
+            budget.product(left, right)
+        else:
+            budget.printf(left, right)
+        return budget.admit(super().call_binop(context, operator, left, right))
+
+    def admit(self, value: Any) -> Any:
+        """A string or container the template built, checked against the render's budget. Short
+        strings (the common case: tags and roles joined with ``+`` and ``~``) pass unchecked: only
+        as many of them can be held as the template has names and containers, which are bounded."""
+        if type(value) is str and len(value) < _SHORT:
+            return value
+        return current().admit(value)
+
+    def bounded_iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        budget = current()
+        for item in iterable:
+            budget.tick()
+            yield item
+
+    def concat(self, parts: Iterable[str]) -> str:
+        """The output (and every block's): joined within ``max_chars`` (loops tick, chunks need not)."""
+        budget = current()
+        limit = budget.limits.max_chars
+        chunks: list[str] = []
+        append = chunks.append
+        size = 0
+        for part in parts:
+            size += len(part)
+            if size > limit:
+                budget.check("an output", size)
+            append(part)
+        budget.charge(size)
+        return "".join(chunks)
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         kind = type(obj)
@@ -154,10 +263,20 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         return super().getattr(obj, attribute)
 
     def call(__self, __context: jinja2.runtime.Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        """Template macros are always safe to call: skip the sandbox's format/safety probes for them."""
+        """Template macros are always safe to call: skip the sandbox's format/safety probes for them
+        (their output is bounded by ``concat``). Other calls are checked first where a string method
+        could build something huge, and their results admitted."""
+        budget = current()
+        budget.tick()
         if type(__obj) is jinja2.runtime.Macro:
             return __context.call(__obj, *args, **kwargs)
-        return super().call(__context, __obj, *args, **kwargs)
+        # str.format arrives wrapped by the sandbox (``__wrapped__`` is the bound method)
+        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
+        if isinstance(owner, str):
+            check = STR_METHOD_CHECKS.get(getattr(__obj, "__name__", ""))
+            if check is not None:
+                args = check(budget, owner, args, kwargs)
+        return budget.admit(super().call(__context, __obj, *args, **kwargs))
 
 
 def _test_mapping(value: Any) -> bool:
@@ -176,6 +295,8 @@ def _new_environment() -> ImmutableSandboxedEnvironment:
     )
     env.tests["mapping"] = _test_mapping
     env.filters["tojson"] = _tojson
+    env.filters = {name: bounded_filter(name, function) for name, function in env.filters.items()}
+    env.globals["lipsum"] = bounded_filter("lipsum", jinja2.utils.generate_lorem_ipsum)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -194,13 +315,29 @@ def _compile(template: str) -> jinja2.Template:
 
 
 def compile_template(template: str, source: str) -> jinja2.Template:
-    """The compiled template; a syntax error is a ``ChatTemplateError`` naming ``source`` and the line."""
+    """The compiled template; any failure is a ``ChatTemplateError`` naming ``source`` (and the line of
+    a syntax error). Bounded: ``MAX_TEMPLATE_CHARS`` of source, ``COMPILE_LIMITS`` on constant folding."""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise ChatTemplateError(
+            f"{source}: chat template of {len(template):,} characters (the limit is {MAX_TEMPLATE_CHARS:,})"
+        )
     try:
-        return _compile(template)
+        with compiling() as budget:
+            compiled = _compile(template)
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(
             f"{source}: chat template syntax error at line {exc.lineno}: {exc.message}"
         ) from exc
+    except Exception as exc:  # deep nesting, a literal Python cannot hold: the model fails to build
+        raise ChatTemplateError(
+            f"{source}: chat template cannot be compiled: {type(exc).__name__}: {exc}"
+        ) from exc
+    if budget.expired:
+        _compile.cache_clear()  # do not keep a template that only compiled because folding gave up
+        raise ChatTemplateError(
+            f"{source}: compiling the chat template took over {budget.limits.seconds:g} s"
+        )
+    return compiled
 
 
 def to_plain(value: Any) -> Any:
@@ -299,11 +436,18 @@ def _prepare_objects(items: Sequence[Any] | None, error: str) -> list[Any] | Non
     return [to_plain(item) for item in items]
 
 
-def render_template(template: jinja2.Template, context: dict[str, Any]) -> str:
-    """Render, turning every template failure into a PromptRenderError (a 400, never a raw exception)."""
-    try:
-        return template.render(**context)
-    except _TemplateRaised as exc:
-        raise PromptRenderError(str(exc)) from exc
-    except Exception as exc:
-        raise PromptRenderError(f"chat template error: {type(exc).__name__}: {exc}") from exc
+def render_template(
+    template: jinja2.Template, context: dict[str, Any], limits: TemplateLimits = RENDER_LIMITS
+) -> str:
+    """Render within ``limits`` (or the budget of the render this one is part of), turning every
+    template failure into a PromptRenderError (a 400, never a raw exception)."""
+    with bounded(limits):
+        try:
+            return template.render(**context)
+        except _TemplateRaised as exc:
+            raise PromptRenderError(str(exc)) from exc
+        except TemplateLimitError as exc:
+            log_limit(exc)
+            raise
+        except Exception as exc:
+            raise PromptRenderError(f"chat template error: {type(exc).__name__}: {exc}") from exc

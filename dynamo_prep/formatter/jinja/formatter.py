@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 
 from dynamo_prep.card import read_json
+from dynamo_prep.formatter.jinja.bounds import RENDER_LIMITS, TemplateLimits, bounded
 from dynamo_prep.formatter.jinja.checkpoint import (
     find_templates,
     image_token_from_config,
@@ -40,6 +41,7 @@ class JinjaFormatter:
     (``from_model_dir`` reads them from ``tokenizer_config.json``), the template's special-token
     variables are always among them. ``template_sources`` (given by ``from_template``) lets user
     strings that are mere pieces of a special skip tracing when no template writes partial specials.
+    ``limits`` bound one request's renders together (the plain one and a traced one).
     """
 
     kind = "jinja"
@@ -55,8 +57,10 @@ class JinjaFormatter:
         registered_specials: Iterable[str] = (),
         strict_hf_tokenization: bool = False,
         template_sources: Sequence[str] | None = None,
+        limits: TemplateLimits = RENDER_LIMITS,
     ) -> None:
         self._template = template
+        self.limits = limits
         self._tool_use_template = tool_use_template
         self.special_tokens = dict(special_tokens)
         self.rendered_token = image_token
@@ -109,6 +113,7 @@ class JinjaFormatter:
         source: str = "<chat_template>",
         registered_specials: Iterable[str] = (),
         strict_hf_tokenization: bool = False,
+        limits: TemplateLimits = RENDER_LIMITS,
     ) -> JinjaFormatter:
         """A formatter for template text; only the tokens given become template variables.
 
@@ -131,6 +136,7 @@ class JinjaFormatter:
             registered_specials=registered_specials,
             strict_hf_tokenization=strict_hf_tokenization,
             template_sources=[template] if tool_use_template is None else [template, tool_use_template],
+            limits=limits,
         )
 
     @classmethod
@@ -142,6 +148,7 @@ class JinjaFormatter:
         tokenizer_config: Mapping[str, Any] | None = None,
         exclude_tools_when_tool_choice_none: bool = True,
         strict_hf_tokenization: bool = False,
+        limits: TemplateLimits = RENDER_LIMITS,
     ) -> JinjaFormatter:
         """A formatter from a model directory (or demo model name), as transformers would load it.
 
@@ -165,6 +172,7 @@ class JinjaFormatter:
             source=templates.source,
             registered_specials=registered_specials_from_config(tokenizer_config),
             strict_hf_tokenization=strict_hf_tokenization,
+            limits=limits,
         )
 
     def render_text(
@@ -184,7 +192,7 @@ class JinjaFormatter:
             documents=documents,
             **chat_template_args,
         )
-        return render_template(template, context)
+        return render_template(template, context, self.limits)
 
     def render_segments(
         self,
@@ -203,11 +211,12 @@ class JinjaFormatter:
             documents=documents,
             **chat_template_args,
         )
-        text = render_template(template, context)
-        if self.strict_hf_tokenization:
-            image_count = text.count(self.rendered_token) if self.rendered_token else 0
-            return RenderedPrompt(text=text, pieces=None, image_count=image_count)
-        segments = injection_safe_segments(template, context, text, self._specials)
+        with bounded(self.limits):  # the traced render, if any, shares this request's budget
+            text = render_template(template, context, self.limits)
+            if self.strict_hf_tokenization:
+                image_count = text.count(self.rendered_token) if self.rendered_token else 0
+                return RenderedPrompt(text=text, pieces=None, image_count=image_count)
+            segments = injection_safe_segments(template, context, text, self._specials)
         # only the template's image tokens count: a typed one is text, not an image slot
         image_count = sum(1 for s in segments if s.allow_special and s.text == self.rendered_token)
         return RenderedPrompt(text=text, pieces=segments, image_count=image_count)
