@@ -310,7 +310,7 @@ class Frontend:
     http_workers: int = 1
 
     def mode(self, mode: str) -> str:
-        return f"{self.label} | {mode}" if self.label else mode
+        return f"{self.label} / {mode}" if self.label else mode
 
     @property
     def cpu_key(self) -> str:
