@@ -48,12 +48,21 @@ def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
-def _env_int(name: str, default: int) -> int:
-    return int(os.environ.get(name) or default)
+def _env_option(
+    command: Any, flag: str, *, env: str, default: str | float, help: str, kind: type = str, **extra: Any
+) -> None:
+    """A flag mirrored by an environment variable (the flag wins); its help names both and the default.
 
-
-def _env_float(name: str, default: float) -> float:
-    return float(os.environ.get(name) or default)
+    A set variable is passed as a string default, so argparse converts and checks it like the flag.
+    """
+    shown = f"{default:g}" if isinstance(default, float) else default
+    command.add_argument(
+        flag,
+        type=kind,
+        default=os.environ.get(env) or default,
+        help=f"{help} (env {env}; default {shown})",
+        **extra,
+    )
 
 
 def _addresses(value: str) -> list[str]:
@@ -127,11 +136,12 @@ def _add_render(commands: Any) -> None:
 
 
 def _add_namespace(command: Any) -> None:
-    command.add_argument(
+    _env_option(
+        command,
         "--namespace",
-        default=_env("DYN_NAMESPACE", DEFAULT_NAMESPACE),
-        help="discovery namespace: only cards of this namespace are seen "
-        f"(env DYN_NAMESPACE; default {DEFAULT_NAMESPACE})",
+        env="DYN_NAMESPACE",
+        default=DEFAULT_NAMESPACE,
+        help="discovery namespace: only cards of this namespace are seen",
     )
 
 
@@ -164,11 +174,12 @@ def _add_worker(commands: Any) -> None:
     worker.add_argument(
         "--discovery", type=_addresses, required=True, help="ADDR[,ADDR] of frontends or brokers"
     )
-    worker.add_argument(
+    _env_option(
+        worker,
         "--endpoint-host",
-        default=_env("DYN_ENDPOINT_HOST", defaults.DEFAULT_ENDPOINT_HOST),
-        help="address to bind the request plane on, advertised in the card "
-        f"(env DYN_ENDPOINT_HOST; default {defaults.DEFAULT_ENDPOINT_HOST})",
+        env="DYN_ENDPOINT_HOST",
+        default=defaults.DEFAULT_ENDPOINT_HOST,
+        help="address to bind the request plane on, advertised in the card",
     )
     worker.add_argument(
         "--heartbeat",
@@ -290,99 +301,55 @@ def _add_frontend(commands: Any) -> None:
 
 def _add_http(command: Any) -> None:
     """The HTTP flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
-    defaults = frontend_defaults
-    command.add_argument(
-        "--http-host",
-        default=_env("DYN_HTTP_HOST", defaults.DEFAULT_HTTP_HOST),
-        help=f"address to serve HTTP on (env DYN_HTTP_HOST; default {defaults.DEFAULT_HTTP_HOST})",
-    )
-    command.add_argument(
-        "--http-port",
-        type=int,
-        default=_env_int("DYN_HTTP_PORT", defaults.DEFAULT_HTTP_PORT),
-        help=f"0: any free port (env DYN_HTTP_PORT; default {defaults.DEFAULT_HTTP_PORT})",
-    )
-    command.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=_env_int("DYN_MAX_BODY_BYTES", defaults.DEFAULT_MAX_BODY_BYTES),
-        help="larger request bodies get 413 "
-        f"(env DYN_MAX_BODY_BYTES; default {defaults.DEFAULT_MAX_BODY_BYTES})",
-    )
-    command.add_argument(
-        "--request-timeout",
-        type=float,
-        default=_env_float("DYN_REQUEST_TIMEOUT", defaults.DEFAULT_REQUEST_TIMEOUT_S),
-        metavar="SECONDS",
-        help="per-request deadline, queueing included (env DYN_REQUEST_TIMEOUT; "
-        f"default {defaults.DEFAULT_REQUEST_TIMEOUT_S:g})",
-    )
-    command.add_argument(
-        "--http-workers",
-        type=int,
-        default=_env_int("DYN_HTTP_WORKERS", defaults.DEFAULT_HTTP_WORKERS),
-        help="frontend processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend "
-        f"(env DYN_HTTP_WORKERS; default {defaults.DEFAULT_HTTP_WORKERS})",
-    )
-    command.add_argument(
-        "--http-header-timeout",
-        type=float,
-        default=_env_float("DYN_HTTP_HEADER_TIMEOUT", defaults.DEFAULT_HEADER_TIMEOUT_S),
-        metavar="SECONDS",
-        help="a request's headers must arrive within this, else 408 (env DYN_HTTP_HEADER_TIMEOUT; "
-        f"default {defaults.DEFAULT_HEADER_TIMEOUT_S:g})",
-    )
-    command.add_argument(
-        "--http-body-timeout",
-        type=float,
-        default=_env_float("DYN_HTTP_BODY_TIMEOUT", defaults.DEFAULT_BODY_TIMEOUT_S),
-        metavar="SECONDS",
-        help="a request's body must arrive within this, else 408 (env DYN_HTTP_BODY_TIMEOUT; "
-        f"default {defaults.DEFAULT_BODY_TIMEOUT_S:g})",
-    )
-    command.add_argument(
-        "--http-max-connections",
-        type=int,
-        default=_env_int("DYN_HTTP_MAX_CONNECTIONS", defaults.DEFAULT_MAX_CONNECTIONS),
-        help="open connections per HTTP process; past it requests get 503 "
-        f"(env DYN_HTTP_MAX_CONNECTIONS; default {defaults.DEFAULT_MAX_CONNECTIONS})",
-    )
+    d = frontend_defaults
+    for flag, env, kind, default, text in (
+        ("--http-host", "DYN_HTTP_HOST", str, d.DEFAULT_HTTP_HOST, "address to serve HTTP on"),
+        ("--http-port", "DYN_HTTP_PORT", int, d.DEFAULT_HTTP_PORT, "0: any free port"),
+        ("--max-body-bytes", "DYN_MAX_BODY_BYTES", int, d.DEFAULT_MAX_BODY_BYTES, "larger bodies get 413"),
+        ("--request-timeout", "DYN_REQUEST_TIMEOUT", float, d.DEFAULT_REQUEST_TIMEOUT_S,
+         "per-request deadline in seconds, queueing included"),
+        ("--http-workers", "DYN_HTTP_WORKERS", int, d.DEFAULT_HTTP_WORKERS,
+         "frontend processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend"),
+        ("--http-header-timeout", "DYN_HTTP_HEADER_TIMEOUT", float, d.DEFAULT_HEADER_TIMEOUT_S,
+         "seconds for a request's headers to arrive, else 408"),
+        ("--http-body-timeout", "DYN_HTTP_BODY_TIMEOUT", float, d.DEFAULT_BODY_TIMEOUT_S,
+         "seconds for a request's body to arrive, else 408"),
+        ("--http-max-connections", "DYN_HTTP_MAX_CONNECTIONS", int, d.DEFAULT_MAX_CONNECTIONS,
+         "open connections per HTTP process; past it requests get 503"),
+    ):  # fmt: skip
+        _env_option(command, flag, env=env, kind=kind, default=default, help=text)
 
 
 def _add_routing(command: Any) -> None:
     """The routing flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
-    defaults = frontend_defaults
-    command.add_argument(
+    d = frontend_defaults
+    _env_option(
+        command,
         "--router-mode",
-        default=_env("DYN_ROUTER_MODE", defaults.DEFAULT_ROUTER_MODE),
-        choices=defaults.ROUTER_MODES,
+        env="DYN_ROUTER_MODE",
+        default=d.DEFAULT_ROUTER_MODE,
+        choices=d.ROUTER_MODES,
         help="round-robin, or kv: each request goes to the instance whose KV cache holds most of its "
-        "prefix, balanced by load (from the engines' own KV events; env DYN_ROUTER_MODE; "
-        f"default {defaults.DEFAULT_ROUTER_MODE})",
+        "prefix, balanced by load (from the engines' own KV events)",
     )
-    command.add_argument(
-        "--kv-overlap-score-weight",
-        type=float,
-        default=_env_float("DYN_KV_OVERLAP_SCORE_WEIGHT", defaults.DEFAULT_KV_OVERLAP_SCORE_WEIGHT),
-        help="kv mode: weight of the blocks still to prefill against the blocks already busy "
-        f"(env DYN_KV_OVERLAP_SCORE_WEIGHT; default {defaults.DEFAULT_KV_OVERLAP_SCORE_WEIGHT:g})",
-    )
-    command.add_argument(
-        "--router-temperature",
-        type=float,
-        default=_env_float("DYN_ROUTER_TEMPERATURE", defaults.DEFAULT_ROUTER_TEMPERATURE),
-        help="kv mode: 0 picks the cheapest instance; higher samples among them "
-        f"(env DYN_ROUTER_TEMPERATURE; default {defaults.DEFAULT_ROUTER_TEMPERATURE:g})",
-    )
+    for flag, env, default, text in (
+        ("--kv-overlap-score-weight", "DYN_KV_OVERLAP_SCORE_WEIGHT", d.DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
+         "kv mode: weight of the blocks still to prefill against the blocks already busy"),
+        ("--router-temperature", "DYN_ROUTER_TEMPERATURE", d.DEFAULT_ROUTER_TEMPERATURE,
+         "kv mode: 0 picks the cheapest instance; higher samples among them"),
+    ):  # fmt: skip
+        _env_option(command, flag, env=env, kind=float, default=default, help=text)
 
 
 def _add_up(commands: Any) -> None:
     up = commands.add_parser("up", help="a local cluster: frontend + an sglang and a vllm mock worker")
-    up.add_argument(
+    _env_option(
+        up,
         "--http-port",
-        type=int,
-        default=_env_int("DYN_HTTP_PORT", frontend_defaults.DEFAULT_HTTP_PORT),
-        help=f"the frontend's HTTP port (env DYN_HTTP_PORT; default {frontend_defaults.DEFAULT_HTTP_PORT})",
+        env="DYN_HTTP_PORT",
+        kind=int,
+        default=frontend_defaults.DEFAULT_HTTP_PORT,
+        help="the frontend's HTTP port",
     )
     up.add_argument(
         "--discovery-bind",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support.logs import Logs, capture_logs
 from support.plane import DynamoProcess, SubCollector
 
 from dynamo_prep.models import DEMO_MODELS_DIR
@@ -110,3 +111,9 @@ def collectors() -> Iterator[list[SubCollector]]:
     finally:
         for collector in opened:
             collector.close()
+
+
+@pytest.fixture
+def logs() -> Iterator[Logs]:
+    """Every structlog line, as dicts (request it before building the code under test)."""
+    yield from capture_logs()

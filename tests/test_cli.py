@@ -46,3 +46,21 @@ def test_global_options_work_before_and_after_the_subcommand(command: str) -> No
     assert (before.log_format, before.log_level) == ("console", "info")
     both = _parser().parse_args(["--log-level", "warning", *argv, "--log-level", "error"])
     assert both.log_level == "error"  # the later (more specific) one wins
+
+
+def test_environment_variables_set_defaults_and_the_flag_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_HTTP_PORT", "9123")
+    monkeypatch.setenv("DYN_ROUTER_TEMPERATURE", "0.5")
+    assert _parser().parse_args(["frontend"]).http_port == 9123
+    assert _parser().parse_args(["frontend"]).router_temperature == 0.5
+    assert _parser().parse_args(["frontend", "--http-port", "9"]).http_port == 9
+
+
+def test_a_malformed_environment_variable_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("DYN_HTTP_WORKERS", "two")
+    with pytest.raises(SystemExit) as exit_info:
+        _parser().parse_args(["frontend"])
+    assert exit_info.value.code == 2
+    assert "--http-workers: invalid int value: 'two'" in capsys.readouterr().err

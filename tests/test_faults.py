@@ -8,7 +8,6 @@ happen during them), and those are filled with real traffic rather than slept th
 
 from __future__ import annotations
 
-import asyncio
 import json
 import signal
 import threading
@@ -21,6 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support.logs import until
 from support.lossy_proxy import LossyProxy
 from support.plane import DynamoProcess, SubCollector, free_port, start_dynamo, tcp_endpoint, wait_for
 
@@ -422,17 +422,9 @@ async def test_stopped_worker_leaves_no_request_plane_channel_behind(cluster: Cl
             outputs = [o async for o in client.generate(endpoint, request, request_id=attempt, timeout_s=10)]
             assert outputs[-1].finish_reason == "stop"
             assert client.endpoints == [endpoint]
-            await until(lambda: not client.endpoints, 5, "the idle channel to close")
+            await until(lambda: not client.endpoints, "the idle channel to close", 5)
         assert [o async for o in client.generate(endpoint, request, request_id="last", timeout_s=10)]
         assert worker.stop() == 0  # SIGTERM: drain, withdraw, exit
-        await until(lambda: not client.endpoints, 5, "the stopped worker's channel to close")
+        await until(lambda: not client.endpoints, "the stopped worker's channel to close", 5)
     finally:
         await client.close()
-
-
-async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    """``wait_for`` for coroutines: the loop keeps running while we poll."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        await asyncio.sleep(0.02)  # polling interval of the condition

@@ -15,7 +15,8 @@ import pytest
 import zmq
 import zmq.asyncio
 from support import kv_wire
-from support.kv_wire import END, TIMEOUT_S, be8
+from support.kv_wire import END, be8
+from support.logs import TIMEOUT_S
 
 from dynamo_prep.engines.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored

@@ -19,8 +19,6 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 from support import kv_wire
 from support.kv_wire import (
-    TIMEOUT_S,
-    Logs,
     RawKvPublisher,
     RecordingSink,
     batch,
@@ -30,8 +28,8 @@ from support.kv_wire import (
     removed,
     seq_batch,
     stored,
-    until,
 )
+from support.logs import TIMEOUT_S, Logs, find, until
 
 from dynamo_prep.engines.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol.discovery import Instance, KvEventsEndpoint
@@ -44,7 +42,7 @@ from dynamo_prep.protocol.kv_events import (
 from dynamo_prep.routing.metrics import KvMetrics
 from dynamo_prep.routing.subscriber import MAX_FRAME_BYTES, KvEventSubscriber
 
-context, logs = kv_wire.context, kv_wire.logs  # fixtures
+context = kv_wire.context  # fixture
 
 REPLAY_TIMEOUT_S = 0.5
 
@@ -56,10 +54,6 @@ def instance(instance_id: str, kv: KvEventsEndpoint | None) -> Instance:
 def value(metrics: KvMetrics, name: str, **labels: str) -> float:
     sample = metrics.registry.get_sample_value(f"dynamo_frontend_{name}", labels)
     return sample or 0.0
-
-
-def find(logs: Logs, event: str, **fields: Any) -> Logs:
-    return [e for e in logs if e["event"] == event and all(e.get(k) == v for k, v in fields.items())]
 
 
 # -- fixtures ------------------------------------------------------------------------------------

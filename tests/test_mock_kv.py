@@ -16,8 +16,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from support import kv_wire
-from support.kv_wire import Logs, until
+from support.logs import Logs, until
 from support.plane import SubCollector, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
@@ -42,7 +41,6 @@ CAT = "https://example.com/cat.png"
 DOG = "https://example.com/dog.png"
 PREAMBLE = " ".join(f"rule {n}: answer in plain words and cite the page you used." for n in range(8))
 TAIL = " ".join(f"then say what detail {n} of the picture shows." for n in range(6))
-logs = kv_wire.logs  # fixture
 
 
 @pytest.fixture(scope="module")

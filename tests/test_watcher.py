@@ -16,10 +16,9 @@ from typing import Any
 
 import msgspec
 import pytest
-import structlog
 import zmq
 import zmq.asyncio
-from structlog.testing import LogCapture
+from support.logs import TIMEOUT_S, Logs, find, until
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError, PreprocessorBuilder
@@ -42,27 +41,10 @@ from dynamo_prep.protocol.discovery import (
 K3 = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
 KIMI_DEFAULT = "<|kimi_image_placeholder|>"
-TIMEOUT_S = 10.0
 LOOPBACK = "tcp://127.0.0.1:0"
-
-Logs = list[MutableMapping[str, Any]]
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-async def until(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    """Poll a condition (the watcher runs in the same loop) until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
-    return value
-
-
-def find(logs: Logs, event: str, **fields: Any) -> Logs:
-    return [e for e in logs if e["event"] == event and all(e.get(k) == v for k, v in fields.items())]
 
 
 async def wait_log(
@@ -131,18 +113,6 @@ class FakeClock:
 @pytest.fixture(scope="module")
 def k3_card() -> ModelDeploymentCard:
     return ModelDeploymentCard.from_model_dir(K3)
-
-
-@pytest.fixture
-def logs() -> Iterator[Logs]:
-    """Every structlog line, as dicts (the watcher binds its logger at construction)."""
-    capture = LogCapture()
-    old = structlog.get_config()
-    structlog.configure(processors=[capture], cache_logger_on_first_use=False)
-    try:
-        yield capture.entries
-    finally:
-        structlog.configure(**old)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from support import kv_wire
-from support.kv_wire import END, be8, until
+from support.kv_wire import END, be8
+from support.logs import until
 from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig

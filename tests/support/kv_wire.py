@@ -9,46 +9,30 @@ them, so the tests check the project's reading of the wire against the wire itse
   ROUTER whose replies the test controls (answer, hold, stay silent, answer garbage).
 * ``RecordingSink`` / ``RecordingChannel``: test doubles of ``KvEventSink`` and ``ReplayChannel``
   that record every call in order; ``ManualClock``: a clock the test moves.
-* ``until``: await a condition with a deadline.
-* Fixtures ``context`` (a fresh ZeroMQ context) and ``logs`` (every structlog line as a dict):
-  import them into a test module to use them.
+* Fixture ``context`` (a fresh ZeroMQ context): import it into a test module to use it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
 import pytest
-import structlog
 import zmq
 import zmq.asyncio
-from structlog.testing import LogCapture
 
 from dynamo_prep.protocol.discovery import KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import BlockStored, KVEvent
+from support.logs import until
 
-Logs = list[MutableMapping[str, Any]]
 Shape = Literal["map", "array"]
 ReplayMode = Literal["answer", "hold", "silent", "garbage"]
-TIMEOUT_S = 10.0
 LOOPBACK = "tcp://127.0.0.1:*"
 END = (-1).to_bytes(8, "big", signed=True)
-
-
-async def until(predicate: Callable[[], Any], what: str, timeout: float = TIMEOUT_S) -> Any:
-    """Poll a condition (the code under test runs in the same loop) until it holds or time is up."""
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        await asyncio.sleep(0.005)
-    return value
 
 
 @pytest.fixture
@@ -56,18 +40,6 @@ def context() -> Iterator[zmq.asyncio.Context]:
     ctx = zmq.asyncio.Context()
     yield ctx
     ctx.destroy(linger=0)
-
-
-@pytest.fixture
-def logs() -> Iterator[Logs]:
-    """Every structlog line, as dicts (loggers are bound when the code under test is built)."""
-    capture = LogCapture()
-    old = structlog.get_config()
-    structlog.configure(processors=[capture], cache_logger_on_first_use=False)
-    try:
-        yield capture.entries
-    finally:
-        structlog.configure(**old)
 
 
 def be8(seq: int) -> bytes:
