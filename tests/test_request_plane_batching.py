@@ -28,8 +28,7 @@ from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import parse_chat_request
-from dynamo_prep.protocol.wire import ErrorReply, Generate, Output
-from dynamo_prep.worker.generate import merged
+from dynamo_prep.protocol.wire import ErrorReply, Generate, Output, merged
 
 DEMO = "kimi-k3-demo"
 MAX_TOKENS = 10

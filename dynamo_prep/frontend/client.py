@@ -39,8 +39,7 @@ import zmq.asyncio
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
-from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
-from dynamo_prep.worker.generate import merged
+from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong, merged
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",

@@ -31,6 +31,7 @@ __all__ = [
     "decode_to_worker",
     "encode",
     "from_worker_decoder",
+    "merged",
     "to_worker_decoder",
 ]
 
@@ -89,6 +90,21 @@ class Output(msgspec.Struct, kw_only=True, tag="output", tag_field="kind"):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+def merged(outputs: list[Output]) -> Output:
+    """Consecutive Outputs of one stream as one: every token in order, the last usage and finish
+    reason (the worker's frames and the frontend's batches of replies merge the same way)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return Output(
+        request_id=last.request_id,
+        token_ids=[token for output in outputs for token in output.token_ids],
+        finish_reason=last.finish_reason,
+        prompt_tokens=next((output.prompt_tokens for output in reversed(outputs) if output.prompt_tokens), 0),
+        completion_tokens=last.completion_tokens,
+    )
 
 
 class Pong(msgspec.Struct, kw_only=True, tag="pong", tag_field="kind"):

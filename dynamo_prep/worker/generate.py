@@ -26,9 +26,9 @@ import zmq
 from dynamo_prep.engines.base import CheckFn, EngineContractError, GenerateFn
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
-from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
+from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong, merged
 
-__all__ = ["COALESCE_S", "GenerationServer", "Reply", "merged"]
+__all__ = ["COALESCE_S", "GenerationServer", "Reply"]
 
 log = structlog.get_logger("dynamo_prep.worker")
 
@@ -271,21 +271,6 @@ class _Frames:
             self._sending = None
             if self._waiting and self._timer is None:
                 self._timer = self._loop.call_at(self._next_at, self._flush)
-
-
-def merged(outputs: list[Output]) -> Output:
-    """Consecutive Outputs of one stream as one: every token in order, the last usage and finish
-    reason (the worker's frames and the frontend's batches of replies merge the same way)."""
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return Output(
-        request_id=last.request_id,
-        token_ids=[token for output in outputs for token in output.token_ids],
-        finish_reason=last.finish_reason,
-        prompt_tokens=next((output.prompt_tokens for output in reversed(outputs) if output.prompt_tokens), 0),
-        completion_tokens=last.completion_tokens,
-    )
 
 
 async def _send_quietly(reply: Reply, message: wire.FromWorker) -> None:
