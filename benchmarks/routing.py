@@ -80,7 +80,7 @@ from benchmarks._plane import (
     tcp_endpoint,
     wait_for,
 )
-from benchmarks._report import RESULTS_DIR, Suite
+from benchmarks._report import RESULTS_DIR, Record, Suite
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.engines.kv_cache import HashKind, PagedPrefixCache
 from dynamo_prep.formatter import KimiK3Formatter
@@ -1122,13 +1122,35 @@ def main(argv: list[str] | None = None) -> int:
         "and each mode's requests as the client saw them (MODE-samples.json)",
     )
     args = parser.parse_args(argv)
-    suite = Suite("routing")
-    for part in args.parts.split(","):
+    parts = args.parts.split(",")
+    for part in parts:
         if part not in PARTS:
             parser.error(f"unknown part {part!r} (known: {', '.join(PARTS)})")
+    suite = Suite("routing")
+    for part in parts:
         PARTS[part](suite, args)
+    carry_over(suite, skipped={part for part in PARTS if part not in parts})
     print(f"wrote {suite.write()}", file=sys.stderr)
     return 0
+
+
+def _part(name: str) -> str:
+    """Which part wrote a record or a details key: e2e's all start with ``e2e``."""
+    return "e2e" if name.startswith("e2e") else "micro"
+
+
+def carry_over(suite: Suite, skipped: set[str]) -> None:
+    """Keep the last written figures of the parts not run this time (one part at a time is a rerun)."""
+    path = RESULTS_DIR / "routing.json"
+    if not skipped or not path.exists():
+        return
+    previous = json.loads(path.read_text(encoding="utf-8"))
+    kept = [Record(**entry) for entry in previous["records"] if _part(entry["name"]) in skipped]
+    suite.records[:0] = kept
+    suite.records.sort(key=lambda record: list(PARTS).index(_part(record.name)))
+    for key, value in previous.get("details", {}).items():
+        if _part(key) in skipped:
+            suite.details.setdefault(key, value)
 
 
 if __name__ == "__main__":
