@@ -5,8 +5,9 @@ The loop is ``await poll()`` (bounded by the next instance deadline), then a dra
 synchronous* socket: ``zmq.asyncio`` allocates a Future per ``recv``, which the drain does not
 need. Every message goes through the pure ``DiscoveryRegistry``; its events become log lines,
 catalog updates and model builds. Builds run in a thread, so the socket keeps being serviced (a
-bound SUB only sends its subscription to a new publisher when its owner touches it). Nothing a peer sends can stop the loop: bad messages are
-counted and logged at most once per reason per second.
+bound SUB only sends its subscription to a new publisher when its owner touches it). Nothing a
+peer sends can stop the loop: bad messages are counted and logged at most once per reason per
+second.
 
 Each live instance reaches the catalog as the registry's ``Instance`` record (endpoint, declared
 token, KV-event address), unchanged. When the set of declarations in a model's pool changes the
