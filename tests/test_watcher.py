@@ -21,6 +21,7 @@ import zmq.asyncio
 from support.logs import TIMEOUT_S, Logs, find, until
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
+from dynamo_prep.discovery import watcher as watcher_module
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError, PreprocessorBuilder
 from dynamo_prep.discovery.eventlog import DiscoveryLog
 from dynamo_prep.discovery.files import ModelFileStore
@@ -388,6 +389,29 @@ async def test_a_flood_larger_than_one_drain_is_fully_processed(
         await peer.publish(announce("flood", seq, raw))
     await until(lambda: watcher.counters["messages"] == 40, "40 messages")
     assert watcher.registry.counters["cards_decoded"] == 1
+    assert len(find(logs, "instance_added")) == 1
+
+
+async def test_a_drain_stops_at_its_time_budget_and_the_flood_is_still_processed(
+    start: Start, logs: Logs, k3_card: ModelDeploymentCard, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no time for a drain, each one stops after one message (the loop serves others between
+    them, issue 13's flood of names); nothing is lost."""
+    monkeypatch.setattr(watcher_module, "MAX_DRAIN_S", 0.0)
+    watcher, peer = await start()
+    stopped_early: list[bool] = []
+    drain = watcher._drain
+
+    def counted() -> bool:
+        stopped_early.append(drain())
+        return stopped_early[-1]
+
+    watcher._drain = counted  # type: ignore[method-assign]
+    raw = card_bytes(k3_card)
+    for seq in range(1, 41):
+        await peer.publish(announce("flood", seq, raw))
+    await until(lambda: watcher.counters["messages"] == 40, "40 messages")
+    assert stopped_early.count(True) == 40  # one message per drain, far below max_drain
     assert len(find(logs, "instance_added")) == 1
 
 

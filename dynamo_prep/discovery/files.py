@@ -180,6 +180,9 @@ class ModelFileStore:
         self.models = self.root / "models"
         self.max_bytes = default_cache_max_bytes() if max_bytes is None else max_bytes
         self._lock = threading.Lock()  # builds run in threads: eviction and the live set are shared
+        # One eviction at a time. Its scan (every entry of the cache) runs outside ``_lock``, which
+        # ``release`` takes on the event loop: a scan of thousands of models must not stall it.
+        self._evicting = threading.Lock()
         self._live: dict[str, frozenset[str]] = {}  # mdcsum -> its blobs' sha256, kept from eviction
         self._clock_ns = 0  # the last use stamped (mtime is the LRU clock; file times are coarse)
 
@@ -245,10 +248,15 @@ class ModelFileStore:
     def evict(self) -> int:
         """Remove least recently used entries no live model uses until the cache fits ``max_bytes``;
         returns the bytes freed. Over the cap with only live entries left, it warns and keeps them."""
-        with self._lock:
-            usage = _CacheUsage(self.blobs, self.models)
+        with self._evicting:
+            usage = _CacheUsage(self.blobs, self.models)  # entries added after the scan are kept
             if usage.total <= self.max_bytes:
                 return 0
+            return self._evict(usage)
+
+    def _evict(self, usage: _CacheUsage) -> int:
+        """The removals, under ``_lock``: a model made live since the scan keeps its entries."""
+        with self._lock:
             before, evicted = usage.total, 0
             live_blobs = {sha for blobs in self._live.values() for sha in blobs}
             for path in usage.least_recently_used():

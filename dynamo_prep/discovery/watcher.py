@@ -1,12 +1,13 @@
 """Frontend side of the discovery plane: one SUB socket in, the live model catalog out.
 
 The loop is ``await poll()`` (bounded by the next instance deadline), then a drain of up to
-``max_drain`` messages through a *shadow synchronous* socket: ``zmq.asyncio`` allocates a Future
-per ``recv``, which the drain does not need. Every message goes through the pure
-``DiscoveryRegistry``; its events become log lines, catalog updates and model builds. Builds run
-in a thread, so the socket keeps being serviced (a bound SUB only sends its subscription to a new
-publisher when its owner touches it). Nothing a peer sends can stop the loop: bad messages are
-counted and logged at most once per reason per second.
+``max_drain`` messages (and at most ``MAX_DRAIN_S`` of the event loop's time) through a *shadow
+synchronous* socket: ``zmq.asyncio`` allocates a Future per ``recv``, which the drain does not
+need. Every message goes through the pure ``DiscoveryRegistry``; its events become log lines,
+catalog updates and model builds. Builds run in a thread, so the socket keeps being serviced (a
+bound SUB only sends its subscription to a new publisher when its owner touches it). Nothing a
+peer sends can stop the loop: bad messages are counted and logged at most once per reason per
+second.
 
 Each live instance reaches the catalog as the registry's ``Instance`` record (endpoint, declared
 token, KV-event address), unchanged. When the set of declarations in a model's pool changes the
@@ -71,6 +72,9 @@ from dynamo_prep.protocol.discovery import (
 
 __all__ = ["DiscoveryWatcher", "InstanceListener"]
 MAX_DRAIN_PER_WAKE = 512
+# A drain also stops after this long: under a flood of new instances (~0.1 ms each: registry, log
+# line, metrics) 512 messages would hold the event loop for 50 ms and more, /live and streams with it.
+MAX_DRAIN_S = 0.005
 MAX_POLL_S = 1.0
 # After a drain, wait this long before the next poll (bounds the wake rate, adds at most this latency).
 COALESCE_S = 0.005
@@ -214,14 +218,15 @@ class DiscoveryWatcher:
             raise RuntimeError("open() the watcher first")
         timeout_ms = self._poll_timeout_ms()
         if await socket.poll(timeout_ms):  # flags default to POLLIN
-            drained = self._drain()
+            flooded = self._drain()
             # Under a flood, only yield (builds and other tasks run). Otherwise let the next messages
             # gather for a moment: a first message is handled at once, but steady heartbeats cost one
             # wake per batch instead of one per message (half the CPU at 1,000/s; benchmarks/scale.py).
-            await asyncio.sleep(0 if drained >= self._max_drain else COALESCE_S)
+            await asyncio.sleep(0 if flooded else COALESCE_S)
         self._notice_stall(timeout_ms / 1000 + COALESCE_S)
         # News before expiry: after a stall the poll can time out, or the sleep overrun, with fresh
-        # announcements waiting; expiring first would drop every instance.
+        # announcements waiting; expiring first would drop every instance. Under a flood, the rest
+        # waits for the next wake (the poll yields first).
         self._drain()
         if self._clock() >= self._expire_after:
             self._handle(self.registry.expire(self._clock()))
@@ -266,19 +271,23 @@ class DiscoveryWatcher:
 
     # -- receiving ---------------------------------------------------------------------------
 
-    def _drain(self) -> int:
-        """Receive without Futures until the socket is empty or ``max_drain`` is reached."""
+    def _drain(self) -> bool:
+        """Receive without Futures until the socket is empty (False), or ``max_drain`` messages or
+        ``MAX_DRAIN_S`` are reached (True: more may be waiting)."""
         shadow = self._shadow
         assert shadow is not None
         received = 0
+        deadline = time.monotonic() + MAX_DRAIN_S
         while received < self._max_drain:
             try:
                 frames = shadow.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                break
+                return False
             received += 1
             self._on_frames(frames)
-        return received
+            if time.monotonic() >= deadline:
+                return True
+        return True
 
     def _on_frames(self, frames: list[zmq.Frame]) -> None:
         self.counters["messages"] += 1

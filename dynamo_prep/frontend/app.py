@@ -38,9 +38,11 @@ from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_e
 from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
+from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
 from dynamo_prep.frontend.request_record import CLIENT_GONE, RequestRecord
 from dynamo_prep.frontend.router import Router
+from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ModelEntry,
@@ -59,6 +61,9 @@ log = structlog.get_logger("dynamo_prep.frontend")
 # Preprocessing is sub-millisecond for ordinary prompts; bodies above this render and tokenize in a
 # thread (~0.1 ms more), so one huge prompt cannot stall every other stream, nor /live, on the loop.
 THREAD_ABOVE_BYTES = 32 << 10
+# A stop string's character costs this many body bytes in that choice: the stop matcher's automaton
+# takes ~0.7 us per character to build, so the largest stop list (16 Ki characters) builds in a thread.
+STOP_CHAR_WEIGHT = 16
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
 _JSON = "application/json"
@@ -138,11 +143,13 @@ class _Handlers:
             in_thread=len(body) > THREAD_ABOVE_BYTES,
         )
         outputs = _observed(self.migration.outputs(journey), record)
+        tokenizer, rendered = model.preprocessor.tokenizer, journey.prompt.rendered
+        answer = await _off_loop(
+            len(body) + STOP_CHAR_WEIGHT * sum(map(len, stop_strings(chat.stop))),
+            lambda: answer_stream_for(model.card, tokenizer, chat, rendered),
+        )
         completion = Completion(
-            id=f"chatcmpl-{request_id}",
-            model=chat.model,
-            created=int(time.time()),
-            answer=answer_stream_for(model.card, model.preprocessor.tokenizer, chat, journey.prompt.rendered),
+            id=f"chatcmpl-{request_id}", model=chat.model, created=int(time.time()), answer=answer
         )
         first = await _first(outputs)  # errors before the first token keep their HTTP status
         if chat.stream:
@@ -243,8 +250,8 @@ async def _read_body(request: Request, settings: HttpSettings) -> bytes:
 
 
 async def _off_loop(size: int, work: Callable[[], _T]) -> _T:
-    """``work()``, in a thread when the body is large (it may take long: never on the loop)."""
-    return await asyncio.to_thread(work) if size > THREAD_ABOVE_BYTES else work()
+    """``work()``, in a thread when the body is large or a render turns out slow (never long on the loop)."""
+    return await off_loop_if_slow(work, in_thread=size > THREAD_ABOVE_BYTES)
 
 
 async def _first(outputs: AsyncGenerator[Output, None]) -> Output:

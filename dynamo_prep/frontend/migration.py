@@ -31,6 +31,7 @@ from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerL
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import OpenAIError
 from dynamo_prep.frontend.kv_routing import KvRouting, RoutingPrompt
+from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.preprocessor import TokenizedPrompt
@@ -98,7 +99,7 @@ class Migration:
     ) -> Journey:
         """Render ``chat`` for the model's own declaration (a client mistake raises here, as a 400).
 
-        ``in_thread`` renders off the loop (large bodies).
+        ``in_thread`` renders off the loop (large bodies); a render that turns out slow moves there.
         """
         declared = model.preprocessor.card.runtime_config.image_placeholder_token
         started = time.perf_counter()
@@ -197,7 +198,7 @@ class Migration:
     async def _call(
         render: Callable[[ChatCompletionRequest], _T], chat: ChatCompletionRequest, *, in_thread: bool
     ) -> _T:
-        return await asyncio.to_thread(render, chat) if in_thread else render(chat)
+        return await off_loop_if_slow(lambda: render(chat), in_thread=in_thread)
 
     async def _stream(
         self, instance: Instance, base: PreprocessedRequest, journey: Journey

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Coroutine, Mapping
 from typing import Any
 
@@ -37,6 +38,10 @@ from dynamo_prep.routing.metrics import KvMetrics
 __all__ = ["FrontendConfig", "run_frontend", "run_in_loop", "serve_frontend"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
+# Slow work runs in threads (large or slow renders, stop automata, model builds), but holds the GIL:
+# the event loop waits up to one switch interval per waiting thread each time it wants the GIL back
+# (CPython's default 5 ms: /live took 60-100 ms with 4 such threads busy). 1 ms bounds that.
+GIL_SWITCH_INTERVAL_S = 0.001
 
 
 def run_frontend(**options: Any) -> int:
@@ -54,7 +59,8 @@ def run_frontend(**options: Any) -> int:
 
 
 def run_in_loop(main: Coroutine[Any, Any, int]) -> int:
-    """Run ``main`` to completion on a fresh uvloop event loop."""
+    """Run ``main`` to completion on a fresh uvloop event loop, with ``GIL_SWITCH_INTERVAL_S``."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(main)
 

@@ -8,7 +8,13 @@ the template's special tokens are control segments; ``formatter``: ``JinjaFormat
 Not covered: ``continue_final_message``, ``sanitize_control_tokens`` and callables as tools.
 """
 
-from dynamo_prep.formatter.jinja.bounds import RENDER_LIMITS, TemplateLimitError, TemplateLimits
+from dynamo_prep.formatter.jinja.bounds import (
+    RENDER_LIMITS,
+    RenderSliceSpent,
+    TemplateLimitError,
+    TemplateLimits,
+    sliced,
+)
 from dynamo_prep.formatter.jinja.checkpoint import registered_specials_from_config, special_tokens_from_config
 from dynamo_prep.formatter.jinja.environment import ChatTemplateError
 from dynamo_prep.formatter.jinja.formatter import JinjaFormatter
@@ -17,8 +23,10 @@ __all__ = [
     "RENDER_LIMITS",
     "ChatTemplateError",
     "JinjaFormatter",
+    "RenderSliceSpent",
     "TemplateLimitError",
     "TemplateLimits",
     "registered_specials_from_config",
+    "sliced",
     "special_tokens_from_config",
 ]

@@ -40,6 +40,7 @@ __all__ = [
     "MAX_TEMPLATE_CHARS",
     "RENDER_LIMITS",
     "Budget",
+    "RenderSliceSpent",
     "TemplateLimitError",
     "TemplateLimits",
     "bounded",
@@ -47,6 +48,7 @@ __all__ = [
     "current",
     "is_int",
     "log_limit",
+    "sliced",
 ]
 
 log = structlog.get_logger("dynamo_prep.formatter.jinja")
@@ -79,6 +81,11 @@ class TemplateLimitError(PromptRenderError):
         self.limit = limit
 
 
+class RenderSliceSpent(Exception):  # noqa: N818 (not an error: a signal to render elsewhere)
+    """A render started under ``sliced(seconds)`` ran past its slice, not its deadline: the caller
+    renders it again where it may take its whole budget (a thread, off the event loop)."""
+
+
 class Budget:
     """One render's deadline and allocation total, and the weights of the containers it has seen."""
 
@@ -91,6 +98,7 @@ class Budget:
         "deadline",
         "expired",
         "limits",
+        "slice_end",
         "ticks",
     )
 
@@ -99,7 +107,10 @@ class Budget:
         self._timed = timed  # untimed: the shared budget outside renders, sizes only
         self._max_chars = limits.max_chars
         self._max_total = limits.max_total_chars if timed else float("inf")
-        self.deadline = time.monotonic() + limits.seconds if timed else float("inf")
+        now = time.monotonic()
+        self.deadline = now + limits.seconds if timed else float("inf")
+        slice_s = _SLICE.get() if timed else None
+        self.slice_end = now + slice_s if slice_s is not None else float("inf")
         self.ticks = 0
         self.allocated = 0
         self.expired = False
@@ -107,11 +118,15 @@ class Budget:
 
     def tick(self) -> None:
         self.ticks += 1
-        if self.expired or (not self.ticks % _TICKS and time.monotonic() > self.deadline):
-            self.expired = True
-            raise TemplateLimitError(
-                "seconds", f"the chat template ran past its {self.limits.seconds:g} s deadline"
-            )
+        if self.expired or not self.ticks % _TICKS:
+            now = time.monotonic()
+            if self.expired or now > self.deadline:
+                self.expired = True
+                raise TemplateLimitError(
+                    "seconds", f"the chat template ran past its {self.limits.seconds:g} s deadline"
+                )
+            if now > self.slice_end:
+                raise RenderSliceSpent("the render ran past its slice of the event loop")
 
     def check(self, what: str, chars: int) -> None:
         """Refuse to build ``what`` of ``chars`` characters when that is over ``max_chars``."""
@@ -236,6 +251,7 @@ class Budget:
 _PRINTF_SPEC = re.compile(r"%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?[a-zA-Z%]")
 _FORMATTER = string.Formatter()
 _BUDGET: contextvars.ContextVar[Budget | None] = contextvars.ContextVar("jinja_budget", default=None)
+_SLICE: contextvars.ContextVar[float | None] = contextvars.ContextVar("jinja_render_slice", default=None)
 _UNTIMED = Budget(RENDER_LIMITS, timed=False)
 
 
@@ -250,6 +266,18 @@ def _int_sum(values: Iterable[Any]) -> int:
 def current() -> Budget:
     """The active render's budget; outside any render (a template rendered directly), sizes only."""
     return _BUDGET.get() or _UNTIMED
+
+
+@contextmanager
+def sliced(seconds: float) -> Iterator[None]:
+    """Renders started inside raise ``RenderSliceSpent`` once they have run ``seconds`` (the event
+    loop's share); every limit is otherwise unchanged. Context-local: a thread started inside
+    (``asyncio.to_thread`` copies the context) inherits the slice."""
+    token = _SLICE.set(seconds)
+    try:
+        yield
+    finally:
+        _SLICE.reset(token)
 
 
 def bounded(limits: TemplateLimits) -> AbstractContextManager[Budget]:

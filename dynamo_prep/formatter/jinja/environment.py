@@ -55,6 +55,7 @@ from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja.bounds import (
     MAX_TEMPLATE_CHARS,
     RENDER_LIMITS,
+    RenderSliceSpent,
     TemplateLimitError,
     TemplateLimits,
     bounded,
@@ -448,6 +449,8 @@ def render_template(
             raise PromptRenderError(str(exc)) from exc
         except TemplateLimitError as exc:
             log_limit(exc)
+            raise
+        except RenderSliceSpent:
             raise
         except Exception as exc:
             raise PromptRenderError(f"chat template error: {type(exc).__name__}: {exc}") from exc
