@@ -32,7 +32,6 @@ hang. Normal templates render byte for byte as before: the hooks only check, nev
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -55,6 +54,8 @@ from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja.bounds import (
     MAX_TEMPLATE_CHARS,
     RENDER_LIMITS,
+    TICKS_PER_CLOCK_READ,
+    Budget,
     TemplateLimitError,
     TemplateLimits,
     bounded,
@@ -157,14 +158,36 @@ def _strftime_now(format: str) -> str:
 
 
 class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
-    """Jinja's code generator with the budget hooks: loops tick, built strings and literals are admitted."""
+    """Jinja's code generator with the budget hooks: loops tick, built strings and literals are admitted.
 
-    def visit_For(self, node: jinja2.nodes.For, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
-        """The loop iterates ``environment.bounded_iter(<iterable>)`` (Jinja allows no custom nodes)."""
-        bounded_node = copy.copy(node)
-        hook = jinja2.nodes.EnvironmentAttribute("bounded_iter", lineno=node.iter.lineno)
-        bounded_node.iter = jinja2.nodes.Call(hook, [node.iter], [], None, None, lineno=node.iter.lineno)
-        super().visit_For(bounded_node, frame)
+    ``a + b`` is emitted as ``environment.admit(a + b)``: the check ``call_binop`` would make, without
+    its dispatch (``+`` stays intercepted, so Jinja still never folds it).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop_iterables: dict[int, jinja2.nodes.Node] = {}
+
+    def visit(self, node: jinja2.nodes.Node, *args: Any, **kwargs: Any) -> Any:
+        """A ``for``'s iterable is emitted as ``environment.bounded_iter(<iterable>)``, a direct call
+        (Jinja allows no custom nodes, and a ``Call`` node would go through the sandbox's ``call``)."""
+        if self._loop_iterables.get(id(node)) is node:
+            self.write("environment.bounded_iter(")
+            super().visit(node, *args, **kwargs)
+            self.write(")")
+            return None
+        return super().visit(node, *args, **kwargs)
+
+    def visit_Template(self, node: jinja2.nodes.Template, frame: jinja2.compiler.Frame | None = None) -> None:  # noqa: N802
+        self._loop_iterables = {id(loop.iter): loop.iter for loop in node.find_all(jinja2.nodes.For)}
+        super().visit_Template(node, frame)
+
+    def visit_Add(self, node: jinja2.nodes.BinExpr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        self.write("environment.admit(")
+        self.visit(node.left, frame)
+        self.write(" + ")
+        self.visit(node.right, frame)
+        self.write(")")
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
         self._admitted(super().visit_Concat, node, frame)
@@ -227,16 +250,28 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             return value
         return current().admit(value)
 
-    def bounded_iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
+    def bounded_iter(self, iterable: Iterable[Any]) -> Iterable[Any]:
+        """What a ``for`` iterates: a short list or tuple as it is, its iterations ticked at once (the
+        clock is read before it, so no more iterations run between two reads than per-item ticking
+        allows), anything else item by item."""
         budget = current()
-        for item in iterable:
-            budget.tick()
-            yield item
+        kind = type(iterable)
+        if (kind is list or kind is tuple) and len(iterable) <= TICKS_PER_CLOCK_READ:  # type: ignore[arg-type]
+            budget.tick_many(len(iterable))  # type: ignore[arg-type]
+            return iterable
+        return _ticking(iterable, budget)
 
     def concat(self, parts: Iterable[str]) -> str:
-        """The output (and every block's): joined within ``max_chars`` (loops tick, chunks need not)."""
+        """The output (and every block's): joined within ``max_chars`` (loops tick, chunks need not).
+        A macro's buffer is a list already built: measured at once."""
         budget = current()
         limit = budget.limits.max_chars
+        if type(parts) is list:
+            size = sum(map(len, parts))
+            if size > limit:
+                budget.check("an output", size)
+            budget.charge(size)
+            return "".join(parts)
         chunks: list[str] = []
         append = chunks.append
         size = 0
@@ -269,6 +304,13 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         budget = current()
         budget.tick()
         if type(__obj) is jinja2.runtime.Macro:
+            if _passes_through(__obj, args, kwargs):
+                try:
+                    return __obj._func(*args)
+                except StopIteration:  # what Context.call makes of it
+                    return __self.undefined(
+                        "value was undefined because a callable raised a StopIteration exception"
+                    )
             return __context.call(__obj, *args, **kwargs)
         # str.format arrives wrapped by the sandbox (``__wrapped__`` is the bound method)
         owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
@@ -277,6 +319,26 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             if check is not None:
                 args = check(budget, owner, args, kwargs)
         return budget.admit(super().call(__context, __obj, *args, **kwargs))
+
+
+def _ticking(iterable: Iterable[Any], budget: Budget) -> Iterator[Any]:
+    for item in iterable:
+        budget.tick()
+        yield item
+
+
+_FRAME_KWARGS = frozenset({"_loop_vars", "_block_vars"})  # added by generated code, dropped by Context.call
+
+
+def _passes_through(macro: jinja2.runtime.Macro, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Macro.__call__`` would call the macro's function with ``args`` unchanged: exactly its
+    positional arguments, no caller, varargs or kwargs to collect, no autoescaping."""
+    return (
+        len(args) == macro._argument_count
+        and not (macro.caller or macro.catch_kwargs or macro.catch_varargs or macro._default_autoescape)
+        and kwargs.keys() <= _FRAME_KWARGS
+        and not (args and isinstance(args[0], jinja2.nodes.EvalContext))
+    )
 
 
 def _test_mapping(value: Any) -> bool:

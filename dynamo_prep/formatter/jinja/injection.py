@@ -137,10 +137,13 @@ class SpecialTokens:
     def __init__(self, specials: Iterable[str], *, inner_pieces: bool = True) -> None:
         self.strings = tuple(sorted({s for s in specials if s}, key=lambda s: (-len(s), s)))
         self.inner_pieces = inner_pieces
-        self._pattern = re.compile("|".join(map(re.escape, self.strings))) if self.strings else None
+        self._pattern = re.compile(_longest_first(self.strings)) if self.strings else None
+        self._splitter = re.compile(f"({_longest_first(self.strings)})") if self.strings else None
+        self._controls = {special: Segment(special, True) for special in self.strings}
         edges = {char for s in self.strings for char in (s[0], s[-1])}
         edges |= {variant for char in edges for variant in (char.lower(), char.upper(), char.casefold())}
         self._edges = re.compile("[" + "".join(map(re.escape, sorted(edges))) + "]") if edges else None
+        self._edge_bytes = re.compile(b"|".join(sorted(map(re.escape, _utf8(edges))))) if edges else None
         # characters JSON escapes (so a search of the JSON text would miss them)
         self._json_edges = any(char in '"\\' or ord(char) < 0x20 for char in edges)
         self._joined = "\x00".join(self.strings)
@@ -170,7 +173,8 @@ class SpecialTokens:
             encoded = msgspec.json.encode(value)
         except (TypeError, ValueError, msgspec.EncodeError):
             return False
-        return self._edges.search(encoded.decode("utf-8")) is None
+        # UTF-8 is self-synchronizing: a character's bytes occur only where the character does
+        return self._edge_bytes is None or self._edge_bytes.search(encoded) is None
 
     def fragments_in(self, source: str) -> bool:
         """Whether template source writes a special's first or last two characters outside a whole special.
@@ -183,15 +187,50 @@ class SpecialTokens:
 
     def cut(self, text: str, segments: list[Segment]) -> None:
         """Append ``text`` as control segments (each special) and text segments (the runs between)."""
-        start = 0
-        if self._pattern is not None:
-            for match in self._pattern.finditer(text):
-                if match.start() > start:
-                    segments.append(Segment(text[start : match.start()], False))
-                segments.append(Segment(match.group(), True))
-                start = match.end()
-        if start < len(text):
-            segments.append(Segment(text[start:], False))
+        if self._splitter is None:
+            if text:
+                segments.append(Segment(text, False))
+            return
+        parts = self._splitter.split(text)  # text, special, text, ..., text
+        append, controls = segments.append, self._controls
+        if parts[0]:
+            append(Segment(parts[0], False))
+        for index in range(1, len(parts), 2):
+            append(controls[parts[index]])
+            if parts[index + 1]:
+                append(Segment(parts[index + 1], False))
+
+
+def _longest_first(strings: Iterable[str]) -> str:
+    """A regex matching, at each position, the longest of ``strings`` that occurs there: a trie of
+    them (one branch per next character), so a position costs one character test per level instead
+    of one attempt per string."""
+    trie: dict[str, Any] = {}
+    for string in strings:
+        node = trie
+        for char in string:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a string ends here ("" is never a character)
+
+    def branch(node: dict[str, Any]) -> str:
+        alternatives = [re.escape(char) + branch(child) for char, child in sorted(node.items()) if char]
+        if not alternatives:
+            return ""
+        body = alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+        return f"(?:{body})?" if "" in node else body  # greedy: a longer string first
+
+    return branch(trie)
+
+
+def _utf8(chars: Iterable[str]) -> list[bytes]:
+    """The UTF-8 bytes of each character that has them (a lone surrogate does not, nor does any JSON)."""
+    encoded = []
+    for char in chars:
+        try:
+            encoded.append(char.encode("utf-8"))
+        except UnicodeEncodeError:
+            continue
+    return encoded
 
 
 def _user_strings(value: Any, key: Any = None) -> Iterator[str]:
