@@ -452,15 +452,20 @@ def bench_jinja(suite: Suite, model_dir: Path, *, rounds: int, number: int) -> N
         suite.record(name, None, "x", target=">= 2x", note=hf_note)
 
 
-def profile(k3_dir: Path, qwen_dir: Path) -> None:
+def profile(k3_dir: Path, qwen_dir: Path, *, number: int) -> None:
+    """pyinstrument profiles of ``tokenize`` over pools of distinct requests (as timed: user text new)."""
     from pyinstrument import Profiler  # noqa: PLC0415 (optional: the bench extra)
 
-    for model_dir, request in ((k3_dir, k3_request(" [p]")), (qwen_dir, qwen_request(" [p]"))):
+    for model_dir, make in ((k3_dir, k3_request), (qwen_dir, qwen_request)):
         preprocessor = OpenAIPreprocessor.new(ModelDeploymentCard.from_model_dir(model_dir), model_dir)
+        pools = [[make(f" [p{round_index}n{index}]") for index in range(number)] for round_index in range(16)]
+        for request in pools[0][:20]:
+            preprocessor.tokenize(request)
         profiler = Profiler(interval=0.0001)
         with profiler:
-            for _ in range(3000):
-                preprocessor.tokenize(request)
+            for pool in pools[1:]:
+                for request in pool:
+                    preprocessor.tokenize(request)
         print(profiler.output_text(unicode=True, color=False, show_all=False))
 
 
@@ -475,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         k3_dir = build_model_dir(Path(tmp), K3_DEMO_DIR, _K3_ID_KEYS, ranks)
         qwen_dir = build_model_dir(Path(tmp), QWEN_DEMO_DIR, _QWEN_ID_KEYS, ranks)
         if args.profile:
-            profile(k3_dir, qwen_dir)
+            profile(k3_dir, qwen_dir, number=args.number)
             return 0
         suite = Suite("preprocess")
         bench_k3(suite, k3_dir, rounds=args.rounds, number=args.number)
