@@ -187,10 +187,12 @@ class FileProcess:
     lines while it runs (a reader thread here would compete for our GIL, and a slow reader would
     stall its writes), as a container runtime collecting stdout would be."""
 
-    def __init__(self, args: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self, args: Sequence[str], log_path: Path, *, module: Sequence[str] = ("dynamo_prep.cli",)
+    ) -> None:
         self.log_path = log_path
         with log_path.open("w") as sink:
-            command = [sys.executable, "-m", "dynamo_prep.cli", "--log-format", "json", *args]
+            command = [sys.executable, "-m", *module, "--log-format", "json", *args]
             self.process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
 
     @property
@@ -420,12 +422,76 @@ def top_frames(raw: Path, limit: int = 25) -> list[tuple[float, str]]:
     """(percent of busy samples, frame) by inclusive time, from py-spy's raw (collapsed) output."""
     inclusive: Counter[str] = Counter()
     busy = 0
+    for frames, count in _busy_stacks(raw):
+        busy += count
+        for frame in set(frames):
+            inclusive[frame] += count
+    return [(100 * n / max(busy, 1), frame) for frame, n in inclusive.most_common(limit)]
+
+
+# Where a sample's leaf frame lives, by path fragment (first match wins): the profile's summary
+# attributes self time to these parts of the stack.
+_COMPONENTS = (
+    ("dynamo_prep/frontend/client.py", "request-plane client"),
+    ("dynamo_prep/frontend/", "frontend (app, answers, records)"),
+    ("dynamo_prep/parsing/", "answer parsing"),
+    ("dynamo_prep/", "dynamo_prep (other)"),
+    ("zmq/", "pyzmq"),
+    ("uvicorn/", "uvicorn"),
+    ("starlette/", "starlette"),
+    ("anyio/", "anyio"),
+    ("h11/", "h11"),
+    ("httptools", "httptools"),
+    ("granian", "granian"),
+    ("structlog/", "structlog"),
+    ("prometheus_client/", "prometheus_client"),
+    ("msgspec", "msgspec"),
+    ("tiktoken", "tiktoken"),
+    ("asyncio/", "asyncio (event loop)"),
+    ("uvloop", "uvloop (event loop)"),
+)
+
+
+def profile_summary(raw: Path, title: str, limit: int = 20) -> str:
+    """A text summary of a py-spy raw profile: self time per component, then the top frames by self
+    and by inclusive time (percent of busy samples; the idle ``select`` is left out)."""
+    own: Counter[str] = Counter()
+    parts: Counter[str] = Counter()
+    busy = 0
+    for frames, count in _busy_stacks(raw):
+        busy += count
+        own[frames[-1]] += count
+        parts[_component(frames[-1])] += count
+    lines = [
+        f"# {title}",
+        f"busy samples: {busy}",
+        "",
+        "py-spy samples the main thread's wall time: a syscall that wakes another process (a socket",
+        "write on loopback runs the peer's TCP receive too; a ZeroMQ send wakes its I/O thread) counts",
+        "for as long as it takes, waiting for a CPU included on a saturated machine. CPU per request",
+        "comes from /proc (results/http.json); read these shares as where the time goes, not the CPU.",
+        "",
+        "## self time by component",
+    ]
+    lines += [f"{100 * n / max(busy, 1):5.1f}%  {part}" for part, n in parts.most_common()]
+    lines += ["", "## top frames, self time"]
+    lines += [f"{100 * n / max(busy, 1):5.1f}%  {frame}" for frame, n in own.most_common(limit)]
+    lines += ["", "## top frames, inclusive time"]
+    lines += [f"{percent:5.1f}%  {frame}" for percent, frame in top_frames(raw, limit + 15)]
+    return "\n".join(lines) + "\n"
+
+
+def _component(frame: str) -> str:
+    for fragment, name in _COMPONENTS:
+        if fragment in frame:
+            return name
+    return "other (stdlib, interpreter)"
+
+
+def _busy_stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
     for line in raw.read_text().splitlines():
         stack, _, count = line.rpartition(" ")
         frames = stack.split(";")
-        if "select (selectors.py" in frames[-1]:
-            continue  # the event loop waiting: idle, not cost
-        busy += int(count)
-        for frame in set(frames):
-            inclusive[frame] += int(count)
-    return [(100 * n / max(busy, 1), frame) for frame, n in inclusive.most_common(limit)]
+        if not count.isdigit() or "select (selectors.py" in frames[-1]:
+            continue  # a partial line, or the event loop waiting: idle, not cost
+        yield frames, int(count)

@@ -247,7 +247,8 @@ def _add_worker(commands: Any) -> None:
         type=float,
         default=None,
         metavar="MS",
-        help="with --kv-events: prefill delay per 1000 prompt tokens not in the cache "
+        help="with --kv-events: prefill time per 1000 prompt tokens not in the cache; prefills queue "
+        "one after another, as on a GPU "
         f"(default {defaults.DEFAULT_PREFILL_MS_PER_1K:g})",
     )
     _add_discovery_client(worker)
@@ -315,6 +316,36 @@ def _add_http(command: Any) -> None:
         metavar="SECONDS",
         help="per-request deadline, queueing included (env DYN_REQUEST_TIMEOUT; "
         f"default {defaults.DEFAULT_REQUEST_TIMEOUT_S:g})",
+    )
+    command.add_argument(
+        "--http-workers",
+        type=int,
+        default=_env_int("DYN_HTTP_WORKERS", defaults.DEFAULT_HTTP_WORKERS),
+        help="frontend processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend "
+        f"(env DYN_HTTP_WORKERS; default {defaults.DEFAULT_HTTP_WORKERS})",
+    )
+    command.add_argument(
+        "--http-header-timeout",
+        type=float,
+        default=_env_float("DYN_HTTP_HEADER_TIMEOUT", defaults.DEFAULT_HEADER_TIMEOUT_S),
+        metavar="SECONDS",
+        help="a request's headers must arrive within this, else 408 (env DYN_HTTP_HEADER_TIMEOUT; "
+        f"default {defaults.DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    command.add_argument(
+        "--http-body-timeout",
+        type=float,
+        default=_env_float("DYN_HTTP_BODY_TIMEOUT", defaults.DEFAULT_BODY_TIMEOUT_S),
+        metavar="SECONDS",
+        help="a request's body must arrive within this, else 408 (env DYN_HTTP_BODY_TIMEOUT; "
+        f"default {defaults.DEFAULT_BODY_TIMEOUT_S:g})",
+    )
+    command.add_argument(
+        "--http-max-connections",
+        type=int,
+        default=_env_int("DYN_HTTP_MAX_CONNECTIONS", defaults.DEFAULT_MAX_CONNECTIONS),
+        help="open connections per HTTP process; past it requests get 503 "
+        f"(env DYN_HTTP_MAX_CONNECTIONS; default {defaults.DEFAULT_MAX_CONNECTIONS})",
     )
 
 
@@ -515,6 +546,10 @@ def _frontend(args: argparse.Namespace) -> int:
         http_port=args.http_port,
         max_body_bytes=args.max_body_bytes,
         request_timeout_s=args.request_timeout,
+        http_workers=args.http_workers,
+        header_timeout_s=args.http_header_timeout,
+        body_timeout_s=args.http_body_timeout,
+        max_connections=args.http_max_connections,
         router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature,

@@ -12,7 +12,7 @@ import structlog
 LogFormat = Literal["json", "console"]
 # The longest peer- or client-supplied text (an error, a detail) a log line carries.
 DETAIL_CHARS = 300
-_configured = False
+_configured: dict[str, Any] | None = None
 
 
 def configure_logging(
@@ -24,7 +24,7 @@ def configure_logging(
     bound to every log line of the process.
     """
     global _configured  # noqa: PLW0603 - process-wide, set exactly once
-    if _configured:
+    if _configured is not None:
         return
     renderer: Any = (
         structlog.processors.JSONRenderer()
@@ -40,12 +40,20 @@ def configure_logging(
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=stream or sys.stdout),
+        # One write per line (message and newline together): cheaper than print, and lines from
+        # several processes sharing stdout (--http-workers) never interleave.
+        logger_factory=structlog.WriteLoggerFactory(file=stream or sys.stdout),
         cache_logger_on_first_use=True,
     )
     _route_stdlib_logging(stream or sys.stdout, numeric_level, shared, renderer)
     structlog.contextvars.bind_contextvars(**context)
-    _configured = True
+    _configured = {"level": level, "log_format": log_format, **context}
+
+
+def logging_options() -> dict[str, Any]:
+    """How this process configured its logging (``configure_logging``'s keywords but the stream),
+    so a child process it starts can log the same way; empty when it never did."""
+    return dict(_configured or {})
 
 
 def _route_stdlib_logging(stream: TextIO, level: int, shared: list[Any], renderer: Any) -> None:

@@ -139,6 +139,27 @@ def test_load_counts_each_shared_block_once_per_instance() -> None:
     assert tracker.active() == {"w1": 4}
 
 
+def test_blocks_waiting_for_prefill_count_until_the_first_token() -> None:
+    """An instance busy prefilling another request is as far from this one's first token as the
+    blocks it still has to prefill; once that request's first token is out, it is not."""
+    tracker = LoadTracker()
+    tracker.dispatch("long", "w0", 30, list(range(30)), prefill_blocks=30)
+    tracker.dispatch("other", "w1", 30, list(range(100, 130)), prefill_blocks=30)
+    tracker.prefilled("other")
+    assert tracker.prefilling() == {"w0": 30, "w1": 0} and tracker.active() == {"w0": 30, "w1": 30}
+    # 20 of 24 blocks cached on w0, none on w1: w0 would win on overlap (4 + 30 vs 24 + 30)...
+    busy = choose(["w0", "w1"], {"w0": 20}, 24, tracker.active(), {}, prefilling=tracker.prefilling())
+    assert busy.instance_id == "w1"  # ...but it has 30 blocks to prefill first: 34 + 30 vs 24 + 30
+    tracker.prefilled("long")
+    tracker.prefilled("long")  # once only
+    assert tracker.prefilling() == {"w0": 0, "w1": 0}
+    free = choose(["w0", "w1"], {"w0": 20}, 24, tracker.active(), {}, prefilling=tracker.prefilling())
+    assert free.instance_id == "w0"
+    tracker.release("long")
+    tracker.release("other")
+    assert tracker.prefilling() == {} and tracker.active() == {}
+
+
 def test_count_blocks_counts_a_partial_block() -> None:
     assert [count_blocks(n, 16) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
 

@@ -9,8 +9,9 @@ engine, recorded as they are published. The wire itself is tested with real work
 from __future__ import annotations
 
 import asyncio
+import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -90,7 +91,12 @@ class Setup:
     """A ``MockKvEngine`` recording what it publishes and each admission's ``Prefill``."""
 
     def __init__(
-        self, engine: MockContinuation, *, capacity: int = 256, prefill_ms_per_1k: float = 0.0
+        self,
+        engine: MockContinuation,
+        *,
+        capacity: int = 256,
+        prefill_ms_per_1k: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.published = Published()
         self.prefills: list[Prefill] = []
@@ -101,6 +107,7 @@ class Setup:
             self.published,
             prefill_ms_per_1k=prefill_ms_per_1k,
             on_admit=self.prefills.append,
+            clock=clock,
         )
 
     async def run(self, request: PreprocessedRequest) -> list[MockOutput]:
@@ -153,6 +160,35 @@ async def test_a_repeated_prompt_is_a_cache_hit_and_prefills_only_the_rest(
         (reused, round(second.seconds * 1000, 3)),
     ]
     assert started[1]["prefill_ms"] < started[0]["prefill_ms"]
+
+
+async def test_prefills_queue_one_after_another(engines: dict[Flavor, MockContinuation]) -> None:
+    """Two requests admitted at one instant: the second waits for the first's prefill, then its own;
+    once the queue has drained, a request waits only for itself."""
+    now = [100.0]
+    setup = Setup(engines["sglang"], prefill_ms_per_1k=1000.0, clock=lambda: now[0])
+    first_request = preprocess("sglang", "Summarise the rules above.")
+    other_request = preprocess("sglang", "Something else entirely, please.")
+    tasks = [asyncio.create_task(setup.run(r)) for r in (first_request, other_request)]
+    try:
+        await until(lambda: len(setup.prefills) == 2, "both admissions")
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    first, second = setup.prefills
+    own = (len(other_request.token_ids) - second.cached_tokens) / 1000
+    assert first.seconds == pytest.approx(len(first_request.token_ids) / 1000)
+    assert second.seconds == pytest.approx(first.seconds + own)
+    now[0] += 3600
+    task = asyncio.create_task(setup.run(other_request))
+    try:
+        await until(lambda: len(setup.prefills) == 3, "the late admission")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    late = setup.prefills[2]
+    assert late.seconds == pytest.approx((len(other_request.token_ids) - late.cached_tokens) / 1000)
 
 
 async def test_the_reply_completes_blocks_that_a_follow_up_turn_reuses(

@@ -81,10 +81,24 @@ async def test_streams_every_token_then_one_final(server: GenerationServer, engi
     assert isinstance(final, Output) and final.finish_reason == "stop"
     outputs = [m for m in replies.sent if isinstance(m, Output)]
     assert [o.finish_reason for o in outputs[:-1]] == [None] * (len(outputs) - 1)
-    text = engine.tokenizer.decode([t for o in outputs for t in o.token_ids])
-    assert text == engine.reply_text(request)
-    assert (final.prompt_tokens, final.completion_tokens) == (len(request.token_ids), len(outputs))
+    tokens = [t for o in outputs for t in o.token_ids]
+    assert engine.tokenizer.decode(tokens) == engine.reply_text(request)
+    assert (final.prompt_tokens, final.completion_tokens) == (len(request.token_ids), len(tokens))
+    # Steps faster than a frame per COALESCE_S leave together: fewer frames than tokens.
+    assert len(outputs) < len(tokens)
     assert server.in_flight == 0
+
+
+async def test_a_slower_stream_sends_every_step_as_it_comes(
+    server: GenerationServer, engine: MockEngine
+) -> None:
+    request = preprocess(MEDIA_PAD, max_tokens=4)
+    replies = Replies()
+    await server.on_generate(generate(request), replies)
+    await replies.wait_final()
+    outputs = [m for m in replies.sent if isinstance(m, Output)]
+    assert [o.token_ids for o in outputs] == [[t] for t in engine.reply_ids(request)[:4]]
+    assert [o.completion_tokens for o in outputs] == [1, 2, 3, 4]
 
 
 async def test_contract_violation_is_400_before_any_task(server: GenerationServer) -> None:

@@ -2,10 +2,12 @@
 
 Each request is admitted into a ``PagedPrefixCache`` (the whole prompt: a migrated request's
 prompt, which ends with the tokens already streamed, is just a longer prompt), the cache's events
-are published at once, the prefill delay is charged only for the prompt tokens the cache did not
-hold, and the reply streams. When the request ends, however it ends (finished, cancelled, timed
-out, failed), it is released with the tokens it generated, which caches the blocks its reply
-completed, and those events are published too.
+are published at once, the prefill time is charged only for the prompt tokens the cache did not
+hold, and the reply streams. Prefills queue one after another, as on a GPU whose prefill throughput
+is finite: a request waits for the prefills admitted before it, so load on an instance costs time.
+When the request ends, however it ends (finished, cancelled, timed out, failed), it is released
+with the tokens it generated, which caches the blocks its reply completed, and those events are
+published too.
 
 Images: each image is the span of one occurrence of the engine's image pattern in the prompt (the
 same ids the contract check counts), in prompt order, and its identity is the request's
@@ -17,6 +19,7 @@ two prompts that differ only in an image share no block from that image on.
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from dynamo_prep.engines.kv_cache import PagedPrefixCache
@@ -35,7 +38,8 @@ AdmitHook = Callable[[Prefill], None]
 class MockKvEngine:
     """A ``MockContinuation`` behind a paged prefix cache whose events go to ``publish``.
 
-    ``prefill_ms_per_1k``: the delay charged per 1000 prompt tokens the cache does not hold.
+    ``prefill_ms_per_1k``: the prefill time per 1000 prompt tokens the cache does not hold; a
+    request's delay is its own prefill plus the queued prefills of earlier requests (``clock``).
     ``on_admit`` (optional) is told each admission's ``Prefill`` (for metrics). Everything runs on
     the worker's event loop: the cache and ``publish`` have one owner.
     """
@@ -48,6 +52,7 @@ class MockKvEngine:
         *,
         prefill_ms_per_1k: float = 0.0,
         on_admit: AdmitHook | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not prefill_ms_per_1k >= 0:
             raise ValueError(f"prefill_ms_per_1k must be >= 0, got {prefill_ms_per_1k}")
@@ -57,6 +62,8 @@ class MockKvEngine:
         self._publish = publish
         self._on_admit = on_admit
         self._admissions = itertools.count()
+        self._clock = clock
+        self._prefill_free_at = 0.0  # when the prefills queued so far are done (clock time)
 
     def check_contract(self, request: PreprocessedRequest) -> None:
         self.engine.check_contract(request)
@@ -83,10 +90,20 @@ class MockKvEngine:
         cached = self.cache.admit(admission, request.token_ids, spans)
         self._flush()
         uncached = len(request.token_ids) - cached
-        prefill = Prefill(cached_tokens=cached, seconds=uncached / 1000 * self.prefill_ms_per_1k / 1000)
+        prefill = Prefill(
+            cached_tokens=cached, seconds=self._queue(uncached / 1000 * self.prefill_ms_per_1k / 1000)
+        )
         if self._on_admit is not None:
             self._on_admit(prefill)
         return prefill
+
+    def _queue(self, work_s: float) -> float:
+        """The delay of a prefill of ``work_s`` behind the ones already queued."""
+        if work_s <= 0:
+            return 0.0
+        now = self._clock()
+        self._prefill_free_at = max(now, self._prefill_free_at) + work_s
+        return self._prefill_free_at - now
 
     def _flush(self) -> None:
         events = self.cache.take_events()

@@ -13,18 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import os
 import re
 import time
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import msgspec
 import structlog
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -38,7 +39,7 @@ from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
-from dynamo_prep.frontend.request_record import RequestRecord
+from dynamo_prep.frontend.request_record import CLIENT_GONE, RequestRecord
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
@@ -63,6 +64,9 @@ _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,100}$")
 _JSON = "application/json"
 _T = TypeVar("_T")
 _encoder = msgspec.json.Encoder()
+# Request ids: this process's random prefix and a counter (as unique as a uuid4, without a syscall).
+_PROCESS_ID = os.urandom(8).hex()
+_sequence = itertools.count()
 
 
 def create_app(
@@ -114,7 +118,7 @@ class _Handlers:
     # -- chat completions --------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await _read_body(request, self.settings.max_body_bytes)
+        body = await _read_body(request, self.settings)
         chat = parse_chat_request(body)
         record: RequestRecord = request.state.record
         if self.catalog.status(chat.model) != "unknown":
@@ -124,7 +128,7 @@ class _Handlers:
         request_id: str = request.state.request_id
         structlog.contextvars.bind_contextvars(model=model.name)
         # Unique on the request plane even when a client reuses its x-request-id.
-        plane_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
+        plane_id = f"{request_id}.{_PROCESS_ID[:8]}{next(_sequence):x}"
         journey = await self.migration.begin(
             model,
             chat,
@@ -143,11 +147,12 @@ class _Handlers:
         first = await _first(outputs)  # errors before the first token keep their HTTP status
         if chat.stream:
             include_usage = bool((chat.stream_options or {}).get("include_usage"))
-            body_iterator = sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
-            return StreamingResponse(body_iterator, media_type="text/event-stream", headers=_NO_CACHE)
+            return _EventStream(
+                sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
+            )
         async with contextlib.aclosing(outputs):
             deltas = answer_deltas(_prepend(first, outputs), completion, record)
-            await _unless_disconnected(request, _drain(deltas))
+            await _unless_disconnected(request.receive, _drain(deltas))
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
 
     # -- models, tokenize, health ------------------------------------------------------------
@@ -163,7 +168,7 @@ class _Handlers:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``, rendered with the model's canonical declaration."""
-        body = await _read_body(request, self.settings.max_body_bytes)
+        body = await _read_body(request, self.settings)
         with decoding(RequestError.of):
             tokenize = msgspec.json.decode(body, type=TokenizeRequest)
         model = self._live_model(tokenize.model)
@@ -214,18 +219,26 @@ class _Handlers:
 _NO_CACHE = {"cache-control": "no-cache"}
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 past ``limit`` (by Content-Length, and as it streams in)."""
+async def _read_body(request: Request, settings: HttpSettings) -> bytes:
+    """The body, refused with 413 past the size limit (by Content-Length, and as it streams in),
+    with 408 when it takes longer than ``body_timeout_s``; a client leaving mid-upload is a 499."""
+    limit = settings.max_body_bytes
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise OpenAIError(413, f"request body is {declared} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(settings.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise OpenAIError(413, f"request body exceeds the limit of {limit} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise OpenAIError(408, f"the request body took longer than {settings.body_timeout_s:g} s") from None
+    except ClientDisconnect:
+        raise OpenAIError(CLIENT_GONE, "client disconnected during the upload") from None
     return b"".join(chunks)
 
 
@@ -270,10 +283,10 @@ async def _drain(items: AsyncGenerator[Any, None]) -> None:
             pass
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
+async def _unless_disconnected(receive: Receive, work: Awaitable[_T]) -> _T:
     """Await ``work``, cancelling it (and so the worker's generation) if the client goes away."""
     task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(_disconnected(request.receive))
+    gone = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -284,8 +297,37 @@ async def _unless_disconnected(request: Request, work: Awaitable[_T]) -> _T:
                 await task
     if task.cancelled():
         log.info("client_disconnected")
-        raise OpenAIError(499, "client disconnected")
+        raise OpenAIError(CLIENT_GONE, "client disconnected")
     return task.result()
+
+
+class _EventStream(Response):
+    """A ``text/event-stream`` response: each item of ``events`` is one body write, and a client
+    that goes away cancels the stream (closing it cancels the generation on the worker); the
+    response then never completes, which the request's record logs as 499."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[bytes, None]) -> None:
+        super().__init__(headers=_NO_CACHE)
+        self.events = events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+        try:
+            await _unless_disconnected(receive, self._pump(send))
+        except OpenAIError:  # the client left: nobody to answer
+            return
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send) -> None:
+        async with contextlib.aclosing(self.events):
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+
+    def init_headers(self, headers: Mapping[str, str] | None = None) -> None:
+        super().init_headers(headers)
+        self.raw_headers = [(name, value) for name, value in self.raw_headers if name != b"content-length"]
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -366,4 +408,4 @@ def _request_id(scope: Scope) -> str:
             text = bytes(value).decode("latin-1")
             if _REQUEST_ID.match(text):
                 return text
-    return uuid.uuid4().hex
+    return f"{_PROCESS_ID}{next(_sequence):016x}"

@@ -14,6 +14,12 @@ passes.
 An endpoint without requests for ``idle_close_s`` is closed by the same watchdog: a worker that
 stopped gracefully is withdrawn, never expired, so nothing else would ever close its socket, its
 two tasks and libzmq's reconnect attempts to its dead port. The next request reopens it.
+
+Per message the cost is kept small: the receive task wakes once per batch of arrived replies and
+drains them with the synchronous shadow socket (no Future per message); a request's consumer
+takes everything queued for it at once, and consecutive Outputs are merged into one (token ids
+concatenated, the last usage and finish reason), so a busy frontend handles a burst of tokens as
+one step. The request's deadline is one timer, not a timeout per message.
 """
 
 from __future__ import annotations
@@ -21,8 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+from collections import deque
 from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -31,6 +40,7 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
+from dynamo_prep.worker.generate import merged
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
@@ -72,7 +82,44 @@ class WorkerLost(Exception):  # noqa: N818 - the name the frontend codes against
         self.reason = reason
 
 
-_Item = Output | ErrorReply | WorkerLost
+class _Deadline:
+    """Queued for a request whose deadline passed without its final reply."""
+
+
+_DEADLINE = _Deadline()
+_Item = Output | ErrorReply | WorkerLost | _Deadline
+
+
+class _Inbox:
+    """One request's replies; its consumer takes all that arrived at once."""
+
+    __slots__ = ("_loop", "_waiter", "items")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.items: deque[_Item] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, item: _Item) -> None:
+        self.items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def replace(self, item: _Item) -> None:
+        """Drop whatever is queued: ``item`` is reported at once."""
+        self.items.clear()
+        self.put(item)
+
+    async def take(self) -> list[_Item]:
+        while not self.items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self.items)
+        self.items.clear()
+        return items
 
 
 class _Channel:
@@ -86,7 +133,7 @@ class _Channel:
         self.stall_timeout_s = client.stall_timeout_s
         self.idle_close_s = client.idle_close_s
         self.connect_timeout_s = client.connect_timeout_s
-        self.queues: dict[str, asyncio.Queue[_Item]] = {}
+        self.queues: dict[str, _Inbox] = {}
         self.closed = False
         self.heard = False  # anything at all from the worker since this channel opened
         self._loop = asyncio.get_running_loop()
@@ -94,21 +141,24 @@ class _Channel:
         self._heard_at = self._loop.time()
         self._idle_since = self._loop.time()
         self._pings = itertools.count(1)
+        self._readable: asyncio.Future[None] | None = None  # the receive loop, waiting
+        self._polling: asyncio.Future[Any] | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
-    def open(self, request_id: str) -> asyncio.Queue[_Item]:
+    def open(self, request_id: str) -> _Inbox:
         if request_id in self.queues:
             raise ValueError(f"request_id {request_id!r} is already in flight to {self.endpoint}")
         if not self.queues:
             self._heard_at = self._loop.time()  # silence while idle does not count
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
-        self.queues[request_id] = queue
-        return queue
+        inbox = _Inbox(self._loop)
+        self.queues[request_id] = inbox
+        return inbox
 
     async def send(self, message: wire.ToWorker) -> None:
         if self.closed:
             raise WorkerLost(self.endpoint, "closed")
         await self.socket.send(wire.encode(message))
+        self._kick()
 
     def send_nowait(self, message: wire.ToWorker) -> None:
         """Best effort: dropped when the socket is closed or its queue is full."""
@@ -116,31 +166,76 @@ class _Channel:
             return
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
             self._shadow.send(wire.encode(message), zmq.NOBLOCK)
+            self._kick()
+
+    def _kick(self) -> None:
+        """Wake the receive loop if replies are waiting. ZeroMQ's descriptor is edge-triggered and
+        any call on the socket (a send too) may consume the edge of replies that just arrived:
+        without this check they would wait unseen until the next edge, which may never come."""
+        waiter = self._readable
+        if waiter is not None and not waiter.done() and self._waiting():
+            waiter.set_result(None)
+
+    def _waiting(self) -> bool:
+        events = self._shadow.get(zmq.EVENTS)
+        return isinstance(events, int) and bool(events & zmq.POLLIN)
 
     def fail_all(self, error: WorkerLost) -> None:
         """Replace whatever is queued with ``error``: the failure is reported at once."""
-        for queue in self.queues.values():
-            while not queue.empty():
-                queue.get_nowait()
-            queue.put_nowait(error)
+        for inbox in self.queues.values():
+            inbox.replace(error)
 
     async def receive(self) -> None:
+        """Wake when replies are waiting, then take every one of them without awaiting.
+
+        Per reply this is the frontend's hottest loop (a reply per token): no call but the
+        receive and the decode; an undecodable reply is named the one way every edge does."""
+        recv, decode, queues = self._shadow.recv, wire.from_worker_decoder.decode, self.queues
         while True:
-            payload = await self.socket.recv()
+            await self._until_readable()
             self._heard_at = self._loop.time()
             self.heard = True
-            try:
-                reply = wire.decode_from_worker(payload)
-            except wire.WireDecodeError as exc:
-                log.warning(
-                    "reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200]
-                )
-                continue
-            if isinstance(reply, Pong | wire.FileData):
-                continue
-            queue = self.queues.get(reply.request_id)
-            if queue is not None:
-                queue.put_nowait(reply)
+            while True:
+                try:
+                    payload = recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                try:
+                    reply = decode(payload)
+                except (msgspec.DecodeError, RecursionError):
+                    self._reject(payload)
+                    continue
+                if reply.__class__ is Pong or reply.__class__ is wire.FileData:
+                    continue
+                inbox = queues.get(reply.request_id)
+                if inbox is not None:
+                    inbox.put(reply)  # type: ignore[arg-type]
+
+    async def _until_readable(self) -> None:
+        """Replies are waiting: the descriptor said so (one poll kept pending across waits: a
+        cancelled poll would leave its watcher queued in pyzmq ahead of the next one), or a send
+        found them (``_kick``)."""
+        if self._waiting():
+            return
+        if self._polling is None or self._polling.done():
+            self._polling = asyncio.ensure_future(self.socket.poll())  # POLLIN
+            self._polling.add_done_callback(self._polled)
+        self._readable = self._loop.create_future()
+        try:
+            await self._readable
+        finally:
+            self._readable = None
+
+    def _polled(self, _: object) -> None:
+        waiter = self._readable
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _reject(self, payload: bytes) -> None:
+        try:
+            wire.decode_from_worker(payload)
+        except wire.WireDecodeError as exc:
+            log.warning("reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200])
 
     def finish(self, request_id: str) -> None:
         """Forget a request; the endpoint's idle time starts with its last request."""
@@ -179,7 +274,17 @@ class _Channel:
         self.closed = True
         for task in self.tasks:
             task.cancel()
+        if self._polling is not None:
+            self._polling.cancel()
         self.socket.close(linger=0)
+
+
+def _failure(item: ErrorReply | WorkerLost | _Deadline, endpoint: str) -> WorkerError | WorkerLost:
+    if isinstance(item, WorkerLost):
+        return item
+    if isinstance(item, ErrorReply):
+        return WorkerError(item.code, item.message, endpoint=endpoint)
+    return WorkerError(504, "no reply by the deadline", endpoint=endpoint)
 
 
 class RequestPlaneClient:
@@ -213,28 +318,31 @@ class RequestPlaneClient:
         ``WorkerLost`` if the worker is lost. Stopping early (``aclose``, cancellation) sends Cancel.
         """
         channel = self._channel(endpoint)
-        queue = channel.open(request_id)
+        inbox = channel.open(request_id)
         loop = asyncio.get_running_loop()
-        give_up_at = loop.time() + timeout_s + DEADLINE_GRACE_S
+        deadline = loop.call_at(loop.time() + timeout_s + DEADLINE_GRACE_S, inbox.put, _DEADLINE)
         finished = False
         try:
             deadline_ms = now_ms() + int(timeout_s * 1000)
             await channel.send(Generate(request_id=request_id, request=request, deadline_ms=deadline_ms))
-            while True:
-                try:
-                    async with asyncio.timeout(give_up_at - loop.time()):
-                        item = await queue.get()
-                except TimeoutError:
-                    raise WorkerError(504, "no reply by the deadline", endpoint=endpoint) from None
-                finished = not isinstance(item, Output) or item.finish_reason is not None
-                if isinstance(item, WorkerLost):
-                    raise item
-                if isinstance(item, ErrorReply):
-                    raise WorkerError(item.code, item.message, endpoint=endpoint)
-                yield item
-                if finished:
-                    return
+            while not finished:
+                outputs: list[Output] = []
+                failure: Exception | None = None
+                for item in await inbox.take():
+                    if not isinstance(item, Output):
+                        failure = _failure(item, endpoint)
+                        finished = not isinstance(item, _Deadline)  # past the deadline: Cancel it
+                        break
+                    outputs.append(item)
+                    if item.finish_reason is not None:
+                        finished = True
+                        break
+                if outputs:
+                    yield merged(outputs)  # tokens that arrived before a failure still count (migration)
+                if failure is not None:
+                    raise failure
         finally:
+            deadline.cancel()
             channel.finish(request_id)
             if not finished:
                 channel.send_nowait(Cancel(request_id=request_id))

@@ -16,10 +16,14 @@ if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import Zero
     from dynamo_prep.discovery.trust import ServerCurve
 
 __all__ = [
+    "DEFAULT_BODY_TIMEOUT_S",
+    "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_HTTP_HOST",
     "DEFAULT_HTTP_PORT",
+    "DEFAULT_HTTP_WORKERS",
     "DEFAULT_KV_OVERLAP_SCORE_WEIGHT",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "DEFAULT_ROUTER_MODE",
     "DEFAULT_ROUTER_TEMPERATURE",
@@ -34,6 +38,12 @@ DEFAULT_HTTP_HOST = "0.0.0.0"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
+# A client gets this long for a request's headers, and again for its body; slower ones get 408.
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_BODY_TIMEOUT_S = 30.0
+# Open connections per HTTP process; past it new requests get 503 at once (well below the fd limit).
+DEFAULT_MAX_CONNECTIONS = 4096
+DEFAULT_HTTP_WORKERS = 1
 RouterMode = Literal["round-robin", "kv"]
 ROUTER_MODES: tuple[RouterMode, ...] = get_args(RouterMode)
 DEFAULT_ROUTER_MODE: RouterMode = "round-robin"
@@ -44,10 +54,14 @@ DEFAULT_ROUTER_TEMPERATURE = 0.0
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
-    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``)."""
+    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``, ``--http-header-timeout``,
+    ``--http-body-timeout``, ``--http-max-connections``)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +86,7 @@ class FrontendConfig:
     curve: ServerCurve | None = None
     http_host: str = DEFAULT_HTTP_HOST
     http_port: int = DEFAULT_HTTP_PORT
+    http_workers: int = DEFAULT_HTTP_WORKERS
     http: HttpSettings = field(default_factory=HttpSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
 
@@ -90,11 +105,20 @@ class FrontendConfig:
         http_port: int = DEFAULT_HTTP_PORT,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        http_workers: int = DEFAULT_HTTP_WORKERS,
+        header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         router_mode: str = DEFAULT_ROUTER_MODE,
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
     ) -> FrontendConfig:
-        """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options."""
+        """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options.
+
+        Several HTTP processes (``http_workers``) share the embedded plane through a forwarder in
+        their parent (``workers.py``); CURVE is refused with them: the per-instance key binding
+        lives in a frontend's own bound socket (run brokers with keys and ``--discovery`` instead).
+        """
         if discovery_bind and discovery:
             raise ValueError("give --discovery-bind (embedded plane) or --discovery (brokers), not both")
         if (curve_secret_key is None) != (curve_allow_dir is None):
@@ -114,6 +138,17 @@ class FrontendConfig:
             raise ValueError(f"--http-port must be in 0..65535, got {http_port}")
         if max_body_bytes < 1 or request_timeout_s <= 0:
             raise ValueError("--max-body-bytes and --request-timeout must be positive")
+        if not (header_timeout_s > 0 and body_timeout_s > 0 and max_connections >= 1):
+            raise ValueError(
+                "--http-header-timeout, --http-body-timeout, --http-max-connections must be positive"
+            )
+        if http_workers < 1:
+            raise ValueError(f"--http-workers must be at least 1, got {http_workers}")
+        if http_workers > 1 and curve is not None:
+            raise ValueError(
+                "--http-workers > 1 cannot keep CURVE's per-instance key binding on the embedded plane: "
+                "run a broker with the keys and give the frontends --discovery"
+            )
         if router_mode not in ROUTER_MODES:
             raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {router_mode!r}")
         if not kv_overlap_score_weight >= 0 or not router_temperature >= 0:
@@ -127,7 +162,14 @@ class FrontendConfig:
             curve=curve,
             http_host=http_host,
             http_port=http_port,
-            http=HttpSettings(max_body_bytes=max_body_bytes, request_timeout_s=request_timeout_s),
+            http_workers=http_workers,
+            http=HttpSettings(
+                max_body_bytes=max_body_bytes,
+                request_timeout_s=request_timeout_s,
+                header_timeout_s=header_timeout_s,
+                body_timeout_s=body_timeout_s,
+                max_connections=max_connections,
+            ),
             router=RouterSettings(
                 mode=router_mode,
                 kv_overlap_score_weight=kv_overlap_score_weight,

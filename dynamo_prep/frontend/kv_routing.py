@@ -156,6 +156,12 @@ class KvRouting:
         if router is not None:
             router.dispatch(request_id, decision)
 
+    def prefilled(self, model_name: str, request_id: str) -> None:
+        """The request's first output arrived: its instance is done prefilling it."""
+        router = self._models.get(model_name)
+        if router is not None:
+            router.prefilled(request_id)
+
     def release(self, model_name: str, request_id: str) -> None:
         router = self._models.get(model_name)
         if router is not None:

@@ -5,9 +5,15 @@ watcher gets ``.discovery``, the router and the HTTP app get the whole object), 
 frontends can run in one Python process (tests) without sharing counters. Names and labels follow
 Dynamo's frontend (``dynamo_frontend_`` prefix) so existing dashboards fit; docs/operations.md
 lists each one with what it means.
+
+Several HTTP processes (``--http-workers``) share prometheus_client's multiprocess mode: when
+``PROMETHEUS_MULTIPROC_DIR`` is set (by their supervisor, ``workers.py``) every value lives in that
+directory's per-process files and ``exposition`` merges them, so any process answers for all.
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -16,11 +22,21 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 
 from dynamo_prep.discovery.metrics import PREFIX, DiscoveryMetrics
 
-__all__ = ["CONTENT_TYPE", "UNKNOWN_MODEL", "FrontendMetrics"]
+__all__ = [
+    "CONTENT_TYPE",
+    "MULTIPROC_ENV",
+    "UNKNOWN_MODEL",
+    "FrontendMetrics",
+    "ModelMetrics",
+    "observe_many",
+]
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Requests naming a model nobody announced share one label value: clients cannot grow the label set.
@@ -47,7 +63,13 @@ class FrontendMetrics:
             ["model", "status"],
             registry=reg,
         )
-        self.inflight = Gauge(f"{PREFIX}inflight_requests", "Requests being served", ["model"], registry=reg)
+        self.inflight = Gauge(
+            f"{PREFIX}inflight_requests",
+            "Requests being served",
+            ["model"],
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.request_duration = self._histogram("request_duration_seconds", "Request duration", _SECONDS)
         self.time_to_first_token = self._histogram(
             "time_to_first_token_seconds", "From request arrival to the first generated token", _SECONDS
@@ -69,10 +91,64 @@ class FrontendMetrics:
             ["model", "kind"],
             registry=reg,
         )
+        self._models: dict[str, ModelMetrics] = {}
+
+    def of(self, model: str) -> ModelMetrics:
+        """The per-model series of ``model``, looked up once (``labels`` costs a lock and a dict
+        per call; the label set is bounded by the served models plus ``unknown``)."""
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(f"{PREFIX}{name}", documentation, ["model"], buckets=buckets, registry=self.registry)
 
     def exposition(self) -> bytes:
-        """The registry in Prometheus' text format (what ``GET /metrics`` returns)."""
-        return generate_latest(self.registry)
+        """The registry in Prometheus' text format (what ``GET /metrics`` returns); in multiprocess
+        mode, every process's values merged."""
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=directory)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
+
+
+class ModelMetrics:
+    """One model's children of the request metrics (``FrontendMetrics.of``)."""
+
+    def __init__(self, metrics: FrontendMetrics, model: str) -> None:
+        self._requests = metrics.requests
+        self._by_status: dict[int, Counter] = {}
+        self.model = model
+        self.inflight = metrics.inflight.labels(model=model)
+        self.request_duration = metrics.request_duration.labels(model=model)
+        self.time_to_first_token = metrics.time_to_first_token.labels(model=model)
+        self.inter_token_latency = metrics.inter_token_latency.labels(model=model)
+        self.preprocess_duration = metrics.preprocess_duration.labels(model=model)
+        self.input_tokens = metrics.input_tokens.labels(model=model)
+        self.output_tokens = metrics.output_tokens.labels(model=model)
+        self.image_parts = metrics.image_parts.labels(model=model)
+
+    def requests(self, status: int) -> Counter:
+        found = self._by_status.get(status)
+        if found is None:
+            found = self._by_status[status] = self._requests.labels(model=self.model, status=str(status))
+        return found
+
+
+def observe_many(histogram: Histogram, value: float, count: int) -> None:
+    """``count`` observations of ``value`` (the tokens of one worker step share its gap), at the
+    cost of one: prometheus_client's ``observe`` takes a lock per call and has no weight, so this
+    adds to its sum and to the one bucket directly, exactly as ``count`` calls would."""
+    bounds = getattr(histogram, "_upper_bounds", None)
+    if count == 1 or bounds is None:  # one observation, or a prometheus_client that changed
+        for _ in range(count):
+            histogram.observe(value)
+        return
+    histogram._sum.inc(value * count)
+    for index, bound in enumerate(bounds):
+        if value <= bound:
+            histogram._buckets[index].inc(count)
+            return

@@ -141,7 +141,14 @@ class Migration:
             if self.kv is not None and journey.decision is not None:
                 self.kv.dispatch(model.name, journey.request_id, journey.decision)
             try:
-                async for output in self._stream(instance, base, journey):
+                outputs = self._stream(instance, base, journey)
+                if self.kv is not None:
+                    first = await anext(outputs, None)
+                    self.kv.prefilled(model.name, journey.request_id)
+                    if first is None:
+                        return
+                    yield first
+                async for output in outputs:
                     yield output
                 return
             except (WorkerLost, WorkerError) as exc:

@@ -3,6 +3,10 @@
 Both shapes come from one loop (``answer_deltas``), so streaming and non-streaming agree on the
 reasoning, the content, the tool calls, the finish reason and the usage. A stop string ends the
 loop early: the caller then closes the worker stream, which cancels the generation on the worker.
+
+SSE cost per token: a chunk's bytes around its delta are the same for the whole response, so they
+are encoded once (by msgspec, from the chunk itself) and each text delta is spliced in; the events
+of one worker step go out as one body write.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class Completion:
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    _around_delta: tuple[bytes, bytes] | None = None
 
     def take(self, deltas: Sequence[AnswerDelta]) -> None:
         for delta in deltas:
@@ -97,14 +102,23 @@ class Completion:
             ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         )
 
+    def text_chunk(self, field_name: bytes, text: str) -> bytes:
+        """``chunk(ChunkDelta(<field_name>=text))``, byte for byte, without encoding the rest again."""
+        if self._around_delta is None:
+            empty = self.chunk(ChunkDelta())
+            before, _, after = empty.rpartition(b'"delta":{}')
+            self._around_delta = (before + b'"delta":{"', b"}" + after)
+        before, after = self._around_delta
+        return b"".join((before, field_name, b'":', _encoder.encode(text), after))
+
     def chunks(self, deltas: Sequence[AnswerDelta]) -> list[bytes]:
         """SSE events of ``deltas``: a call is its head (index, id, type, name) then its arguments."""
         events: list[bytes] = []
         for delta in deltas:
             if isinstance(delta, ContentDelta):
-                events.append(self.chunk(ChunkDelta(content=delta.text)))
+                events.append(self.text_chunk(b"content", delta.text))
             elif isinstance(delta, ReasoningDelta):
-                events.append(self.chunk(ChunkDelta(reasoning_content=delta.text)))
+                events.append(self.text_chunk(b"reasoning_content", delta.text))
             else:
                 head = ChunkFunction(name=delta.name, arguments="")
                 call = ChunkToolCall(index=delta.index, id=delta.id, type="function", function=head)
@@ -124,7 +138,8 @@ class Completion:
 async def answer_deltas(
     outputs: AsyncIterator[Output], completion: Completion, record: RequestRecord
 ) -> AsyncGenerator[list[AnswerDelta], None]:
-    """The answer's deltas as they become visible; sets ``completion``'s finish reason and usage."""
+    """The answer's deltas, one list per worker output (possibly empty: nothing visible yet); sets
+    ``completion``'s finish reason and usage before the last list."""
     answer = completion.answer
     try:
         async for output in outputs:
@@ -138,8 +153,7 @@ async def answer_deltas(
             completion.take(deltas)
             if reason is not None:
                 completion.end(reason)
-            if deltas:
-                yield deltas
+            yield deltas
             if completion.finish_reason is not None:
                 return
         raise OpenAIError(502, "the worker ended the stream without a final message")
@@ -158,23 +172,28 @@ async def sse(
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body: a role chunk, the answer's chunks, the finish chunk, usage if asked, ``[DONE]``.
 
+    One item per worker output, each the events it made visible: the role chunk goes out with the
+    first output's, and the last output's go out with the finish chunk, usage and ``[DONE]``.
     A failure after the response started cannot change the status any more, so it becomes a final
     ``data: {"error": ...}`` event before ``[DONE]`` (the OpenAI client raises it as an APIError).
     """
+    pending = [completion.chunk(ChunkDelta(role="assistant", content=""))]
     try:
         async with contextlib.aclosing(outputs):
-            yield completion.chunk(ChunkDelta(role="assistant", content=""))
             async for deltas in answer_deltas(outputs, completion, record):
-                for event in completion.chunks(deltas):
-                    yield event
-        yield completion.chunk(ChunkDelta(), completion.finish_reason)
+                pending += completion.chunks(deltas)
+                if completion.finish_reason is None and pending:
+                    yield b"".join(pending)
+                    pending = []
+        pending.append(completion.chunk(ChunkDelta(), completion.finish_reason))
         if include_usage:
-            yield completion.usage_chunk()
+            pending.append(completion.usage_chunk())
     except REQUEST_ERRORS as exc:
         error = as_openai_error(exc)
         log.warning("stream_failed", status=error.status, error=error.message)
-        yield error_event(error)
-    yield DONE
+        pending.append(error_event(error))
+    pending.append(DONE)
+    yield b"".join(pending)
 
 
 def _finish_reason(reason: str) -> str:

@@ -1,9 +1,11 @@
 """The frontend process runner: start the components, stop them all on SIGTERM / SIGINT.
 
 Components are named coroutines supervised together: the discovery watcher and the HTTP server
-(``app.py`` on uvicorn), on one event loop and sharing the live ``ModelCatalog``. A signal stops
-every component and exits 0; a component that ends on its own is a failure and exits 1. Logging
-is configured by the CLI, never here.
+(``app.py`` on uvicorn), on one event loop (uvloop) and sharing the live ``ModelCatalog``. A signal
+stops every component and exits 0; a component that ends on its own is a failure and exits 1.
+With ``--http-workers N`` (N > 1) this whole process runs N times under a supervisor
+(``workers.py``), each binding the HTTP port with SO_REUSEPORT. Logging is configured by the CLI,
+never here.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ from dynamo_prep.discovery.watcher import DiscoveryWatcher
 from dynamo_prep.frontend.app import create_app
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import FrontendConfig
-from dynamo_prep.frontend.http_server import HttpServer, bind_http
+from dynamo_prep.frontend.http_server import HttpServer, bind_http, new_event_loop
 from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 from dynamo_prep.routing.metrics import KvMetrics
 
-__all__ = ["FrontendConfig", "run_frontend", "serve_frontend"]
+__all__ = ["FrontendConfig", "run_frontend", "run_in_loop", "serve_frontend"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 
@@ -44,7 +46,17 @@ def run_frontend(**options: Any) -> int:
     except (TrustError, ValueError) as exc:
         log.error("frontend_config_error", error=str(exc))
         return EXIT_CONFIG
-    return asyncio.run(serve_frontend(config))
+    if config.http_workers > 1:
+        from dynamo_prep.frontend.workers import run_workers  # noqa: PLC0415 - the supervisor only
+
+        return run_workers(config)
+    return run_in_loop(serve_frontend(config))
+
+
+def run_in_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run ``main`` to completion on a fresh uvloop event loop."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
 
 
 async def serve_frontend(config: FrontendConfig, *, stop: asyncio.Event | None = None) -> int:
@@ -73,13 +85,13 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         log.error("frontend_start_failed", error=str(exc), discovery=[*config.bind, *config.connect])
         return EXIT_FAILED
     try:
-        sock = bind_http(config.http_host, config.http_port)
+        sock = bind_http(config.http_host, config.http_port, reuse_port=config.http_workers > 1)
     except OSError as exc:
         watcher.close()
         log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
         return EXIT_FAILED
     app = create_app(catalog, client, router=Router(), kv=kv, settings=config.http, metrics=metrics)
-    http = HttpServer(app, sock)
+    http = HttpServer(app, sock, config.http)
     log.info(
         "frontend_started",
         discovery=watcher.addresses,

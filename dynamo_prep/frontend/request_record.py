@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics
+from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, observe_many
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
@@ -70,7 +70,7 @@ class RequestRecord:
         self.model = name
         if not self._inflight:
             self._inflight = True
-            self.metrics.inflight.labels(model=name).inc()
+            self.metrics.of(name).inflight.inc()
 
     def routed(self, instance: Instance, decision: Decision | None = None) -> None:
         """The instance serving the request now (the last one, after a migration), and what the KV
@@ -81,7 +81,7 @@ class RequestRecord:
             self.kv_overlap_blocks, self.prompt_blocks = decision.overlap_blocks, decision.prompt_blocks
 
     def preprocessed(self, request: PreprocessedRequest, seconds: float) -> None:
-        self.metrics.preprocess_duration.labels(model=self.model).observe(seconds)
+        self.metrics.of(self.model).preprocess_duration.observe(seconds)
         self.prompt_tokens = len(request.token_ids)
         self.images = len(request.images)
 
@@ -91,12 +91,10 @@ class RequestRecord:
         count = len(output.token_ids)
         if count and self._last_token_at is None:
             self.ttft_s = now - self.started
-            self.metrics.time_to_first_token.labels(model=self.model).observe(self.ttft_s)
+            self.metrics.of(self.model).time_to_first_token.observe(self.ttft_s)
         elif count and self._last_token_at is not None:
-            gap = (now - self._last_token_at) / count
-            histogram = self.metrics.inter_token_latency.labels(model=self.model)
-            for _ in range(count):
-                histogram.observe(gap)
+            gap = (now - self._last_token_at) / count  # an Output may carry several tokens
+            observe_many(self.metrics.of(self.model).inter_token_latency, gap, count)
         if count:
             self._last_token_at = now
         self.prompt_tokens = output.prompt_tokens or self.prompt_tokens
@@ -154,14 +152,14 @@ class RequestRecord:
             log.info("request_failed", error=self.error, **fields)
 
     def _measure(self, status: int, duration_s: float) -> None:
-        metrics, model = self.metrics, self.model
-        metrics.requests.labels(model=model, status=str(status)).inc()
+        metrics = self.metrics.of(self.model)
+        metrics.requests(status).inc()
         if self._inflight:
             self._inflight = False
-            metrics.inflight.labels(model=model).dec()
-            metrics.request_duration.labels(model=model).observe(duration_s)
+            metrics.inflight.dec()
+            metrics.request_duration.observe(duration_s)
         if self.images is not None:
-            metrics.image_parts.labels(model=model).observe(self.images)
-            metrics.input_tokens.labels(model=model).observe(self.prompt_tokens)
+            metrics.image_parts.observe(self.images)
+            metrics.input_tokens.observe(self.prompt_tokens)
         if self.completion_tokens:
-            metrics.output_tokens.labels(model=model).observe(self.completion_tokens)
+            metrics.output_tokens.observe(self.completion_tokens)

@@ -1,13 +1,15 @@
 """Where a request goes: the cost of each instance, the choice, and the load the choice adds.
 
-Cost per instance (Dynamo's): ``overlap_score_weight * (prompt_blocks - overlap) + active_blocks``,
-the blocks it would still have to prefill plus the blocks its running requests hold. At
+Cost per instance (Dynamo's): ``overlap_score_weight * (prompt_blocks - overlap + prefilling) +
+active_blocks``: the blocks it would have to prefill before this request's first token (this
+request's uncached blocks and those of the requests it was sent that have not had their first
+token yet) plus the blocks its running requests hold. At
 temperature 0 the cheapest instance wins; above 0 one is sampled from a softmax over the costs
 normalised to [0, 1] (``exp(-normalised / temperature)``), so a higher temperature spreads more.
 
 Beyond Dynamo, the balance rule: when no instance holds at least half the prompt
 (``2 * max overlap < prompt_blocks``), the request goes to the least loaded instance (fewest active
-blocks, then fewest blocks held) whatever the temperature. A new prefix then lands where there
+and prefilling blocks, then fewest blocks held) whatever the temperature. A new prefix then lands where there
 is room instead of piling onto whichever instance holds a shared preamble (a system prompt, tool
 declarations), which would otherwise win every new conversation by a few blocks.
 
@@ -21,7 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
@@ -78,28 +80,33 @@ def choose(
     temperature: float = DEFAULT_TEMPERATURE,
     rng: random.Random | None = None,
     turn: int = 0,
+    prefilling: Mapping[str, int] | None = None,
 ) -> Decision:
     """The instance for a request of ``prompt_blocks`` blocks (see the module docstring).
 
-    Missing entries in the mappings count as 0. ``rng`` is only drawn from when
-    ``temperature > 0`` and the cost rule applies; ``turn`` rotates the final tie-break.
+    ``prefilling``: blocks each instance still has to prefill for requests it was sent (they delay
+    this one's first token there, as its own prefill does). Missing entries in the mappings count
+    as 0. ``rng`` is only drawn from when ``temperature > 0`` and the cost rule applies; ``turn``
+    rotates the final tie-break.
     """
     if not candidates:
         raise ValueError("no candidate instance")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     ordered = sorted(set(candidates))
+    queued = prefilling or {}
     best_overlap = max([overlaps.get(instance_id, 0) for instance_id in ordered])
     balance = not best_overlap or 2 * best_overlap < prompt_blocks
     costs = [
-        overlap_score_weight * (prompt_blocks - overlaps.get(instance_id, 0))
+        overlap_score_weight * (prompt_blocks - overlaps.get(instance_id, 0) + queued.get(instance_id, 0))
         + active_blocks.get(instance_id, 0)
         for instance_id in ordered
     ]
     if not balance and temperature > 0:
         index = _sample(costs, temperature, rng or random.Random())
     else:
-        primary = [active_blocks.get(instance_id, 0) for instance_id in ordered] if balance else costs
+        load = [active_blocks.get(i, 0) + queued.get(i, 0) for i in ordered]
+        primary = load if balance else costs
         index = _least(primary, ordered, blocks_held, turn)
     chosen = ordered[index]
     reason: Reason = "balance" if balance else "overlap"
@@ -125,54 +132,75 @@ def _sample(costs: list[float], temperature: float, rng: random.Random) -> int:
 
 
 class LoadTracker:
-    """Active blocks per instance, from dispatch until the request ends, counted as Dynamo counts
-    them: each distinct full block of the running requests' prompts once per instance (requests
-    sharing a prefix there share its blocks), plus every block given without a hash (a partial
-    last block). Generated tokens are not counted (their number is unknown at dispatch and small
-    next to the prompts this router is for).
+    """What each instance is busy with, from dispatch until the request ends.
+
+    Active blocks are counted as Dynamo counts them: each distinct full block of the running
+    requests' prompts once per instance (requests sharing a prefix there share its blocks), plus
+    every block given without a hash (a partial last block). Prefilling blocks are the uncached
+    blocks of the requests that have not had their first token yet (``prefilled`` ends that).
+    Generated tokens are not counted (their number is unknown at dispatch and small next to the
+    prompts this router is for).
     """
 
     def __init__(self) -> None:
         self._instances: dict[str, _Load] = {}
-        self._requests: dict[str, tuple[str, Sequence[int], int]] = {}
+        self._requests: dict[str, _Request] = {}
 
     def dispatch(
-        self, request_id: str, instance_id: str, blocks: int, block_hashes: Sequence[int] = ()
+        self,
+        request_id: str,
+        instance_id: str,
+        blocks: int,
+        block_hashes: Sequence[int] = (),
+        prefill_blocks: int = 0,
     ) -> None:
         """``request_id`` now holds ``blocks`` blocks on ``instance_id``, the first of them named by
-        ``block_hashes`` (a chain: equal hashes are the same prefix); a request id may be active once."""
+        ``block_hashes`` (a chain: equal hashes are the same prefix), and has ``prefill_blocks`` of
+        them to prefill; a request id may be active once."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already active")
-        unhashed = max(blocks - len(block_hashes), 0)
-        self._requests[request_id] = (instance_id, block_hashes, unhashed)
+        request = _Request(
+            instance_id, block_hashes, max(blocks - len(block_hashes), 0), max(prefill_blocks, 0)
+        )
+        self._requests[request_id] = request
         load = self._instances.get(instance_id)
         if load is None:
             load = self._instances[instance_id] = _Load()
         load.refs.update(block_hashes)
-        load.unhashed += unhashed
+        load.unhashed += request.unhashed
+        load.prefill += request.prefill
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's first token arrived: its prompt no longer waits to be prefilled."""
+        request = self._requests.get(request_id)
+        if request is not None and request.prefill:
+            self._instances[request.instance_id].prefill -= request.prefill
+            request.prefill = 0
 
     def release(self, request_id: str) -> None:
         """The request ended (finished, failed, cancelled, migrated away); unknown ids are ignored."""
-        entry = self._requests.pop(request_id, None)
-        if entry is None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
             return
-        instance_id, block_hashes, unhashed = entry
-        load = self._instances[instance_id]
+        load = self._instances[request.instance_id]
         refs = load.refs
-        for block in block_hashes:
+        for block in request.block_hashes:
             remaining = refs[block] - 1
             if remaining:
                 refs[block] = remaining
             else:
                 del refs[block]
-        load.unhashed -= unhashed
+        load.unhashed -= request.unhashed
+        load.prefill -= request.prefill
         if not refs and not load.unhashed:
-            del self._instances[instance_id]
+            del self._instances[request.instance_id]
 
     def forget(self, instance_id: str) -> None:
         """The instance is gone: drop its load (its requests' later releases are ignored)."""
         self._instances.pop(instance_id, None)
-        for request_id in [rid for rid, (owner, _, _) in self._requests.items() if owner == instance_id]:
+        for request_id in [
+            rid for rid, request in self._requests.items() if request.instance_id == instance_id
+        ]:
             del self._requests[request_id]
 
     def active_blocks(self, instance_id: str) -> int:
@@ -181,24 +209,41 @@ class LoadTracker:
 
     def active(self) -> Mapping[str, int]:
         """Active blocks of every instance that has any (a live view: read it, do not keep it)."""
-        return _Active(self._instances)
+        return _View(self._instances, _Load.blocks)
+
+    def prefilling(self) -> Mapping[str, int]:
+        """Blocks each instance has yet to prefill (a live view, like ``active``)."""
+        return _View(self._instances, _Load.queued)
+
+
+@dataclass(slots=True)
+class _Request:
+    instance_id: str
+    block_hashes: Sequence[int]
+    unhashed: int
+    prefill: int
 
 
 @dataclass(slots=True)
 class _Load:
     refs: Counter[int] = field(default_factory=Counter)  # block hash -> running requests holding it
     unhashed: int = 0
+    prefill: int = 0
 
     def blocks(self) -> int:
         return len(self.refs) + self.unhashed
 
+    def queued(self) -> int:
+        return self.prefill
 
-class _Active(Mapping[str, int]):
-    def __init__(self, instances: dict[str, _Load]) -> None:
+
+class _View(Mapping[str, int]):
+    def __init__(self, instances: dict[str, _Load], figure: Callable[[_Load], int]) -> None:
         self._instances = instances
+        self._figure = figure
 
     def __getitem__(self, instance_id: str) -> int:
-        return self._instances[instance_id].blocks()
+        return self._figure(self._instances[instance_id])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._instances)
@@ -255,13 +300,20 @@ class KvRouter:
             temperature=self.temperature,
             rng=self._rng,
             turn=self._turn,
+            prefilling=self.load.prefilling(),
         )
         self._turn += 1
         return replace(decision, block_hashes=block_hashes[decision.instance_id])
 
     def dispatch(self, request_id: str, decision: Decision) -> None:
         """The request was sent where ``decision`` says: its prompt blocks count as active there."""
-        self.load.dispatch(request_id, decision.instance_id, decision.prompt_blocks, decision.block_hashes)
+        uncached = decision.prompt_blocks - decision.overlap_blocks
+        self.load.dispatch(
+            request_id, decision.instance_id, decision.prompt_blocks, decision.block_hashes, uncached
+        )
+
+    def prefilled(self, request_id: str) -> None:
+        self.load.prefilled(request_id)
 
     def release(self, request_id: str) -> None:
         self.load.release(request_id)

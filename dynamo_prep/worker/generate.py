@@ -2,10 +2,14 @@
 
 Each Generate runs in its own task (handlers run inline in the ROUTER's receive loop, so a long
 stream must not block it) and is tracked by ``request_id`` until its final message, so Cancel
-can find it and a stopping worker can drain it. Every request ends with exactly one final
-message: an ``Output`` with ``finish_reason`` ("stop", "length", "cancelled", "deadline") or an
-``ErrorReply``. The one exception is a request cancelled for an unknown reason (the event loop
-is going away): nothing more can be sent then.
+can find it and a stopping worker can drain it. A stream sends at most one frame per
+``COALESCE_S``: steps an engine produces faster than that wait for the next frame and go out
+together as one Output (their tokens in order, the last step's usage); a slower stream sends every
+step at once, and the final message carries whatever was still waiting.
+
+Every request ends with exactly one final message: an ``Output`` with ``finish_reason`` ("stop",
+"length", "cancelled", "deadline") or an ``ErrorReply``. The one exception is a request cancelled
+for an unknown reason (the event loop is going away): nothing more can be sent then.
 """
 
 from __future__ import annotations
@@ -24,9 +28,13 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
 
-__all__ = ["GenerationServer", "Reply"]
+__all__ = ["COALESCE_S", "GenerationServer", "Reply", "merged"]
 
 log = structlog.get_logger("dynamo_prep.worker")
+
+# At most one frame per stream per this many seconds (500/s): faster steps are merged. A real
+# engine's inter-token gap is longer, so its steps go out as they come.
+COALESCE_S = 0.002
 
 Reply = Callable[[wire.FromWorker], Awaitable[None]]
 """Sends one message to the peer that made the request (bound by the request-plane dispatcher)."""
@@ -171,6 +179,7 @@ class GenerationServer:
     async def _stream(self, message: Generate, reply: Reply, progress: _Progress) -> Output:
         """Send every engine output but the last; return the final one (or the deadline's)."""
         steps = self._generate(message.request)
+        frames = _Frames(reply)
         try:
             async with asyncio.timeout(message.deadline_ms / 1000 - time.time()) as scope:
                 async for step in steps:
@@ -178,17 +187,18 @@ class GenerationServer:
                     progress.completion_tokens = step.completion_tokens
                     output = self._output(message.request_id, step.token_ids, step.finish_reason, progress)
                     if step.finish_reason is not None:
-                        return output
-                    await reply(output)
+                        return await frames.last(output)
+                    await frames.add(output)
         except TimeoutError:
             if not scope.expired():
                 raise
-            return self._output(message.request_id, [], "deadline", progress)
+            return await frames.last(self._output(message.request_id, [], "deadline", progress))
         finally:
+            frames.close()
             if isinstance(steps, AsyncGenerator):
                 await steps.aclose()
         # An engine that ends without a reason: the stream still needs its final message.
-        return self._output(message.request_id, [], "stop", progress)
+        return await frames.last(self._output(message.request_id, [], "stop", progress))
 
     def _cancelled(self, request_id: str, progress: _Progress) -> Output | ErrorReply | None:
         running = self._running.get(request_id)
@@ -210,6 +220,72 @@ class GenerationServer:
             prompt_tokens=progress.prompt_tokens,
             completion_tokens=progress.completion_tokens,
         )
+
+
+class _Frames:
+    """One stream's frames: a step goes out at once unless the last frame left less than
+    ``COALESCE_S`` ago; then it waits, with any later ones, for one frame at that time. Frames
+    leave in order: nothing is sent directly while one is waiting or being sent."""
+
+    def __init__(self, reply: Reply) -> None:
+        self._reply = reply
+        self._loop = asyncio.get_running_loop()
+        self._waiting: list[Output] = []
+        self._next_at = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._sending: asyncio.Future[None] | None = None
+
+    async def add(self, output: Output) -> None:
+        now = self._loop.time()
+        if self._sending is None and not self._waiting and now >= self._next_at:
+            self._next_at = now + COALESCE_S
+            await self._reply(output)
+            return
+        self._waiting.append(output)
+        if self._timer is None and self._sending is None:
+            self._timer = self._loop.call_at(self._next_at, self._flush)
+
+    async def last(self, final: Output) -> Output:
+        """The final message, carrying whatever was still waiting (after a frame being sent)."""
+        self.close()
+        if self._sending is not None:
+            await self._sending
+        waiting, self._waiting = self._waiting, []
+        return merged([*waiting, final])
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _flush(self) -> None:
+        self._timer = None
+        waiting, self._waiting = self._waiting, []
+        self._next_at = self._loop.time() + COALESCE_S
+        self._sending = asyncio.ensure_future(self._send(merged(waiting)))
+
+    async def _send(self, output: Output) -> None:
+        try:
+            await _send_quietly(self._reply, output)
+        finally:
+            self._sending = None
+            if self._waiting and self._timer is None:
+                self._timer = self._loop.call_at(self._next_at, self._flush)
+
+
+def merged(outputs: list[Output]) -> Output:
+    """Consecutive Outputs of one stream as one: every token in order, the last usage and finish
+    reason (the worker's frames and the frontend's batches of replies merge the same way)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return Output(
+        request_id=last.request_id,
+        token_ids=[token for output in outputs for token in output.token_ids],
+        finish_reason=last.finish_reason,
+        prompt_tokens=next((output.prompt_tokens for output in reversed(outputs) if output.prompt_tokens), 0),
+        completion_tokens=last.completion_tokens,
+    )
 
 
 async def _send_quietly(reply: Reply, message: wire.FromWorker) -> None:
