@@ -15,6 +15,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja import ChatTemplateError, JinjaFormatter, special_tokens_from_config
@@ -424,3 +425,26 @@ def test_templates_compile_once() -> None:
     first = JinjaFormatter.from_template("{{ messages | length }}")
     second = JinjaFormatter.from_template("{{ messages | length }}")
     assert first._template is second._template
+
+
+def test_attribute_reads_match_the_plain_sandbox() -> None:
+    """Attribute reads of plain dicts are inlined by the code generator: every shape reads as in
+    Jinja's own sandbox (keys, missing keys, dict method names, chains, loop and namespace
+    attributes, inside macros and call blocks)."""
+    template = (
+        "{% macro show(m) %}{{ m.role }}:{{ m.content.text if m.content.text is defined else m.content }}"
+        "{% if caller is defined %}[{{ caller() }}]{% endif %}{% endmacro %}"
+        "{% set ns = namespace(last=messages[0].role) %}"
+        "{% for m in messages %}{{ loop.index }}{{ show(m) }}|{{ m.missing is defined }}|{{ m.get('role') }}"
+        "|{{ m.items() | list | length }}|{{ m.meta.deep.key if m.meta is defined else '-' }}"
+        "{% call show(m) %}{{ m.role }}{% endcall %}{% set ns.last = m.role %}{% endfor %}{{ ns.last }}"
+        "{{ messages.0.role }}"
+    )
+    messages = [
+        {"role": "user", "content": {"text": "hi"}, "meta": {"deep": {"key": "k"}}},
+        {"role": "assistant", "content": "yo", "items": "shadowed"},
+    ]
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    expected = reference.render(messages=messages)
+    assert "user:hi|False|user|3|k" in expected
+    assert JinjaFormatter.from_template(template).render_text(messages) == expected

@@ -69,8 +69,10 @@ from dynamo_prep.prompt import PromptRenderError
 __all__ = ["ChatTemplateError", "compile_template", "render_template", "template_context", "to_plain"]
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_REASONING_KEYS = frozenset(_REASONING_FIELDS)
 _SHORT = 256
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_HELD = "_dp_held"  # the generated code's name for the object of an inlined attribute read
 
 
 class ChatTemplateError(ModelCardError):
@@ -181,6 +183,21 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
     def visit_Template(self, node: jinja2.nodes.Template, frame: jinja2.compiler.Frame | None = None) -> None:  # noqa: N802
         self._loop_iterables = {id(loop.iter): loop.iter for loop in node.find_all(jinja2.nodes.For)}
         super().visit_Template(node, frame)
+
+    @jinja2.compiler.optimizeconst
+    def visit_Getattr(self, node: jinja2.nodes.Getattr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        """``obj.name`` on a plain dict holding ``name`` is read inline; anything else (other types, a
+        missing key, a name ``dict`` has as an attribute) goes through ``environment.getattr``, whose
+        answer for such a dict is the same item."""
+        if node.attr in _DICT_ATTRIBUTES:
+            self.write("environment.getattr(")
+            self.visit(node.node, frame)
+            self.write(f", {node.attr!r})")
+            return
+        name = repr(node.attr)
+        self.write(f"({_HELD}[{name}] if type({_HELD} := ")
+        self.visit(node.node, frame)
+        self.write(f") is dict and {name} in {_HELD} else environment.getattr({_HELD}, {name}))")
 
     def visit_Add(self, node: jinja2.nodes.BinExpr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
         self.write("environment.admit(")
@@ -470,10 +487,19 @@ def _prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         )
     prepared = []
     for message in messages:
-        if not isinstance(message, Mapping):
+        if type(message) is dict:  # the common case, with str keys and values inlined
+            plain = {
+                key if type(key) is str else to_plain(key): value if type(value) is str else to_plain(value)
+                for key, value in message.items()
+                if value is not None
+            }
+        elif isinstance(message, Mapping):
+            plain = to_plain({key: value for key, value in message.items() if value is not None})
+        else:
             raise PromptRenderError(f"Chat messages should be dicts, but got {message!r}.")
-        plain = to_plain({key: value for key, value in message.items() if value is not None})
-        prepared.append(_alias_reasoning(plain))
+        if not _REASONING_KEYS.isdisjoint(plain):
+            plain = _alias_reasoning(plain)
+        prepared.append(plain)
     return prepared
 
 

@@ -43,6 +43,8 @@ STRUCTURAL_VALUES: Mapping[str, frozenset[str]] = {
         {"text", "image", "image_url", "video", "video_url", "audio", "input_audio", "function"}
     ),
 }
+_KEPT_TEXT_CHARS = 32
+_KEPT_SEGMENTS = 4096
 # (start, end) sentinel pairs tried in order; the first pair absent from the request is used
 _SENTINEL_PAIRS = (("\ue000", "\ue001"), ("\U000f0000", "\U000f0001"), ("\U00100000", "\U00100001"))
 
@@ -140,10 +142,11 @@ class SpecialTokens:
         self._pattern = re.compile(_longest_first(self.strings)) if self.strings else None
         self._splitter = re.compile(f"({_longest_first(self.strings)})") if self.strings else None
         self._controls = {special: Segment(special, True) for special in self.strings}
+        self._segments: dict[str, Segment] = dict(self._controls)  # and short text segments seen
         edges = {char for s in self.strings for char in (s[0], s[-1])}
         edges |= {variant for char in edges for variant in (char.lower(), char.upper(), char.casefold())}
         self._edges = re.compile("[" + "".join(map(re.escape, sorted(edges))) + "]") if edges else None
-        self._edge_bytes = re.compile(b"|".join(sorted(map(re.escape, _utf8(edges))))) if edges else None
+        self._edge_bytes = tuple(_utf8(sorted(edges)))
         # characters JSON escapes (so a search of the JSON text would miss them)
         self._json_edges = any(char in '"\\' or ord(char) < 0x20 for char in edges)
         self._joined = "\x00".join(self.strings)
@@ -174,7 +177,7 @@ class SpecialTokens:
         except (TypeError, ValueError, msgspec.EncodeError):
             return False
         # UTF-8 is self-synchronizing: a character's bytes occur only where the character does
-        return self._edge_bytes is None or self._edge_bytes.search(encoded) is None
+        return not any(edge in encoded for edge in self._edge_bytes)
 
     def fragments_in(self, source: str) -> bool:
         """Whether template source writes a special's first or last two characters outside a whole special.
@@ -191,14 +194,19 @@ class SpecialTokens:
             if text:
                 segments.append(Segment(text, False))
             return
-        parts = self._splitter.split(text)  # text, special, text, ..., text
-        append, controls = segments.append, self._controls
-        if parts[0]:
-            append(Segment(parts[0], False))
-        for index in range(1, len(parts), 2):
-            append(controls[parts[index]])
-            if parts[index + 1]:
-                append(Segment(parts[index + 1], False))
+        # text, special, text, ..., text: a text run never equals a special (the split would have cut it)
+        known, text_segment = self._segments, self._text_segment
+        parts = self._splitter.split(text)
+        segments.extend([known.get(part) or text_segment(part) for part in parts if part])
+
+    def _text_segment(self, text: str) -> Segment:
+        """A text segment; short ones (tags, newlines, roles) are kept, as the same few recur."""
+        segment = Segment(text, False)
+        if len(text) <= _KEPT_TEXT_CHARS:
+            if len(self._segments) >= _KEPT_SEGMENTS:
+                self._segments = dict(self._controls)
+            self._segments[text] = segment
+        return segment
 
 
 def _longest_first(strings: Iterable[str]) -> str:
