@@ -19,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja import ChatTemplateError, JinjaFormatter, special_tokens_from_config
+from dynamo_prep.formatter.jinja.environment import template_context
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.prompt import PromptRenderError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
@@ -448,3 +449,36 @@ def test_attribute_reads_match_the_plain_sandbox() -> None:
     expected = reference.render(messages=messages)
     assert "user:hi|False|user|3|k" in expected
     assert JinjaFormatter.from_template(template).render_text(messages) == expected
+
+
+class _Loud(str):
+    def upper(self) -> str:  # type: ignore[override]
+        return "not plain"
+
+
+class _Count(int):
+    def __str__(self) -> str:
+        return "not plain"
+
+
+def test_messages_reach_the_template_as_plain_data() -> None:
+    """Plain messages are passed as they are (a template cannot change them); anything else is
+    rebuilt from plain types, nested values included."""
+    template = (
+        "{% for m in messages %}{{ m.content.upper() }}|{{ m.meta.n }}|{{ m.extra | tojson }};{% endfor %}"
+    )
+    plain = {"role": "user", "content": "hi", "meta": {"n": 3}, "extra": [1, None]}
+    subclassed = {"role": "user", "content": _Loud("hi"), "meta": {"n": _Count(3)}, "extra": (1, None)}
+    formatter = JinjaFormatter.from_template(template)
+    assert formatter.render_text([plain, subclassed]) == "HI|3|[1, null];HI|3|[1, null];"
+    context = template_context(
+        [plain, subclassed, {**plain, "name": None}],
+        None,
+        None,
+        add_generation_prompt=False,
+        variables={},
+        overrides={},
+    )
+    assert context["messages"][0] is plain
+    assert context["messages"][1] is not subclassed and type(context["messages"][1]["content"]) is str
+    assert context["messages"][2] == plain

@@ -487,12 +487,8 @@ def _prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         )
     prepared = []
     for message in messages:
-        if type(message) is dict:  # the common case, with str keys and values inlined
-            plain = {
-                key if type(key) is str else to_plain(key): value if type(value) is str else to_plain(value)
-                for key, value in message.items()
-                if value is not None
-            }
+        if type(message) is dict and _is_plain(message) and None not in message.values():
+            plain = message  # the common case: already what the template may see
         elif isinstance(message, Mapping):
             plain = to_plain({key: value for key, value in message.items() if value is not None})
         else:
@@ -501,6 +497,26 @@ def _prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
             plain = _alias_reasoning(plain)
         prepared.append(plain)
     return prepared
+
+
+_PLAIN_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` is made of dicts with str keys, lists and plain leaves only: ``to_plain``
+    would rebuild it equal, and the template, which cannot change a value, may see it as it is."""
+    kind = type(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or (type(item) not in _PLAIN_LEAVES and not _is_plain(item)):
+                return False
+        return True
+    if kind is list:
+        for item in value:  # noqa: SIM110 (a loop: all() over a generator is slower)
+            if type(item) not in _PLAIN_LEAVES and not _is_plain(item):
+                return False
+        return True
+    return kind in _PLAIN_LEAVES
 
 
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
@@ -521,7 +537,7 @@ def _prepare_objects(items: Sequence[Any] | None, error: str) -> list[Any] | Non
     for item in items:
         if not isinstance(item, Mapping):
             raise PromptRenderError(error)
-    return [to_plain(item) for item in items]
+    return [item if _is_plain(item) else to_plain(item) for item in items]
 
 
 def render_template(
