@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -540,6 +541,22 @@ def _prepare_objects(items: Sequence[Any] | None, error: str) -> list[Any] | Non
     return [item if _is_plain(item) else to_plain(item) for item in items]
 
 
+_GLOBALS: weakref.WeakKeyDictionary[jinja2.Template, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _new_context(template: jinja2.Template, context: dict[str, Any]) -> jinja2.runtime.Context:
+    """``Template.new_context(context)`` as ``Template.render`` builds it, with the template's globals
+    read into a dict once (its ``ChainMap`` would be walked in Python twice per render). Nothing
+    changes an environment's globals after it compiles a template."""
+    globals_ = _GLOBALS.get(template)
+    if globals_ is None:
+        globals_ = _GLOBALS[template] = dict(template.globals)
+    environment = template.environment
+    return environment.context_class(
+        environment, dict(globals_, **context), template.name, template.blocks, globals=globals_
+    )
+
+
 def render_template(
     template: jinja2.Template, context: dict[str, Any], limits: TemplateLimits = RENDER_LIMITS
 ) -> str:
@@ -547,7 +564,7 @@ def render_template(
     template failure into a PromptRenderError (a 400, never a raw exception)."""
     with bounded(limits):
         try:
-            return template.render(**context)
+            return template.environment.concat(template.root_render_func(_new_context(template, context)))
         except _TemplateRaised as exc:
             raise PromptRenderError(str(exc)) from exc
         except TemplateLimitError as exc:
