@@ -73,6 +73,9 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _REASONING_KEYS = frozenset(_REASONING_FIELDS)
 _SHORT = 256
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_LOOP_ATTRIBUTES = frozenset(
+    {name for name in dir(jinja2.runtime.LoopContext) if not name.startswith("_")} | {"depth0"}
+)
 _HELD = "_dp_held"  # the generated code's name for the object of an inlined attribute read
 
 
@@ -187,9 +190,9 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
 
     @jinja2.compiler.optimizeconst
     def visit_Getattr(self, node: jinja2.nodes.Getattr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
-        """``obj.name`` on a plain dict holding ``name`` is read inline; anything else (other types, a
-        missing key, a name ``dict`` has as an attribute) goes through ``environment.getattr``, whose
-        answer for such a dict is the same item."""
+        """``obj.name`` on a plain dict holding ``name``, and a loop's public attributes, are read inline;
+        anything else (other types, a missing key, a name ``dict`` has as an attribute) goes through
+        ``environment.getattr``, whose answer in the inlined cases is the same."""
         if node.attr in _DICT_ATTRIBUTES:
             self.write("environment.getattr(")
             self.visit(node.node, frame)
@@ -198,7 +201,10 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
         name = repr(node.attr)
         self.write(f"({_HELD}[{name}] if type({_HELD} := ")
         self.visit(node.node, frame)
-        self.write(f") is dict and {name} in {_HELD} else environment.getattr({_HELD}, {name}))")
+        self.write(f") is dict and {name} in {_HELD} else ")
+        if node.attr in _LOOP_ATTRIBUTES:  # ``loop.first``: a public property of every LoopContext
+            self.write(f"{_HELD}.{node.attr} if type({_HELD}) is LoopContext else ")
+        self.write(f"environment.getattr({_HELD}, {name}))")
 
     def visit_Add(self, node: jinja2.nodes.BinExpr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
         self.write("environment.admit(")
