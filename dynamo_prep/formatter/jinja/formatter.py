@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -264,12 +264,8 @@ def _hf_message(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    return {**message, "content": list(_hf_parts(content))}
+    return {**message, "content": [_hf_part(part) for part in content]}
 
 
-def _hf_parts(parts: list[Any]) -> Iterator[Any]:
-    for part in parts:
-        if isinstance(part, dict) and part.get("type") == "image_url":
-            yield {"type": "image"}
-        else:
-            yield part
+def _hf_part(part: Any) -> Any:
+    return {"type": "image"} if isinstance(part, dict) and part.get("type") == "image_url" else part
