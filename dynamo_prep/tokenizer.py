@@ -39,6 +39,7 @@ SEGMENT_CACHE_MAX_CHARS = 64
 SEGMENT_CACHE_MAX_ENTRIES = 4096
 LINE_CACHE_MAX_CHARS = 2048  # one line kept; tool schemas printed by a template are such lines
 LINE_CACHE_BUDGET_CHARS = 1 << 20  # all lines kept by one tokenizer
+LINE_CACHE_MAX_ENTRIES = 8192
 LINES_SEEN_MAX = 16384
 
 KIMI_PAT_STR = "|".join(
@@ -219,7 +220,7 @@ class Tokenizer:
         """The hot path, once per request over every piece (hundreds for K3), so the common cases are
         inlined: a ``Run`` is one lookup for all its ids, a control segment that is exactly one special
         is its id, a short segment seen before is a dict hit; only new or long text reaches
-        ``_uncached``.
+        ``_uncached`` (where long text reuses the lines it shares with earlier requests).
         """
         ids: list[int] = []
         append, extend = ids.append, ids.extend
@@ -338,8 +339,11 @@ class Tokenizer:
         return ids
 
     def _keep(self, line: str) -> tuple[int, ...]:
-        """A line seen a second time: encoded and kept (within ``LINE_CACHE_BUDGET_CHARS``)."""
-        if self._line_chars + len(line) > LINE_CACHE_BUDGET_CHARS:
+        """A line seen a second time: encoded and kept (within the ``LINE_CACHE_*`` bounds)."""
+        if (
+            self._line_chars + len(line) > LINE_CACHE_BUDGET_CHARS
+            or len(self._line_ids) >= LINE_CACHE_MAX_ENTRIES
+        ):
             self._line_ids.clear()  # bounded under adversarial input; hot lines come back on next sight
             self._line_chars = 0
         ids = self._line_ids[line] = tuple(self._encoding.encode_ordinary(line))

@@ -365,6 +365,7 @@ def test_lines_seen_twice_are_kept_and_user_lines_are_not() -> None:
 
 def test_line_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tokenizer_module, "LINE_CACHE_BUDGET_CHARS", 2_000)
+    monkeypatch.setattr(tokenizer_module, "LINE_CACHE_MAX_ENTRIES", 100)
     tok = Tokenizer.from_model_dir("qwen-vl-demo")
     lines = [f"line {i} " + "x" * (i % 90) + "\n" for i in range(LINES_SEEN_MAX + 500)]
     text = "".join(lines[:300]) + "y" * (LINE_CACHE_MAX_CHARS + 1)
@@ -376,6 +377,10 @@ def test_line_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     for start in range(0, len(lines), 300):  # segments under MAX_RUN_CHARS take the line path
         tok.encode_segments([Segment("".join(lines[start : start + 300]), False)])
     assert 0 < len(tok._lines_seen) <= LINES_SEEN_MAX
+    tiny = "".join(f"{chr(0x4E00 + i)}\n" for i in range(300))  # short lines: the entry count binds
+    for _ in range(2):
+        assert tok.encode_segments([Segment(tiny, False)]) == tok.encoding.encode_ordinary(tiny)
+    assert 0 < len(tok._line_ids) <= 100
 
 
 def test_other_patterns_are_not_cut_into_lines(tmp_path: Path) -> None:
