@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja import ChatTemplateError, JinjaFormatter, special_tokens_from_config
-from dynamo_prep.formatter.jinja.environment import template_context
+from dynamo_prep.formatter.jinja.environment import _INLINED_READS, _new_environment, template_context
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.prompt import PromptRenderError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
@@ -439,7 +439,8 @@ def test_attribute_reads_match_the_plain_sandbox() -> None:
         "{% for m in messages %}{{ loop.index }}{{ loop.previtem.role if not loop.first }}"
         "{{ loop.cycle('a', 'b') }}{{ loop.depth0 }}{{ loop.last }}{{ loop.nextitem is defined }}"
         "{{ loop.missing is defined }}"
-        "{{ show(m) }}|{{ m.missing is defined }}|{{ m.get('role') }}"
+        "{{ show(m) }}|{{ m.missing is defined }}|{{ m.get('role') }}|{{ m['role'] }}"
+        "{{ m['nope'] is defined }}{{ m['items'] is defined }}{{ m['meta']['deep'] if m['meta'] is defined }}"
         "|{{ m.items() | list | length }}|{{ m.meta.deep.key if m.meta is defined else '-' }}"
         "{% call show(m) %}{{ m.role }}{% endcall %}{% set ns.last = m.role %}{% endfor %}{{ ns.last }}"
         "{{ messages.0.role }}"
@@ -450,7 +451,7 @@ def test_attribute_reads_match_the_plain_sandbox() -> None:
     ]
     reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
     expected = reference.render(messages=messages)
-    assert "user:hi|False|user|3|k" in expected
+    assert "user:hi|False|user|userFalseTrue{'key': 'k'}|3|k" in expected
     assert JinjaFormatter.from_template(template).render_text(messages) == expected
 
 
@@ -485,3 +486,11 @@ def test_messages_reach_the_template_as_plain_data() -> None:
     assert context["messages"][0] is plain
     assert context["messages"][1] is not subclassed and type(context["messages"][1]["content"]) is str
     assert context["messages"][2] == plain
+
+
+def test_reads_past_the_inlined_ones_render_the_same() -> None:
+    """A template's first reads are inlined, the rest compile to calls (either way the same value)."""
+    template = "{{ messages[0].role }}{{ messages[0]['content'] }}," * 600
+    source = _new_environment().compile(template, raw=True)
+    assert source.count("is dict and") == _INLINED_READS
+    assert JinjaFormatter.from_template(template).render_text(USER) == "userhi," * 600

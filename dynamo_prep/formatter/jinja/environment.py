@@ -76,7 +76,8 @@ _DICT_ATTRIBUTES = frozenset(dir(dict))
 _LOOP_ATTRIBUTES = frozenset(
     {name for name in dir(jinja2.runtime.LoopContext) if not name.startswith("_")} | {"depth0"}
 )
-_HELD = "_dp_held"  # the generated code's name for the object of an inlined attribute read
+_HELD = "_dp_held"
+_INLINED_READS = 1000  # the generated code's name for the object of an inlined attribute read
 
 
 class ChatTemplateError(ModelCardError):
@@ -173,6 +174,7 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._loop_iterables: dict[int, jinja2.nodes.Node] = {}
+        self._inlined = 0
 
     def visit(self, node: jinja2.nodes.Node, *args: Any, **kwargs: Any) -> Any:
         """A ``for``'s iterable is emitted as ``environment.bounded_iter(<iterable>)``, a direct call
@@ -193,18 +195,42 @@ class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
         """``obj.name`` on a plain dict holding ``name``, and a loop's public attributes, are read inline;
         anything else (other types, a missing key, a name ``dict`` has as an attribute) goes through
         ``environment.getattr``, whose answer in the inlined cases is the same."""
-        if node.attr in _DICT_ATTRIBUTES:
+        if node.attr in _DICT_ATTRIBUTES or not self._inline():
             self.write("environment.getattr(")
             self.visit(node.node, frame)
             self.write(f", {node.attr!r})")
             return
-        name = repr(node.attr)
-        self.write(f"({_HELD}[{name}] if type({_HELD} := ")
-        self.visit(node.node, frame)
-        self.write(f") is dict and {name} in {_HELD} else ")
-        if node.attr in _LOOP_ATTRIBUTES:  # ``loop.first``: a public property of every LoopContext
-            self.write(f"{_HELD}.{node.attr} if type({_HELD}) is LoopContext else ")
-        self.write(f"environment.getattr({_HELD}, {name}))")
+        loop = (
+            f"{_HELD}.{node.attr} if type({_HELD}) is LoopContext else "
+            if node.attr in _LOOP_ATTRIBUTES
+            else ""
+        )
+        self._dict_read(node.node, repr(node.attr), frame, f"{loop}environment.getattr")
+
+    @jinja2.compiler.optimizeconst
+    def visit_Getitem(self, node: jinja2.nodes.Getitem, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        """``obj['name']`` on a plain dict holding ``name`` is read inline; anything else goes through
+        ``environment.getitem``, whose answer in that case is the same item."""
+        key = node.arg
+        if isinstance(key, jinja2.nodes.Const) and type(key.value) is str and self._inline():
+            self._dict_read(node.node, repr(key.value), frame, "environment.getitem")
+        else:
+            super().visit_Getitem(node, frame)
+
+    def _inline(self) -> bool:
+        """Whether one more read may be inlined: an inlined read compiles to several times the Python
+        of a call, so a template's first ``_INLINED_READS`` are (real templates have under 100)."""
+        self._inlined += 1
+        return self._inlined <= _INLINED_READS
+
+    def _dict_read(
+        self, obj: jinja2.nodes.Node, key: str, frame: jinja2.compiler.Frame, fallback: str
+    ) -> None:
+        """``obj[key]`` if ``obj`` is a plain dict holding ``key``, else ``fallback(obj, key)``; ``obj`` is
+        evaluated once (held in a local)."""
+        self.write(f"({_HELD}[{key}] if type({_HELD} := ")
+        self.visit(obj, frame)
+        self.write(f") is dict and {key} in {_HELD} else {fallback}({_HELD}, {key}))")
 
     def visit_Add(self, node: jinja2.nodes.BinExpr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
         self.write("environment.admit(")
