@@ -37,6 +37,10 @@ MAX_ENCODE_CHARS = 400_000
 MAX_RUN_CHARS = 25_000
 SEGMENT_CACHE_MAX_CHARS = 64
 SEGMENT_CACHE_MAX_ENTRIES = 4096
+LINE_CACHE_MAX_CHARS = 2048  # one line kept; tool schemas printed by a template are such lines
+LINE_CACHE_BUDGET_CHARS = 1 << 20  # all lines kept by one tokenizer
+LINE_CACHE_MAX_ENTRIES = 8192
+LINES_SEEN_MAX = 16384
 
 KIMI_PAT_STR = "|".join(
     [
@@ -80,6 +84,12 @@ PAT_STR_BY_MODEL_TYPE: Mapping[str, str] = MappingProxyType(
     }
 )
 KNOWN_MODEL_TYPES = tuple(sorted(PAT_STR_BY_MODEL_TYPE))
+# Patterns in which no alternative matches across a newline followed by a non-space character (each
+# ends at newlines, or cannot hold one): every such position starts a chunk, so a text cut there
+# encodes as its pieces do, whatever comes before or after. (Python's ``\S`` is narrower than
+# tiktoken's, never wider: ``\x1c``-``\x1f`` are spaces to ``str.isspace`` only.)
+LINE_CUT_PATTERNS = frozenset({KIMI_PAT_STR, QWEN_PAT_STR, LLAMA3_PAT_STR})
+_LINE = re.compile(r"[^\n]*(?:\n(?!\S)[^\n]*)*\n?")  # up to a newline before a non-space, or the end
 _HF_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 _SPACE_RUN = re.compile(r"\s*")
 _WORD_RUN = re.compile(r"\S*")
@@ -133,6 +143,10 @@ class Tokenizer:
         self._control_cache: dict[str, tuple[int, ...]] = {}
         self._text_cache: dict[str, tuple[int, ...]] = {}
         self._run_ids: dict[Run, tuple[int, ...]] = {}
+        self._line_cut = encoding._pat_str in LINE_CUT_PATTERNS
+        self._line_ids: dict[str, tuple[int, ...]] = {}
+        self._line_chars = 0
+        self._lines_seen: set[int] = set()
 
     @classmethod
     def from_model_dir(cls, path: str | Path, *, config: dict[str, Any] | None = None) -> Tokenizer:
@@ -206,7 +220,7 @@ class Tokenizer:
         """The hot path, once per request over every piece (hundreds for K3), so the common cases are
         inlined: a ``Run`` is one lookup for all its ids, a control segment that is exactly one special
         is its id, a short segment seen before is a dict hit; only new or long text reaches
-        ``_uncached``.
+        ``_uncached`` (where long text reuses the lines it shares with earlier requests).
         """
         ids: list[int] = []
         append, extend = ids.append, ids.extend
@@ -284,12 +298,56 @@ class Tokenizer:
         if len(text) > SEGMENT_CACHE_MAX_CHARS:
             if allow_special or len(text) > MAX_RUN_CHARS:
                 return self.encode(text, allow_special=allow_special)
+            if self._line_cut:
+                return self._encode_lines(text)
             return self._encoding.encode_ordinary(text)  # new prose: the common miss
         ids = tuple(self._encode_run(text, allow_special))
         cache = self._control_cache if allow_special else self._text_cache
         if len(cache) >= SEGMENT_CACHE_MAX_ENTRIES:
             cache.clear()  # bounded under adversarial input; hot entries refill at once
         cache[text] = ids
+        return ids
+
+    def _encode_lines(self, text: str) -> list[int]:
+        """A text segment cut into lines (``LINE_CUT_PATTERNS``): a line seen twice is kept and
+        served from then on (a template's literal lines recur on every request, user text rarely);
+        the lines between kept ones are encoded together, one call per span."""
+        ids: list[int] = []
+        extend, encode = ids.extend, self._encoding.encode_ordinary
+        kept, seen = self._line_ids, self._lines_seen
+        pending = start = 0  # text[pending:start]: lines not kept, still to encode
+        for line in _LINE.findall(text):
+            if not line:  # the empty match at the end
+                break
+            end = start + len(line)
+            hit = kept.get(line)
+            if hit is None and len(line) <= LINE_CACHE_MAX_CHARS:
+                if hash(line) in seen:
+                    hit = self._keep(line)
+                else:
+                    if len(seen) >= LINES_SEEN_MAX:
+                        seen.clear()
+                    seen.add(hash(line))
+            if hit is not None:
+                if pending < start:
+                    extend(encode(text[pending:start]))
+                extend(hit)
+                pending = end
+            start = end
+        if pending < start:
+            extend(encode(text[pending:]))
+        return ids
+
+    def _keep(self, line: str) -> tuple[int, ...]:
+        """A line seen a second time: encoded and kept (within the ``LINE_CACHE_*`` bounds)."""
+        if (
+            self._line_chars + len(line) > LINE_CACHE_BUDGET_CHARS
+            or len(self._line_ids) >= LINE_CACHE_MAX_ENTRIES
+        ):
+            self._line_ids.clear()  # bounded under adversarial input; hot lines come back on next sight
+            self._line_chars = 0
+        ids = self._line_ids[line] = tuple(self._encoding.encode_ordinary(line))
+        self._line_chars += len(line)
         return ids
 
     def _bos_token_id(

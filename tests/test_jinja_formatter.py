@@ -15,9 +15,11 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja import ChatTemplateError, JinjaFormatter, special_tokens_from_config
+from dynamo_prep.formatter.jinja.environment import _INLINED_READS, _new_environment, template_context
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.prompt import PromptRenderError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
@@ -424,3 +426,71 @@ def test_templates_compile_once() -> None:
     first = JinjaFormatter.from_template("{{ messages | length }}")
     second = JinjaFormatter.from_template("{{ messages | length }}")
     assert first._template is second._template
+
+
+def test_attribute_reads_match_the_plain_sandbox() -> None:
+    """Attribute reads of plain dicts are inlined by the code generator: every shape reads as in
+    Jinja's own sandbox (keys, missing keys, dict method names, chains, loop and namespace
+    attributes, inside macros and call blocks)."""
+    template = (
+        "{% macro show(m) %}{{ m.role }}:{{ m.content.text if m.content.text is defined else m.content }}"
+        "{% if caller is defined %}[{{ caller() }}]{% endif %}{% endmacro %}"
+        "{% set ns = namespace(last=messages[0].role) %}"
+        "{% for m in messages %}{{ loop.index }}{{ loop.previtem.role if not loop.first }}"
+        "{{ loop.cycle('a', 'b') }}{{ loop.depth0 }}{{ loop.last }}{{ loop.nextitem is defined }}"
+        "{{ loop.missing is defined }}"
+        "{{ show(m) }}|{{ m.missing is defined }}|{{ m.get('role') }}|{{ m['role'] }}"
+        "{{ m['nope'] is defined }}{{ m['items'] is defined }}{{ m['meta']['deep'] if m['meta'] is defined }}"
+        "|{{ m.items() | list | length }}|{{ m.meta.deep.key if m.meta is defined else '-' }}"
+        "{% call show(m) %}{{ m.role }}{% endcall %}{% set ns.last = m.role %}{% endfor %}{{ ns.last }}"
+        "{{ messages.0.role }}"
+    )
+    messages = [
+        {"role": "user", "content": {"text": "hi"}, "meta": {"deep": {"key": "k"}}},
+        {"role": "assistant", "content": "yo", "items": "shadowed"},
+    ]
+    reference = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    expected = reference.render(messages=messages)
+    assert "user:hi|False|user|userFalseTrue{'key': 'k'}|3|k" in expected
+    assert JinjaFormatter.from_template(template).render_text(messages) == expected
+
+
+class _Loud(str):
+    def upper(self) -> str:  # type: ignore[override]
+        return "not plain"
+
+
+class _Count(int):
+    def __str__(self) -> str:
+        return "not plain"
+
+
+def test_messages_reach_the_template_as_plain_data() -> None:
+    """Plain messages are passed as they are (a template cannot change them); anything else is
+    rebuilt from plain types, nested values included."""
+    template = (
+        "{% for m in messages %}{{ m.content.upper() }}|{{ m.meta.n }}|{{ m.extra | tojson }};{% endfor %}"
+    )
+    plain = {"role": "user", "content": "hi", "meta": {"n": 3}, "extra": [1, None]}
+    subclassed = {"role": "user", "content": _Loud("hi"), "meta": {"n": _Count(3)}, "extra": (1, None)}
+    formatter = JinjaFormatter.from_template(template)
+    assert formatter.render_text([plain, subclassed]) == "HI|3|[1, null];HI|3|[1, null];"
+    context = template_context(
+        [plain, subclassed, {**plain, "name": None}],
+        None,
+        None,
+        add_generation_prompt=False,
+        variables={},
+        overrides={},
+    )
+    assert context["messages"][0] is plain
+    assert context["messages"][1] is not subclassed and type(context["messages"][1]["content"]) is str
+    assert context["messages"][2] == plain
+
+
+def test_reads_past_the_inlined_ones_render_the_same() -> None:
+    """A template's first reads are inlined, the rest compile to calls (either way the same value)."""
+    template = "{{ messages[0].role }}{{ messages[0]['content'] }}," * 600
+    source = _new_environment().compile(template, raw=True)
+    assert source.count("is dict and") == _INLINED_READS
+    assert JinjaFormatter.from_template(template).render_text(USER) == "userhi," * 600

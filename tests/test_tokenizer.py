@@ -15,12 +15,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies_hostile import reference_pieces, reference_split
 
+import dynamo_prep.tokenizer as tokenizer_module
 from dynamo_prep.formatter import KimiK3Formatter, Segment
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.prompt import Run
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import (
     KIMI_PAT_STR,
+    LINE_CACHE_MAX_CHARS,
+    LINES_SEEN_MAX,
     MAX_ENCODE_CHARS,
     MAX_RUN_CHARS,
     SEGMENT_CACHE_MAX_ENTRIES,
@@ -318,6 +321,77 @@ def test_segment_caches_stay_bounded(tmp_path: Path) -> None:
     assert 0 < len(tok._control_cache) <= SEGMENT_CACHE_MAX_ENTRIES
     tok.encode_segments([Segment("x" * 1000, False), Segment("y" * 1000, True)])
     assert all(len(text) <= 64 for text in [*tok._text_cache, *tok._control_cache])
+
+
+# --- lines kept across requests -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_pattern_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    model = copy_demo(tmp_path_factory.mktemp("llama"), "qwen-vl-demo")
+    edit_json(model / "config.json", model_type="llama")
+    return Tokenizer.from_model_dir(model)
+
+
+_LINE_TEXT = st.text(alphabet="ab Z9 \n\r\t'.,{}<>|_-é中\u00a0\u2028\x1c😀", max_size=120)
+_LINE_CUT_TOKENIZERS = ["cl100k_k3_tokenizer", "qwen_demo_tokenizer", "llama_pattern_tokenizer"]
+
+
+@pytest.mark.parametrize("fixture", _LINE_CUT_TOKENIZERS)
+@settings(max_examples=150, derandomize=True, deadline=None)
+@given(texts=st.lists(_LINE_TEXT, min_size=1, max_size=6))
+def test_text_cut_into_lines_encodes_as_the_whole_text(
+    request: pytest.FixtureRequest, fixture: str, texts: list[str]
+) -> None:
+    """A newline before a non-space ends a chunk in every registered pattern: however lines are kept
+    and joined, the ids are the whole text's (first sight, second sight, then served kept)."""
+    tok: Tokenizer = request.getfixturevalue(fixture)
+    assert tok._line_cut
+    text = "\n".join(["constant line that a template writes on every request", *texts])
+    expected = tok.encoding.encode_ordinary(text)
+    for _ in range(3):
+        assert tok.encode_segments([Segment(text, False)]) == expected
+
+
+def test_lines_seen_twice_are_kept_and_user_lines_are_not() -> None:
+    tok = Tokenizer.from_model_dir("qwen-vl-demo")
+    tools = '{"type": "function", "function": {"name": "get_weather", "parameters": {}}}'
+    for index in range(3):
+        text = f"system\nYou are helpful, request {index}.\n\n# Tools\n\n{tools}\n</tools>"
+        assert tok.encode_segments([Segment(text, False)]) == tok.encoding.encode_ordinary(text)
+    assert {"system\n", "# Tools\n\n", tools + "\n", "</tools>"} <= tok._line_ids.keys()
+    assert not [line for line in tok._line_ids if "request" in line]
+
+
+def test_line_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tokenizer_module, "LINE_CACHE_BUDGET_CHARS", 2_000)
+    monkeypatch.setattr(tokenizer_module, "LINE_CACHE_MAX_ENTRIES", 100)
+    tok = Tokenizer.from_model_dir("qwen-vl-demo")
+    lines = [f"line {i} " + "x" * (i % 90) + "\n" for i in range(LINES_SEEN_MAX + 500)]
+    text = "".join(lines[:300]) + "y" * (LINE_CACHE_MAX_CHARS + 1)
+    for _ in range(2):
+        assert tok.encode_segments([Segment(text, False)]) == tok.encoding.encode_ordinary(text)
+    assert 0 < tok._line_chars <= 2_000
+    assert sum(map(len, tok._line_ids)) == tok._line_chars
+    assert all(len(line) <= LINE_CACHE_MAX_CHARS for line in tok._line_ids)
+    for start in range(0, len(lines), 300):  # segments under MAX_RUN_CHARS take the line path
+        tok.encode_segments([Segment("".join(lines[start : start + 300]), False)])
+    assert 0 < len(tok._lines_seen) <= LINES_SEEN_MAX
+    tiny = "".join(f"{chr(0x4E00 + i)}\n" for i in range(300))  # short lines: the entry count binds
+    for _ in range(2):
+        assert tok.encode_segments([Segment(tiny, False)]) == tok.encoding.encode_ordinary(tiny)
+    assert 0 < len(tok._line_ids) <= 100
+
+
+def test_other_patterns_are_not_cut_into_lines(tmp_path: Path) -> None:
+    model = copy_demo(tmp_path)
+    edit_json(model / "tokenizer_config.json", pat_str=r"[^\n]+\n?|\n")  # a line is no chunk boundary here
+    tok = Tokenizer.from_model_dir(model)
+    text = "first line of the text\nsecond line\nthird line, long enough to reach the line path"
+    assert not tok._line_cut
+    for _ in range(3):
+        assert tok.encode_segments([Segment(text, False)]) == tok.encoding.encode_ordinary(text)
+    assert not tok._line_ids
 
 
 # --- decoding --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ A model's template comes from a worker, so it is input like any request. The lim
 each is enforced are listed in docs/hostile-input.md. The rules the code relies on:
 
 * Every render runs under one ``Budget`` (a context variable, so concurrent renders in threads
-  are independent): a deadline checked every ``_TICKS`` ticks, and a running total of the
+  are independent): a deadline checked every ``TICKS_PER_CLOCK_READ`` ticks, and a running total of the
   characters the template allocated. Loop iterations, calls and filters tick (anything else runs
   a bounded number of times between two of them), so a render stops within one bounded operation
   of its deadline.
@@ -39,6 +39,7 @@ __all__ = [
     "COMPILE_LIMITS",
     "MAX_TEMPLATE_CHARS",
     "RENDER_LIMITS",
+    "TICKS_PER_CLOCK_READ",
     "Budget",
     "RenderSliceSpent",
     "TemplateLimitError",
@@ -54,7 +55,7 @@ __all__ = [
 log = structlog.get_logger("dynamo_prep.formatter.jinja")
 
 MAX_TEMPLATE_CHARS = 1 << 20  # template source; real chat templates are under 20,000 characters
-_TICKS = 16  # ticks between two clock reads
+TICKS_PER_CLOCK_READ = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,15 +119,23 @@ class Budget:
 
     def tick(self) -> None:
         self.ticks += 1
-        if self.expired or not self.ticks % _TICKS:
-            now = time.monotonic()
-            if self.expired or now > self.deadline:
-                self.expired = True
-                raise TemplateLimitError(
-                    "seconds", f"the chat template ran past its {self.limits.seconds:g} s deadline"
-                )
-            if now > self.slice_end:
-                raise RenderSliceSpent("the render ran past its slice of the event loop")
+        if self.expired or not self.ticks % TICKS_PER_CLOCK_READ:
+            self._read_clock()
+
+    def tick_many(self, count: int) -> None:
+        """``count`` ticks at once, the clock read now (a short loop's iterations, before they run)."""
+        self.ticks += count
+        self._read_clock()
+
+    def _read_clock(self) -> None:
+        now = time.monotonic()
+        if self.expired or now > self.deadline:
+            self.expired = True
+            raise TemplateLimitError(
+                "seconds", f"the chat template ran past its {self.limits.seconds:g} s deadline"
+            )
+        if now > self.slice_end:
+            raise RenderSliceSpent("the render ran past its slice of the event loop")
 
     def check(self, what: str, chars: int) -> None:
         """Refuse to build ``what`` of ``chars`` characters when that is over ``max_chars``."""
@@ -179,13 +188,21 @@ class Budget:
         known = self._weights.get(id(value))
         if known is not None and known[0] is value:
             return known[1]
-        limit = self.limits.max_chars
+        limit = self._max_chars
         total = 2
-        items: Iterable[Any] = value if not isinstance(value, dict) else (i for p in value.items() for i in p)
-        for item in items:
-            total += self.weight(item) + 2
-            if total > limit:
-                return total
+        if isinstance(value, dict):
+            for key, item in value.items():  # a str (the common leaf) is inlined: len + 2, + 2
+                total += len(key) + 4 if type(key) is str else self.weight(key) + 2
+                if total > limit:
+                    return total
+                total += len(item) + 4 if type(item) is str else self.weight(item) + 2
+                if total > limit:
+                    return total
+        else:
+            for item in value:
+                total += len(item) + 4 if type(item) is str else self.weight(item) + 2
+                if total > limit:
+                    return total
         if self._timed:
             self._weights[id(value)] = (value, total)
         return total
@@ -283,21 +300,28 @@ def sliced(seconds: float) -> Iterator[None]:
 def bounded(limits: TemplateLimits) -> AbstractContextManager[Budget]:
     """A render's budget; nested calls share the outer one (a traced render is part of its request)."""
     active = _BUDGET.get()
-    return nullcontext(active) if active is not None else _activated(Budget(limits))
+    return nullcontext(active) if active is not None else _Activated(Budget(limits))
 
 
 def compiling() -> AbstractContextManager[Budget]:
     """A fresh budget for one compile: the constant folding it does is small and timed."""
-    return _activated(Budget(COMPILE_LIMITS))
+    return _Activated(Budget(COMPILE_LIMITS))
 
 
-@contextmanager
-def _activated(budget: Budget) -> Iterator[Budget]:
-    token = _BUDGET.set(budget)
-    try:
-        yield budget
-    finally:
-        _BUDGET.reset(token)
+class _Activated(AbstractContextManager[Budget]):
+    """``budget`` active inside the block (a class: a generator-based manager costs a render 1 us)."""
+
+    __slots__ = ("_budget", "_token")
+
+    def __init__(self, budget: Budget) -> None:
+        self._budget = budget
+
+    def __enter__(self) -> Budget:
+        self._token = _BUDGET.set(self._budget)
+        return self._budget
+
+    def __exit__(self, *exc_info: object) -> None:
+        _BUDGET.reset(self._token)
 
 
 _LIMITER = RateLimiter(interval_s=10.0)

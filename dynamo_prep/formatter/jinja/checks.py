@@ -114,9 +114,7 @@ def bounded_json(
     filter wrapper charges the result)."""
     budget = current()
     budget.indent(indent)
-    encoder = json.JSONEncoder(
-        ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    encoder = _encoder(ensure_ascii, indent, separators, sort_keys)
     if indent is None and budget.weight(value) * _JSON_ESCAPE_GROWTH <= budget.limits.max_chars:
         return encoder.encode(value)  # one shot in C: at most this long
     chunks: list[str] = []
@@ -126,6 +124,32 @@ def bounded_json(
         budget.check("a JSON string", size)
         chunks.append(chunk)
     return "".join(chunks)
+
+
+def _encoder(
+    ensure_ascii: bool, indent: int | str | None, separators: tuple[str, str] | None, sort_keys: bool
+) -> json.JSONEncoder:
+    """A JSONEncoder for these options (encoders keep no state between calls). Options of the plain
+    types are kept (templates pass constants); others get a one-off, so they fail as ``json.dumps``."""
+    plain = (
+        type(ensure_ascii) is bool
+        and type(sort_keys) is bool
+        and (indent is None or type(indent) is int or type(indent) is str)
+        and (separators is None or (type(separators) is tuple and all(type(s) is str for s in separators)))
+    )
+    key = (ensure_ascii, indent, separators, sort_keys)
+    encoder = _ENCODERS.get(key) if plain else None
+    if encoder is None:
+        encoder = json.JSONEncoder(
+            ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+        if plain and len(_ENCODERS) < _MAX_ENCODERS:
+            _ENCODERS[key] = encoder
+    return encoder
+
+
+_ENCODERS: dict[tuple[Any, ...], json.JSONEncoder] = {}
+_MAX_ENCODERS = 64  # templates pass constants; a template cannot grow this without bound
 
 
 # --- filters (and lipsum): a tick, a check before the call where one is needed, the result admitted

@@ -32,9 +32,9 @@ hang. Normal templates render byte for byte as before: the hooks only check, nev
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import re
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -55,6 +55,8 @@ from dynamo_prep.card import ModelCardError
 from dynamo_prep.formatter.jinja.bounds import (
     MAX_TEMPLATE_CHARS,
     RENDER_LIMITS,
+    TICKS_PER_CLOCK_READ,
+    Budget,
     RenderSliceSpent,
     TemplateLimitError,
     TemplateLimits,
@@ -69,8 +71,14 @@ from dynamo_prep.prompt import PromptRenderError
 __all__ = ["ChatTemplateError", "compile_template", "render_template", "template_context", "to_plain"]
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_REASONING_KEYS = frozenset(_REASONING_FIELDS)
 _SHORT = 256
 _DICT_ATTRIBUTES = frozenset(dir(dict))
+_LOOP_ATTRIBUTES = frozenset(
+    {name for name in dir(jinja2.runtime.LoopContext) if not name.startswith("_")} | {"depth0"}
+)
+_HELD = "_dp_held"
+_INLINED_READS = 1000  # the generated code's name for the object of an inlined attribute read
 
 
 class ChatTemplateError(ModelCardError):
@@ -158,14 +166,79 @@ def _strftime_now(format: str) -> str:
 
 
 class _BoundedCodeGenerator(jinja2.compiler.CodeGenerator):
-    """Jinja's code generator with the budget hooks: loops tick, built strings and literals are admitted."""
+    """Jinja's code generator with the budget hooks: loops tick, built strings and literals are admitted.
 
-    def visit_For(self, node: jinja2.nodes.For, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
-        """The loop iterates ``environment.bounded_iter(<iterable>)`` (Jinja allows no custom nodes)."""
-        bounded_node = copy.copy(node)
-        hook = jinja2.nodes.EnvironmentAttribute("bounded_iter", lineno=node.iter.lineno)
-        bounded_node.iter = jinja2.nodes.Call(hook, [node.iter], [], None, None, lineno=node.iter.lineno)
-        super().visit_For(bounded_node, frame)
+    ``a + b`` is emitted as ``environment.admit(a + b)``: the check ``call_binop`` would make, without
+    its dispatch (``+`` stays intercepted, so Jinja still never folds it).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop_iterables: dict[int, jinja2.nodes.Node] = {}
+        self._inlined = 0
+
+    def visit(self, node: jinja2.nodes.Node, *args: Any, **kwargs: Any) -> Any:
+        """A ``for``'s iterable is emitted as ``environment.bounded_iter(<iterable>)``, a direct call
+        (Jinja allows no custom nodes, and a ``Call`` node would go through the sandbox's ``call``)."""
+        if self._loop_iterables.get(id(node)) is node:
+            self.write("environment.bounded_iter(")
+            super().visit(node, *args, **kwargs)
+            self.write(")")
+            return None
+        return super().visit(node, *args, **kwargs)
+
+    def visit_Template(self, node: jinja2.nodes.Template, frame: jinja2.compiler.Frame | None = None) -> None:  # noqa: N802
+        self._loop_iterables = {id(loop.iter): loop.iter for loop in node.find_all(jinja2.nodes.For)}
+        super().visit_Template(node, frame)
+
+    @jinja2.compiler.optimizeconst
+    def visit_Getattr(self, node: jinja2.nodes.Getattr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        """``obj.name`` on a plain dict holding ``name``, and a loop's public attributes, are read inline;
+        anything else (other types, a missing key, a name ``dict`` has as an attribute) goes through
+        ``environment.getattr``, whose answer in the inlined cases is the same."""
+        if node.attr in _DICT_ATTRIBUTES or not self._inline():
+            self.write("environment.getattr(")
+            self.visit(node.node, frame)
+            self.write(f", {node.attr!r})")
+            return
+        loop = (
+            f"{_HELD}.{node.attr} if type({_HELD}) is LoopContext else "
+            if node.attr in _LOOP_ATTRIBUTES
+            else ""
+        )
+        self._dict_read(node.node, repr(node.attr), frame, f"{loop}environment.getattr")
+
+    @jinja2.compiler.optimizeconst
+    def visit_Getitem(self, node: jinja2.nodes.Getitem, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        """``obj['name']`` on a plain dict holding ``name`` is read inline; anything else goes through
+        ``environment.getitem``, whose answer in that case is the same item."""
+        key = node.arg
+        if isinstance(key, jinja2.nodes.Const) and type(key.value) is str and self._inline():
+            self._dict_read(node.node, repr(key.value), frame, "environment.getitem")
+        else:
+            super().visit_Getitem(node, frame)
+
+    def _inline(self) -> bool:
+        """Whether one more read may be inlined: an inlined read compiles to several times the Python
+        of a call, so a template's first ``_INLINED_READS`` are (real templates have under 100)."""
+        self._inlined += 1
+        return self._inlined <= _INLINED_READS
+
+    def _dict_read(
+        self, obj: jinja2.nodes.Node, key: str, frame: jinja2.compiler.Frame, fallback: str
+    ) -> None:
+        """``obj[key]`` if ``obj`` is a plain dict holding ``key``, else ``fallback(obj, key)``; ``obj`` is
+        evaluated once (held in a local)."""
+        self.write(f"({_HELD}[{key}] if type({_HELD} := ")
+        self.visit(obj, frame)
+        self.write(f") is dict and {key} in {_HELD} else {fallback}({_HELD}, {key}))")
+
+    def visit_Add(self, node: jinja2.nodes.BinExpr, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
+        self.write("environment.admit(")
+        self.visit(node.left, frame)
+        self.write(" + ")
+        self.visit(node.right, frame)
+        self.write(")")
 
     def visit_Concat(self, node: jinja2.nodes.Concat, frame: jinja2.compiler.Frame) -> None:  # noqa: N802
         self._admitted(super().visit_Concat, node, frame)
@@ -228,16 +301,28 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             return value
         return current().admit(value)
 
-    def bounded_iter(self, iterable: Iterable[Any]) -> Iterator[Any]:
+    def bounded_iter(self, iterable: Iterable[Any]) -> Iterable[Any]:
+        """What a ``for`` iterates: a short list or tuple as it is, its iterations ticked at once (the
+        clock is read before it, so no more iterations run between two reads than per-item ticking
+        allows), anything else item by item."""
         budget = current()
-        for item in iterable:
-            budget.tick()
-            yield item
+        kind = type(iterable)
+        if (kind is list or kind is tuple) and len(iterable) <= TICKS_PER_CLOCK_READ:  # type: ignore[arg-type]
+            budget.tick_many(len(iterable))  # type: ignore[arg-type]
+            return iterable
+        return _ticking(iterable, budget)
 
     def concat(self, parts: Iterable[str]) -> str:
-        """The output (and every block's): joined within ``max_chars`` (loops tick, chunks need not)."""
+        """The output (and every block's): joined within ``max_chars`` (loops tick, chunks need not).
+        A macro's buffer is a list already built: measured at once."""
         budget = current()
         limit = budget.limits.max_chars
+        if type(parts) is list:
+            size = sum(map(len, parts))
+            if size > limit:
+                budget.check("an output", size)
+            budget.charge(size)
+            return "".join(parts)
         chunks: list[str] = []
         append = chunks.append
         size = 0
@@ -270,6 +355,13 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
         budget = current()
         budget.tick()
         if type(__obj) is jinja2.runtime.Macro:
+            if _passes_through(__obj, args, kwargs):
+                try:
+                    return __obj._func(*args)
+                except StopIteration:  # what Context.call makes of it
+                    return __self.undefined(
+                        "value was undefined because a callable raised a StopIteration exception"
+                    )
             return __context.call(__obj, *args, **kwargs)
         # str.format arrives wrapped by the sandbox (``__wrapped__`` is the bound method)
         owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
@@ -278,6 +370,26 @@ class _ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
             if check is not None:
                 args = check(budget, owner, args, kwargs)
         return budget.admit(super().call(__context, __obj, *args, **kwargs))
+
+
+def _ticking(iterable: Iterable[Any], budget: Budget) -> Iterator[Any]:
+    for item in iterable:
+        budget.tick()
+        yield item
+
+
+_FRAME_KWARGS = frozenset({"_loop_vars", "_block_vars"})  # added by generated code, dropped by Context.call
+
+
+def _passes_through(macro: jinja2.runtime.Macro, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``Macro.__call__`` would call the macro's function with ``args`` unchanged: exactly its
+    positional arguments, no caller, varargs or kwargs to collect, no autoescaping."""
+    return (
+        len(args) == macro._argument_count
+        and not (macro.caller or macro.catch_kwargs or macro.catch_varargs or macro._default_autoescape)
+        and kwargs.keys() <= _FRAME_KWARGS
+        and not (args and isinstance(args[0], jinja2.nodes.EvalContext))
+    )
 
 
 def _test_mapping(value: Any) -> bool:
@@ -409,11 +521,36 @@ def _prepare_messages(messages: Sequence[Any]) -> list[dict[str, Any]]:
         )
     prepared = []
     for message in messages:
-        if not isinstance(message, Mapping):
+        if type(message) is dict and _is_plain(message) and None not in message.values():
+            plain = message  # the common case: already what the template may see
+        elif isinstance(message, Mapping):
+            plain = to_plain({key: value for key, value in message.items() if value is not None})
+        else:
             raise PromptRenderError(f"Chat messages should be dicts, but got {message!r}.")
-        plain = to_plain({key: value for key, value in message.items() if value is not None})
-        prepared.append(_alias_reasoning(plain))
+        if not _REASONING_KEYS.isdisjoint(plain):
+            plain = _alias_reasoning(plain)
+        prepared.append(plain)
     return prepared
+
+
+_PLAIN_LEAVES = frozenset({str, int, float, bool, type(None)})
+
+
+def _is_plain(value: Any) -> bool:
+    """Whether ``value`` is made of dicts with str keys, lists and plain leaves only: ``to_plain``
+    would rebuild it equal, and the template, which cannot change a value, may see it as it is."""
+    kind = type(value)
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or (type(item) not in _PLAIN_LEAVES and not _is_plain(item)):
+                return False
+        return True
+    if kind is list:
+        for item in value:  # noqa: SIM110 (a loop: all() over a generator is slower)
+            if type(item) not in _PLAIN_LEAVES and not _is_plain(item):
+                return False
+        return True
+    return kind in _PLAIN_LEAVES
 
 
 def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
@@ -434,7 +571,23 @@ def _prepare_objects(items: Sequence[Any] | None, error: str) -> list[Any] | Non
     for item in items:
         if not isinstance(item, Mapping):
             raise PromptRenderError(error)
-    return [to_plain(item) for item in items]
+    return [item if _is_plain(item) else to_plain(item) for item in items]
+
+
+_GLOBALS: weakref.WeakKeyDictionary[jinja2.Template, dict[str, Any]] = weakref.WeakKeyDictionary()
+
+
+def _new_context(template: jinja2.Template, context: dict[str, Any]) -> jinja2.runtime.Context:
+    """``Template.new_context(context)`` as ``Template.render`` builds it, with the template's globals
+    read into a dict once (its ``ChainMap`` would be walked in Python twice per render). Nothing
+    changes an environment's globals after it compiles a template."""
+    globals_ = _GLOBALS.get(template)
+    if globals_ is None:
+        globals_ = _GLOBALS[template] = dict(template.globals)
+    environment = template.environment
+    return environment.context_class(
+        environment, dict(globals_, **context), template.name, template.blocks, globals=globals_
+    )
 
 
 def render_template(
@@ -444,7 +597,7 @@ def render_template(
     template failure into a PromptRenderError (a 400, never a raw exception)."""
     with bounded(limits):
         try:
-            return template.render(**context)
+            return template.environment.concat(template.root_render_func(_new_context(template, context)))
         except _TemplateRaised as exc:
             raise PromptRenderError(str(exc)) from exc
         except TemplateLimitError as exc:

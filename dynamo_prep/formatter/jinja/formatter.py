@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,7 @@ from dynamo_prep.formatter.jinja.environment import (
 )
 from dynamo_prep.formatter.jinja.injection import SpecialTokens, injection_safe_segments
 from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.prompt import PromptRenderError, RenderedPrompt
+from dynamo_prep.prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 __all__ = ["JinjaFormatter"]
@@ -218,7 +218,7 @@ class JinjaFormatter:
                 return RenderedPrompt(text=text, pieces=None, image_count=image_count)
             segments = injection_safe_segments(template, context, text, self._specials)
         # only the template's image tokens count: a typed one is text, not an image slot
-        image_count = sum(1 for s in segments if s.allow_special and s.text == self.rendered_token)
+        image_count = segments.count(Segment(self.rendered_token, True)) if self.rendered_token else 0
         return RenderedPrompt(text=text, pieces=segments, image_count=image_count)
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
@@ -264,12 +264,8 @@ def _hf_message(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
     if not isinstance(content, list):
         return message
-    return {**message, "content": list(_hf_parts(content))}
+    return {**message, "content": [_hf_part(part) for part in content]}
 
 
-def _hf_parts(parts: list[Any]) -> Iterator[Any]:
-    for part in parts:
-        if isinstance(part, dict) and part.get("type") == "image_url":
-            yield {"type": "image"}
-        else:
-            yield part
+def _hf_part(part: Any) -> Any:
+    return {"type": "image"} if isinstance(part, dict) and part.get("type") == "image_url" else part

@@ -43,6 +43,8 @@ STRUCTURAL_VALUES: Mapping[str, frozenset[str]] = {
         {"text", "image", "image_url", "video", "video_url", "audio", "input_audio", "function"}
     ),
 }
+_KEPT_TEXT_CHARS = 32
+_KEPT_SEGMENTS = 4096
 # (start, end) sentinel pairs tried in order; the first pair absent from the request is used
 _SENTINEL_PAIRS = (("\ue000", "\ue001"), ("\U000f0000", "\U000f0001"), ("\U00100000", "\U00100001"))
 
@@ -137,10 +139,14 @@ class SpecialTokens:
     def __init__(self, specials: Iterable[str], *, inner_pieces: bool = True) -> None:
         self.strings = tuple(sorted({s for s in specials if s}, key=lambda s: (-len(s), s)))
         self.inner_pieces = inner_pieces
-        self._pattern = re.compile("|".join(map(re.escape, self.strings))) if self.strings else None
+        self._pattern = re.compile(_longest_first(self.strings)) if self.strings else None
+        self._splitter = re.compile(f"({_longest_first(self.strings)})") if self.strings else None
+        self._controls = {special: Segment(special, True) for special in self.strings}
+        self._segments: dict[str, Segment] = dict(self._controls)  # and short text segments seen
         edges = {char for s in self.strings for char in (s[0], s[-1])}
         edges |= {variant for char in edges for variant in (char.lower(), char.upper(), char.casefold())}
         self._edges = re.compile("[" + "".join(map(re.escape, sorted(edges))) + "]") if edges else None
+        self._edge_bytes = tuple(_utf8(sorted(edges)))
         # characters JSON escapes (so a search of the JSON text would miss them)
         self._json_edges = any(char in '"\\' or ord(char) < 0x20 for char in edges)
         self._joined = "\x00".join(self.strings)
@@ -170,7 +176,8 @@ class SpecialTokens:
             encoded = msgspec.json.encode(value)
         except (TypeError, ValueError, msgspec.EncodeError):
             return False
-        return self._edges.search(encoded.decode("utf-8")) is None
+        # UTF-8 is self-synchronizing: a character's bytes occur only where the character does
+        return not any(edge in encoded for edge in self._edge_bytes)
 
     def fragments_in(self, source: str) -> bool:
         """Whether template source writes a special's first or last two characters outside a whole special.
@@ -183,15 +190,55 @@ class SpecialTokens:
 
     def cut(self, text: str, segments: list[Segment]) -> None:
         """Append ``text`` as control segments (each special) and text segments (the runs between)."""
-        start = 0
-        if self._pattern is not None:
-            for match in self._pattern.finditer(text):
-                if match.start() > start:
-                    segments.append(Segment(text[start : match.start()], False))
-                segments.append(Segment(match.group(), True))
-                start = match.end()
-        if start < len(text):
-            segments.append(Segment(text[start:], False))
+        if self._splitter is None:
+            if text:
+                segments.append(Segment(text, False))
+            return
+        # text, special, text, ..., text: a text run never equals a special (the split would have cut it)
+        known, text_segment = self._segments, self._text_segment
+        parts = self._splitter.split(text)
+        segments.extend([known.get(part) or text_segment(part) for part in parts if part])
+
+    def _text_segment(self, text: str) -> Segment:
+        """A text segment; short ones (tags, newlines, roles) are kept, as the same few recur."""
+        segment = Segment(text, False)
+        if len(text) <= _KEPT_TEXT_CHARS:
+            if len(self._segments) >= _KEPT_SEGMENTS:
+                self._segments = dict(self._controls)
+            self._segments[text] = segment
+        return segment
+
+
+def _longest_first(strings: Iterable[str]) -> str:
+    """A regex matching, at each position, the longest of ``strings`` that occurs there: a trie of
+    them (one branch per next character), so a position costs one character test per level instead
+    of one attempt per string."""
+    trie: dict[str, Any] = {}
+    for string in strings:
+        node = trie
+        for char in string:
+            node = node.setdefault(char, {})
+        node[""] = {}  # a string ends here ("" is never a character)
+
+    def branch(node: dict[str, Any]) -> str:
+        alternatives = [re.escape(char) + branch(child) for char, child in sorted(node.items()) if char]
+        if not alternatives:
+            return ""
+        body = alternatives[0] if len(alternatives) == 1 else f"(?:{'|'.join(alternatives)})"
+        return f"(?:{body})?" if "" in node else body  # greedy: a longer string first
+
+    return branch(trie)
+
+
+def _utf8(chars: Iterable[str]) -> list[bytes]:
+    """The UTF-8 bytes of each character that has them (a lone surrogate does not, nor does any JSON)."""
+    encoded = []
+    for char in chars:
+        try:
+            encoded.append(char.encode("utf-8"))
+        except UnicodeEncodeError:
+            continue
+    return encoded
 
 
 def _user_strings(value: Any, key: Any = None) -> Iterator[str]:
