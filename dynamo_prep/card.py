@@ -55,7 +55,7 @@ class FileRef(msgspec.Struct, frozen=True):
     size: int
 
 
-class ModelRuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
+class ModelRuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """What one running worker reports about its engine.
 
     ``image_placeholder_token`` is the per-image token the worker's loaded processor expects in
@@ -84,7 +84,7 @@ _Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 _Files = Annotated[dict[Annotated[str, msgspec.Meta(max_length=128)], FileRef], msgspec.Meta(max_length=32)]
 
 
-class ModelDeploymentCard(msgspec.Struct, kw_only=True):
+class ModelDeploymentCard(msgspec.Struct, kw_only=True, gc=False):
     """Everything a frontend needs to serve a model: identity, limits, and its files by content."""
 
     display_name: _Name
@@ -151,7 +151,7 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True):
         return {**fields, **{f"files.{name}": sha256 for name, (sha256, _size) in files.items()}}
 
 
-class CardDecodeResult(msgspec.Struct, frozen=True):
+class CardDecodeResult(msgspec.Struct, frozen=True, gc=False):
     """A decoded card, plus the legacy keys its sender still carried (e.g. ``expands_image_pad_token``)."""
 
     card: ModelDeploymentCard

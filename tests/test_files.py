@@ -370,3 +370,21 @@ def test_the_cap_defaults_to_4_gib_and_honours_the_environment(monkeypatch: pyte
 
 def _fields(card: ModelDeploymentCard) -> dict[str, Any]:
     return {name: getattr(card, name) for name in card.__struct_fields__}
+
+
+def test_only_new_bytes_start_an_eviction_scan(served: list[Served], tmp_path: Path) -> None:
+    """A model whose files are all cached already (another name for the same files) links them and
+    adds no bytes, so it does not scan the cache: 10,000 such names scanned it 10,000 times."""
+    a, b, _ = served
+    store = ModelFileStore(tmp_path / "cache", max_bytes=1)
+    a.fetch(store)
+    store.release(a.card.mdcsum())  # over the cap, evictable
+    alias = ModelDeploymentCard(**{**_fields(a.card), "display_name": "alias-of-a", "slug": "alias-of-a"})
+    assert alias.mdcsum() != a.card.mdcsum()
+    with structlog.testing.capture_logs() as logs:
+        store.model_dir_for(alias, endpoint=a.router.endpoint, timeout_s=5)
+        assert not [entry for entry in logs if entry["event"] == "model_cache_evicted"]
+        assert (store.models / a.card.mdcsum()).is_dir()  # no scan, so a is still there
+        b.fetch(store)  # new bytes: the scan runs and evicts a
+    assert [entry for entry in logs if entry["event"] == "model_cache_evicted"]
+    assert not (store.models / a.card.mdcsum()).exists()

@@ -237,7 +237,10 @@ class ModelFileStore:
             fetched=fetched,
             linked=linked,
         )
-        self.evict()
+        if fetched or linked < len(blobs):
+            # Only new bytes can push the cache over its cap: a directory of hard links to blobs
+            # already held adds none, and scanning thousands of entries per build would not be free.
+            self.evict()
         return target
 
     def release(self, mdcsum: str) -> None:

@@ -38,7 +38,7 @@ class DiscoveryDecodeError(WireDecodeError):
     """A discovery message that cannot be used; ``reason`` is a stable snake_case label."""
 
 
-class KvEventsEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+class KvEventsEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True, gc=False):
     """Where an instance's engine publishes its KV-cache events (the vLLM wire, ``kv_events.py``).
 
     Addresses are connectable (``tcp://host:port``), as the worker advertises them; ``replay_endpoint``
@@ -88,7 +88,7 @@ def declared_label(declared_token: str | None) -> str:
     return CHECKPOINT_DEFAULT if declared_token is None else declared_token
 
 
-class Instance(msgspec.Struct, kw_only=True, frozen=True):
+class Instance(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     """One live worker instance as the frontend knows it: the record every layer carries.
 
     ``declared_token`` is what the worker declared in its card (``image_placeholder_token``;
