@@ -67,7 +67,9 @@ DEFAULT_MAX_INSTANCES = 10_000
 # Far beyond what message loss explains (a day of 1 s heartbeats), far below a forged 2**64 - 1.
 MAX_SEQ_JUMP = 100_000
 
-DEFAULT_MAX_INSTANCES_PER_MODEL = 4_096
+# Room for the largest fleets of one model (benchmarks/scale.py runs 5,000), while junk announcing a
+# served model name (its instances are never evicted) still leaves a fifth of the table to others.
+DEFAULT_MAX_INSTANCES_PER_MODEL = 8_192
 
 RemovalReason = Literal["withdraw", "expired", "card_changed", "evicted", "revoked"]
 

@@ -74,7 +74,7 @@ __all__ = ["DiscoveryWatcher", "InstanceListener"]
 MAX_DRAIN_PER_WAKE = 512
 # A drain also stops after this long: under a flood of new instances (~0.1 ms each: registry, log
 # line, metrics) 512 messages would hold the event loop for 50 ms and more, /live and streams with it.
-MAX_DRAIN_S = 0.005
+MAX_DRAIN_S = 0.002
 MAX_POLL_S = 1.0
 # After a drain, wait this long before the next poll (bounds the wake rate, adds at most this latency).
 COALESCE_S = 0.005
