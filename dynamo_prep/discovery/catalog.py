@@ -1,9 +1,9 @@
 """The live model set the HTTP layer reads: only models that can serve a request right now.
 
 A model is listed once it has a built preprocessor AND at least one live instance (Dynamo users
-see models "listed before they are routable" otherwise). The model set is swapped in whole when a
-model is built or removed; a model's instance map is a read-only view the catalog updates in
-place, so a heartbeat-driven join or leave costs O(1) even with thousands of instances. Writers
+see models "listed before they are routable" otherwise). The model set and each model's instance
+map (a read-only view for readers) are updated in place, so a model built or removed, and a
+heartbeat-driven join or leave, cost O(1) even with thousands of models and instances. Writers
 and readers share one event loop, so a reader sees a consistent model between two awaits. A model
 seen but not built yet is *pending*: the HTTP layer answers 503, not 404.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
@@ -49,7 +49,7 @@ class ModelCatalog:
     """Model name -> ``LiveModel``; written by the watcher, read by request handlers."""
 
     def __init__(self) -> None:
-        self._models: Mapping[str, LiveModel] = MappingProxyType({})
+        self._models: dict[str, LiveModel] = {}
         self._pending: set[str] = set()
         self._instances: dict[str, dict[str, Instance]] = {}
 
@@ -78,12 +78,12 @@ class ModelCatalog:
         instances = dict(model.instances)
         self._instances[model.name] = instances
         owned = replace(model, instances=MappingProxyType(instances))
-        self._swap(lambda models: models.__setitem__(model.name, owned))
+        self._models[model.name] = owned
 
     def remove(self, name: str) -> None:
         self._pending.discard(name)
         self._instances.pop(name, None)
-        self._swap(lambda models: models.pop(name, None))
+        self._models.pop(name, None)
 
     def set_instance(self, name: str, instance: Instance) -> None:
         """Record a live instance (or its changed record) of a built model; no-op for unbuilt ones."""
@@ -95,9 +95,3 @@ class ModelCatalog:
         instances = self._instances.get(name)
         if instances is not None:
             instances.pop(instance_id, None)
-
-    def _swap(self, change: Callable[[dict[str, LiveModel]], object]) -> None:
-        """Copy, change, swap: a reader holding the old mapping keeps a consistent view."""
-        models = dict(self._models)
-        change(models)
-        self._models = MappingProxyType(models)
