@@ -13,6 +13,7 @@ import pytest
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter.jinja import JinjaFormatter, RenderSliceSpent, TemplateLimitError, sliced
+from dynamo_prep.formatter.jinja.bounds import RENDER_LIMITS, YIELD_AFTER_S, Budget
 from dynamo_prep.frontend import offload
 from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.models import DEMO_MODELS_DIR
@@ -68,3 +69,15 @@ async def test_a_render_that_outruns_its_slice_runs_again_whole_in_a_thread(
     monkeypatch.setattr(offload, "LOOP_SLICE_S", 60.0)
     await off_loop_if_slow(work, in_thread=False)
     assert threads == [threading.get_ident()]  # within its slice: once, on the loop
+
+
+def test_a_long_render_in_a_thread_yields_and_one_on_the_main_thread_does_not() -> None:
+    """Off the event loop's thread, a render running past ``YIELD_AFTER_S`` hands the GIL over at
+    each clock read; on the main thread (the loop's) it never does."""
+    assert Budget(RENDER_LIMITS).yield_after == float("inf")
+    budgets: list[Budget] = []
+    thread = threading.Thread(target=lambda: budgets.append(Budget(RENDER_LIMITS)))
+    thread.start()
+    thread.join()
+    started = budgets[0].deadline - RENDER_LIMITS.seconds
+    assert budgets[0].yield_after - started == pytest.approx(YIELD_AFTER_S)

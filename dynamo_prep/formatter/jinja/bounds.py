@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import re
 import string
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -56,6 +57,9 @@ log = structlog.get_logger("dynamo_prep.formatter.jinja")
 
 MAX_TEMPLATE_CHARS = 1 << 20  # template source; real chat templates are under 20,000 characters
 TICKS_PER_CLOCK_READ = 16
+# A render in a thread running longer than this (only hostile or huge ones do) hands the GIL over
+# at each clock read, so the event loop is not kept waiting behind it (/live within 50 ms).
+YIELD_AFTER_S = 0.005
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +105,7 @@ class Budget:
         "limits",
         "slice_end",
         "ticks",
+        "yield_after",
     )
 
     def __init__(self, limits: TemplateLimits, *, timed: bool = True) -> None:
@@ -112,6 +117,9 @@ class Budget:
         self.deadline = now + limits.seconds if timed else float("inf")
         slice_s = _SLICE.get() if timed else None
         self.slice_end = now + slice_s if slice_s is not None else float("inf")
+        # Off the main thread (the event loop's), a long render yields the GIL at every clock read.
+        on_main = threading.current_thread() is threading.main_thread()
+        self.yield_after = now + YIELD_AFTER_S if timed and not on_main else float("inf")
         self.ticks = 0
         self.allocated = 0
         self.expired = False
@@ -136,6 +144,8 @@ class Budget:
             )
         if now > self.slice_end:
             raise RenderSliceSpent("the render ran past its slice of the event loop")
+        if now > self.yield_after:
+            time.sleep(0)  # the GIL goes to a waiting thread now, not after the switch interval
 
     def check(self, what: str, chars: int) -> None:
         """Refuse to build ``what`` of ``chars`` characters when that is over ``max_chars``."""
