@@ -41,6 +41,9 @@ LINE_CACHE_MAX_CHARS = 2048  # one line kept; tool schemas printed by a template
 LINE_CACHE_BUDGET_CHARS = 1 << 20  # all lines kept by one tokenizer
 LINE_CACHE_MAX_ENTRIES = 8192
 LINES_SEEN_MAX = 16384
+# A line is kept on its third sighting: a request's text is often encoded twice (rendered for the
+# model's own declaration and for the instance it goes to), so two sightings do not make it recur.
+LINE_KEEP_SIGHTINGS = 3
 
 KIMI_PAT_STR = "|".join(
     [
@@ -146,7 +149,7 @@ class Tokenizer:
         self._line_cut = encoding._pat_str in LINE_CUT_PATTERNS
         self._line_ids: dict[str, tuple[int, ...]] = {}
         self._line_chars = 0
-        self._lines_seen: set[int] = set()
+        self._lines_seen: dict[int, int] = {}  # line hash -> sightings before it is kept
 
     @classmethod
     def from_model_dir(cls, path: str | Path, *, config: dict[str, Any] | None = None) -> Tokenizer:
@@ -309,9 +312,9 @@ class Tokenizer:
         return ids
 
     def _encode_lines(self, text: str) -> list[int]:
-        """A text segment cut into lines (``LINE_CUT_PATTERNS``): a line seen twice is kept and
-        served from then on (a template's literal lines recur on every request, user text rarely);
-        the lines between kept ones are encoded together, one call per span."""
+        """A text segment cut into lines (``LINE_CUT_PATTERNS``): a line seen ``LINE_KEEP_SIGHTINGS``
+        times is kept and served from then on (a template's literal lines recur on every request,
+        user text rarely); the lines between kept ones are encoded together, one call per span."""
         ids: list[int] = []
         extend, encode = ids.extend, self._encoding.encode_ordinary
         kept, seen = self._line_ids, self._lines_seen
@@ -322,12 +325,14 @@ class Tokenizer:
             end = start + len(line)
             hit = kept.get(line)
             if hit is None and len(line) <= LINE_CACHE_MAX_CHARS:
-                if hash(line) in seen:
+                sightings = seen.get(key := hash(line), 0) + 1
+                if sightings >= LINE_KEEP_SIGHTINGS:
+                    del seen[key]
                     hit = self._keep(line)
                 else:
                     if len(seen) >= LINES_SEEN_MAX:
                         seen.clear()
-                    seen.add(hash(line))
+                    seen[key] = sightings
             if hit is not None:
                 if pending < start:
                     extend(encode(text[pending:start]))
@@ -339,7 +344,7 @@ class Tokenizer:
         return ids
 
     def _keep(self, line: str) -> tuple[int, ...]:
-        """A line seen a second time: encoded and kept (within the ``LINE_CACHE_*`` bounds)."""
+        """A recurring line: encoded and kept (within the ``LINE_CACHE_*`` bounds)."""
         if (
             self._line_chars + len(line) > LINE_CACHE_BUDGET_CHARS
             or len(self._line_ids) >= LINE_CACHE_MAX_ENTRIES

@@ -23,6 +23,7 @@ from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.tokenizer import (
     KIMI_PAT_STR,
     LINE_CACHE_MAX_CHARS,
+    LINE_KEEP_SIGHTINGS,
     LINES_SEEN_MAX,
     MAX_ENCODE_CHARS,
     MAX_RUN_CHARS,
@@ -353,12 +354,15 @@ def test_text_cut_into_lines_encodes_as_the_whole_text(
         assert tok.encode_segments([Segment(text, False)]) == expected
 
 
-def test_lines_seen_twice_are_kept_and_user_lines_are_not() -> None:
+def test_recurring_lines_are_kept_and_user_lines_are_not() -> None:
+    """A template's lines recur on every request and are kept; a user's line, encoded twice for one
+    request (once per declaration it is rendered for), is not."""
     tok = Tokenizer.from_model_dir("qwen-vl-demo")
     tools = '{"type": "function", "function": {"name": "get_weather", "parameters": {}}}'
     for index in range(3):
         text = f"system\nYou are helpful, request {index}.\n\n# Tools\n\n{tools}\n</tools>"
-        assert tok.encode_segments([Segment(text, False)]) == tok.encoding.encode_ordinary(text)
+        for _ in range(2):
+            assert tok.encode_segments([Segment(text, False)]) == tok.encoding.encode_ordinary(text)
     assert {"system\n", "# Tools\n\n", tools + "\n", "</tools>"} <= tok._line_ids.keys()
     assert not [line for line in tok._line_ids if "request" in line]
 
@@ -369,7 +373,7 @@ def test_line_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     tok = Tokenizer.from_model_dir("qwen-vl-demo")
     lines = [f"line {i} " + "x" * (i % 90) + "\n" for i in range(LINES_SEEN_MAX + 500)]
     text = "".join(lines[:300]) + "y" * (LINE_CACHE_MAX_CHARS + 1)
-    for _ in range(2):
+    for _ in range(LINE_KEEP_SIGHTINGS):
         assert tok.encode_segments([Segment(text, False)]) == tok.encoding.encode_ordinary(text)
     assert 0 < tok._line_chars <= 2_000
     assert sum(map(len, tok._line_ids)) == tok._line_chars
@@ -378,7 +382,7 @@ def test_line_cache_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         tok.encode_segments([Segment("".join(lines[start : start + 300]), False)])
     assert 0 < len(tok._lines_seen) <= LINES_SEEN_MAX
     tiny = "".join(f"{chr(0x4E00 + i)}\n" for i in range(300))  # short lines: the entry count binds
-    for _ in range(2):
+    for _ in range(LINE_KEEP_SIGHTINGS):
         assert tok.encode_segments([Segment(tiny, False)]) == tok.encoding.encode_ordinary(tiny)
     assert 0 < len(tok._line_ids) <= 100
 

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 from collections.abc import Iterable
 
 __all__ = ["StopMatcher"]
+
+# Built in a thread (large stop lists), the automaton hands the GIL to the event loop this often.
+_YIELD_EVERY_STATES = 1024
 
 
 class StopMatcher:
@@ -21,10 +26,12 @@ class StopMatcher:
 
     def __init__(self, stops: Iterable[str]) -> None:
         patterns = sorted({stop for stop in stops if stop})
+        self._yielding = threading.current_thread() is not threading.main_thread()
         self._goto: list[dict[str, int]] = [{}]
         self._depth = [0]  # length of the prefix a state stands for
         for pattern in patterns:
             self._insert(pattern)
+            self._yield()
         self._fail = [0] * len(self._goto)
         # length of the longest stop string that ends a state's prefix (0: none)
         self._match = [0] * len(self._goto)
@@ -89,6 +96,11 @@ class StopMatcher:
                 self._depth.append(self._depth[state] + 1)
             state = following
 
+    def _yield(self) -> None:
+        """Off the event loop's thread, let it take the GIL now (not after a switch interval)."""
+        if self._yielding:
+            time.sleep(0)
+
     def _state_of(self, pattern: str) -> int:
         state = 0
         for char in pattern:
@@ -99,7 +111,9 @@ class StopMatcher:
         """Failure links breadth first; a state's match is its own, else its failure state's."""
         goto, fail, match = self._goto, self._fail, self._match
         queue = list(goto[0].values())
-        for state in queue:  # grows while it is walked: breadth-first order
+        for walked, state in enumerate(queue):  # grows while it is walked: breadth-first order
+            if not walked % _YIELD_EVERY_STATES:
+                self._yield()
             for char, following in goto[state].items():
                 back = fail[state]
                 while back and char not in goto[back]:
