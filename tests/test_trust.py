@@ -135,23 +135,22 @@ def test_allow_list_accepts_a_known_worker_and_rejects_an_unknown_key(
         frontend.close()
 
 
-def test_curve_broker_authenticates_workers(
-    tmp_path: Path, keys: dict[str, Path], procs: list[DynamoProcess]
-) -> None:
+def curve_broker(keys: dict[str, Path], procs: list[DynamoProcess]) -> tuple[DynamoProcess, str, str]:
+    """A started CURVE broker (the server key, the allow-list directory): it and its XSUB / XPUB."""
     xsub, xpub = tcp_endpoint(), tcp_endpoint()
+    secret, allow = str(keys["server_secret"]), str(keys["allow"])
     broker = start_dynamo(
-        "broker",
-        "--xsub",
-        xsub,
-        "--xpub",
-        xpub,
-        "--curve-secret-key",
-        str(keys["server_secret"]),
-        "--curve-allow-dir",
-        str(keys["allow"]),
+        "broker", "--xsub", xsub, "--xpub", xpub, "--curve-secret-key", secret, "--curve-allow-dir", allow
     )
     procs.append(broker)
     broker.wait_event("broker_started", curve=True)
+    return broker, xsub, xpub
+
+
+def test_curve_broker_authenticates_workers(
+    tmp_path: Path, keys: dict[str, Path], procs: list[DynamoProcess]
+) -> None:
+    _, xsub, xpub = curve_broker(keys, procs)
     with SubCollector(xpub, bind=False) as frontend:
         model = write_model_dir(tmp_path / "m")
         unknown = curve_worker(procs, model, xsub, keys["unknown_secret"], keys["server_public"])
@@ -165,20 +164,7 @@ def test_curve_broker_stops_forwarding_a_key_removed_from_the_allow_list(
 ) -> None:
     revoked_public, revoked_secret = generate_keys(tmp_path / "revoked", "worker-c")
     shutil.copy(revoked_public, keys["allow"])
-    xsub, xpub = tcp_endpoint(), tcp_endpoint()
-    broker = start_dynamo(
-        "broker",
-        "--xsub",
-        xsub,
-        "--xpub",
-        xpub,
-        "--curve-secret-key",
-        str(keys["server_secret"]),
-        "--curve-allow-dir",
-        str(keys["allow"]),
-    )
-    procs.append(broker)
-    broker.wait_event("broker_started", curve=True)
+    broker, xsub, xpub = curve_broker(keys, procs)
     with SubCollector(xpub, bind=False) as frontend:
         model = write_model_dir(tmp_path / "m")
         allowed = curve_worker(procs, model, xsub, keys["allowed_secret"], keys["server_public"])

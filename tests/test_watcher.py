@@ -11,6 +11,7 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -521,19 +522,37 @@ async def test_curve_binds_each_instance_to_its_key(
         mallory.close()
 
 
-async def test_curve_refuses_keys_outside_the_allow_list(
-    start: Start, logs: Logs, k3_card: ModelDeploymentCard, context: zmq.asyncio.Context, tmp_path: Path
-) -> None:
+@dataclass
+class AliceAllowed:
+    """A CURVE plane whose allow-list holds one client key, alice's."""
+
+    server_public: Path
+    server: ServerCurve
+    alice: ClientCurve
+    alice_public: Path  # its copy in the allow-list directory
+
+
+def alice_allowed(tmp_path: Path) -> AliceAllowed:
     server_public, server_secret = generate_keys(tmp_path / "server", "frontend")
     alice_public, alice_secret = generate_keys(tmp_path / "alice", "alice")
     allow = tmp_path / "allow"
     allow.mkdir()
     (allow / alice_public.name).write_bytes(alice_public.read_bytes())
-    _, eve_secret = generate_keys(tmp_path / "eve", "eve")
-    watcher, alice = await start(
-        curve=ServerCurve.load(server_secret, allow), peer_curve=ClientCurve.load(alice_secret, server_public)
+    return AliceAllowed(
+        server_public,
+        ServerCurve.load(server_secret, allow),
+        ClientCurve.load(alice_secret, server_public),
+        allow / alice_public.name,
     )
-    eve = Peer(context, watcher.addresses[0], ClientCurve.load(eve_secret, server_public))
+
+
+async def test_curve_refuses_keys_outside_the_allow_list(
+    start: Start, logs: Logs, k3_card: ModelDeploymentCard, context: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    plane = alice_allowed(tmp_path)
+    _, eve_secret = generate_keys(tmp_path / "eve", "eve")
+    watcher, alice = await start(curve=plane.server, peer_curve=plane.alice)
+    eve = Peer(context, watcher.addresses[0], ClientCurve.load(eve_secret, plane.server_public))
     try:
         for seq in range(1, 4):
             await eve.publish(announce("eve", seq, card_bytes(k3_card)))
@@ -548,19 +567,13 @@ async def test_curve_refuses_keys_outside_the_allow_list(
 async def test_a_key_removed_from_the_allow_list_takes_its_instances_with_it(
     start: Start, logs: Logs, k3_card: ModelDeploymentCard, tmp_path: Path
 ) -> None:
-    server_public, server_secret = generate_keys(tmp_path / "server", "frontend")
-    alice_public, alice_secret = generate_keys(tmp_path / "alice", "alice")
-    allow = tmp_path / "allow"
-    allow.mkdir()
-    (allow / alice_public.name).write_bytes(alice_public.read_bytes())
-    watcher, alice = await start(
-        curve=ServerCurve.load(server_secret, allow), peer_curve=ClientCurve.load(alice_secret, server_public)
-    )
+    plane = alice_allowed(tmp_path)
+    watcher, alice = await start(curve=plane.server, peer_curve=plane.alice)
     await alice.publish(announce("alice", 1, card_bytes(k3_card), ttl_ms=60_000))
     await wait_log(logs, "instance_added", instance_id="alice")
-    (allow / alice_public.name).unlink()
+    plane.alice_public.unlink()
     revoked = await wait_log(logs, "curve_keys_revoked")
-    assert revoked["keys"] == [ClientCurve.load(alice_secret, server_public).public_key.decode()]
+    assert revoked["keys"] == [plane.alice.public_key.decode()]
     await wait_log(logs, "instance_removed", instance_id="alice", reason="revoked")
     assert watcher.registry.model_of("alice") is None
     # The connection it already had is still open; what it sends on it is refused.
