@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
-import threading
-import time
 from collections.abc import Iterable
+
+from dynamo_prep.threads import hand_over_gil, off_loop_thread
 
 __all__ = ["StopMatcher"]
 
@@ -26,7 +26,7 @@ class StopMatcher:
 
     def __init__(self, stops: Iterable[str]) -> None:
         patterns = sorted({stop for stop in stops if stop})
-        self._yielding = threading.current_thread() is not threading.main_thread()
+        self._yielding = off_loop_thread()
         self._goto: list[dict[str, int]] = [{}]
         self._depth = [0]  # length of the prefix a state stands for
         for pattern in patterns:
@@ -99,7 +99,7 @@ class StopMatcher:
     def _yield(self) -> None:
         """Off the event loop's thread, let it take the GIL now (not after a switch interval)."""
         if self._yielding:
-            time.sleep(0)
+            hand_over_gil()
 
     def _state_of(self, pattern: str) -> int:
         state = 0

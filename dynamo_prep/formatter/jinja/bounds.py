@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextvars
 import re
 import string
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -35,6 +34,7 @@ import structlog
 
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.prompt import PromptRenderError
+from dynamo_prep.threads import hand_over_gil, off_loop_thread
 
 __all__ = [
     "COMPILE_LIMITS",
@@ -118,8 +118,7 @@ class Budget:
         slice_s = _SLICE.get() if timed else None
         self.slice_end = now + slice_s if slice_s is not None else float("inf")
         # Off the main thread (the event loop's), a long render yields the GIL at every clock read.
-        on_main = threading.current_thread() is threading.main_thread()
-        self.yield_after = now + YIELD_AFTER_S if timed and not on_main else float("inf")
+        self.yield_after = now + YIELD_AFTER_S if timed and off_loop_thread() else float("inf")
         self.ticks = 0
         self.allocated = 0
         self.expired = False
@@ -145,7 +144,7 @@ class Budget:
         if now > self.slice_end:
             raise RenderSliceSpent("the render ran past its slice of the event loop")
         if now > self.yield_after:
-            time.sleep(0)  # the GIL goes to a waiting thread now, not after the switch interval
+            hand_over_gil()
 
     def check(self, what: str, chars: int) -> None:
         """Refuse to build ``what`` of ``chars`` characters when that is over ``max_chars``."""
