@@ -126,9 +126,11 @@ class KvRouting:
             by_declaration.setdefault(instance.declared_token, []).append(instance.instance_id)
         matched: dict[str, int] = {}
         for declared, ids in by_declaration.items():
-            reused = bool(hashes) and not prompts[declared].request.images
-            hashes[declared] = self._hashes(prompts[declared], block_size, hashes)
-            if not reused:
+            if hashes and not prompts[declared].request.images:
+                # Without images every declaration renders the same ids: hashed and matched once.
+                hashes[declared] = next(iter(hashes.values()))
+            else:
+                hashes[declared] = self._hashes(prompts[declared], block_size)
                 matched = router.index.match(hashes[declared])
             overlaps.update((instance_id, matched.get(instance_id, 0)) for instance_id in ids)
         first = next(iter(prompts.values()))
@@ -141,12 +143,9 @@ class KvRouting:
         return decision
 
     @staticmethod
-    def _hashes(prompt: RoutingPrompt, block_size: int, done: Mapping[str | None, list[int]]) -> list[int]:
-        """The prompt's block hashes; without images every declaration renders the same ids, so
-        the hashes of one already done are reused."""
+    def _hashes(prompt: RoutingPrompt, block_size: int) -> list[int]:
+        """The prompt's block hashes, its images found by the declaration's placeholder ids."""
         request = prompt.request
-        if not request.images and done:
-            return next(iter(done.values()))
         images = image_spans(request.token_ids, prompt.placeholder, [image.uuid for image in request.images])
         return request_block_hashes(request.token_ids, block_size, images)
 
