@@ -523,6 +523,11 @@ def added(stack: Stack) -> int:
     return len(stack.log.find("instance_added"))
 
 
+def built(stack: Stack) -> int:
+    assert stack.log is not None
+    return len(stack.log.find("model_added"))
+
+
 def black_holes(stack: Stack, attacker: Attacker) -> Outcome:
     """Nine instances of the real model at addresses that never answer; then 10 chats."""
     holes = [attacker.announce(f"hole-{index}") for index in range(9)]
@@ -540,8 +545,9 @@ def spoofed_names(count: int, *, fetch: bool) -> Callable[[Stack, Attacker], Out
     def attack(stack: Stack, attacker: Attacker) -> Outcome:
         """``count`` model names, each a model build: with ``fetch``, of a file only its black hole
         has (the build waits for it); else of the real model's files (from the cache: every name
-        becomes a servable model). The attacker keeps announcing them for ``HOLD_S`` (at the
-        heartbeat) while the healthy model is asked."""
+        becomes a servable model, and the attack lasts until every one is built, the steady state
+        of a flood that succeeded). The attacker keeps announcing them (at the heartbeat) for
+        ``HOLD_S`` and as long as that lasts, while the healthy model is asked."""
         names = [f"spoof-{index}" for index in range(count)]
         spoofs = [
             attacker.announce(
@@ -553,19 +559,22 @@ def spoofed_names(count: int, *, fetch: bool) -> Callable[[Stack, Attacker], Out
         took = attacker.flood(
             spoofs, until=lambda: added(stack) >= want, what=f"{want} instances admitted", timeout=120
         )
-        answers, slowest = hold(stack, attacker, spoofs)
+        served = (lambda: True) if fetch else (lambda: built(stack) >= want)
+        answers, slowest, held = hold(stack, attacker, spoofs, until=served)
         return Outcome(
-            bool(answers) and all(r.status_code == 200 for r in answers),
-            f"{added(stack)} instance_added in {took:.1f} s; then {HOLD_S:g} s of re-announces: "
-            f"healthy chats {statuses(answers)}, slowest {slowest:.2f} s",
+            bool(answers) and all(r.status_code == 200 for r in answers) and served(),
+            f"{added(stack)} instance_added in {took:.1f} s; then {held:.0f} s of re-announces: "
+            f"models built: {built(stack)}; healthy chats {statuses(answers)}, slowest {slowest:.2f} s",
         )
 
     return attack
 
 
-def hold(stack: Stack, attacker: Attacker, payloads: Sequence[bytes]) -> tuple[list[httpx.Response], float]:
-    """Keep announcing ``payloads`` (as live workers heartbeat) for ``HOLD_S`` while asking the
-    healthy model; its answers and the slowest one's seconds."""
+def hold(
+    stack: Stack, attacker: Attacker, payloads: Sequence[bytes], *, until: Callable[[], bool] = lambda: True
+) -> tuple[list[httpx.Response], float, float]:
+    """Keep announcing ``payloads`` (as live workers heartbeat) for ``HOLD_S`` and until ``until()``
+    while asking the healthy model; its answers, the slowest one's seconds and the hold's seconds."""
     done = threading.Event()
     answers: list[httpx.Response] = []
     slowest = 0.0
@@ -578,16 +587,17 @@ def hold(stack: Stack, attacker: Attacker, payloads: Sequence[bytes]) -> tuple[l
             slowest = max(slowest, time.monotonic() - started)
 
     asker = threading.Thread(target=ask)
+    held_from = time.monotonic()
     asker.start()
     try:
         attacker.flood(
-            payloads, until=done.is_set, what="the hold", timeout=2 * HOLD_S + 60, until_s=HOLD_S,
-            period_s=HEARTBEAT_S,
+            payloads, until=lambda: time.monotonic() - held_from >= HOLD_S and until(), what="the hold",
+            timeout=TIMEOUT_S, period_s=HEARTBEAT_S,
         )  # fmt: skip
     finally:
         done.set()
         asker.join()
-    return answers, slowest
+    return answers, slowest, time.monotonic() - held_from
 
 
 def huge_seq(stack: Stack, attacker: Attacker) -> Outcome:

@@ -48,7 +48,7 @@ class CardDecodeError(WireDecodeError):
         super().__init__(reason, detail, message=f"{kind} model card: {detail}")
 
 
-class FileRef(msgspec.Struct, frozen=True):
+class FileRef(msgspec.Struct, frozen=True, gc=False):
     """A model file by content: workers and frontends agree on bytes, never on paths."""
 
     sha256: str

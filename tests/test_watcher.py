@@ -7,6 +7,8 @@ subscription (so nothing is lost to the slow joiner), then sends crafted envelop
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import random
 import threading
 import time
@@ -414,6 +416,41 @@ async def test_a_drain_stops_at_its_time_budget_and_the_flood_is_still_processed
     await until(lambda: watcher.counters["messages"] == 40, "40 messages")
     assert stopped_early.count(True) == 40  # one message per drain, far below max_drain
     assert len(find(logs, "instance_added")) == 1
+
+
+async def test_a_served_model_keeps_at_most_two_objects_the_gc_walks(
+    start: Start, logs: Logs, k3_card: ModelDeploymentCard
+) -> None:
+    """Issue 13's flood of 10,000 names: every object a model keeps that the garbage collector
+    tracks lengthens each full collection, a pause of the event loop (14 per model made it 300 ms).
+    The registry's, the watcher's and the catalog's records are untracked and models of the same
+    files share one tokenizer: the preprocessor and its formatter are what remains."""
+    watcher, peer = await start()
+
+    async def serve(names: list[str]) -> None:
+        cards = {
+            name: card_bytes(msgspec.structs.replace(k3_card, display_name=name, slug=name)) for name in names
+        }
+        deadline = time.monotonic() + 3 * TIMEOUT_S
+        seq = 0
+        while not all(watcher.catalog.get(name) for name in names):
+            assert time.monotonic() < deadline, f"{len(names)} models not served"
+            seq += 1  # a heartbeat: a model beyond the builds in flight is built on its next one
+            for name, raw in cards.items():
+                await peer.publish(announce(f"i-{name}", seq, raw, ttl_ms=600_000))
+            with contextlib.suppress(AssertionError):
+                await until(lambda: all(watcher.catalog.get(name) for name in names), "served", 0.5)
+        logs.clear()  # the captured log lines are the test's, not the frontend's
+        gc.collect()
+
+    await serve([f"warm-{index}" for index in range(10)])
+    before = len(gc.get_objects())
+    names = [f"model-{index}" for index in range(200)]
+    await serve(names)
+    per_model = (len(gc.get_objects()) - before) / len(names)
+    assert per_model <= 2.25, per_model
+    served = [watcher.catalog.get(name) for name in names]
+    assert len({id(model.preprocessor.tokenizer) for model in served if model is not None}) == 1
 
 
 class FlakyBuilder:

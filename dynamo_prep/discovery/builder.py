@@ -8,11 +8,13 @@ Every failure is a ``ModelBuildError`` whose ``stage`` tells ops where to look.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+import msgspec
 import zmq
 
 from dynamo_prep.card import ModelDeploymentCard
@@ -36,12 +38,13 @@ class ModelBuildError(RuntimeError):
         self.cause = cause
 
 
-@dataclass(frozen=True, slots=True)
-class BuiltModel:
-    """A ready preprocessor and where its files live (to say what a legacy card renders)."""
+class BuiltModel(msgspec.Struct, frozen=True, gc=False):
+    """A ready preprocessor and where its files live (to say what a legacy card renders).
+
+    ``model_dir`` is a ``str``: a ``Path`` is two objects the GC walks, per model."""
 
     preprocessor: OpenAIPreprocessor
-    model_dir: Path
+    model_dir: str
 
     @property
     def formatter_kind(self) -> str:
@@ -84,6 +87,12 @@ class PreprocessorBuilder:
         self.local_model_path = local_model_path
         self.context = context
         self.fetch_timeout_s = fetch_timeout_s
+        # Models of the same files (names of one checkpoint, a flood of names) share one tokenizer:
+        # its vocabulary, its bounded caches and its objects are paid once, not per name.
+        self._tokenizers: weakref.WeakValueDictionary[tuple[tuple[str, str], ...], Tokenizer] = (
+            weakref.WeakValueDictionary()
+        )
+        self._tokenizers_lock = threading.Lock()  # builds run on several threads
 
     def __call__(self, card: ModelDeploymentCard, endpoint: str) -> BuiltModel:
         model_dir = _stage(
@@ -100,11 +109,23 @@ class PreprocessorBuilder:
         formatter = _stage(
             "formatter", lambda: prompt_formatter_for(card, model_dir, image_placeholder_token=token)
         )
-        tokenizer = _stage("tokenizer", lambda: Tokenizer.from_model_dir(model_dir))
+        tokenizer = _stage("tokenizer", lambda: self._tokenizer(card, model_dir))
         preprocessor = _stage(
             "preprocessor", lambda: OpenAIPreprocessor.new_with_parts(card, formatter, tokenizer)
         )
-        return BuiltModel(preprocessor=preprocessor, model_dir=model_dir)
+        return BuiltModel(preprocessor=preprocessor, model_dir=str(model_dir))
+
+    def _tokenizer(self, card: ModelDeploymentCard, model_dir: Path) -> Tokenizer:
+        """The live tokenizer of a model with the same files (``model_dir`` holds the card's files,
+        checked), else a new one."""
+        files = tuple(sorted((name, ref.sha256) for name, ref in card.files.items()))
+        with self._tokenizers_lock:
+            found = self._tokenizers.get(files)
+        if found is not None:
+            return found
+        tokenizer = Tokenizer.from_model_dir(model_dir)
+        with self._tokenizers_lock:
+            return self._tokenizers.setdefault(files, tokenizer)
 
 
 def _stage(stage: BuildStage, step: Callable[[], _T]) -> _T:

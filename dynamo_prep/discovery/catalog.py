@@ -2,10 +2,12 @@
 
 A model is listed once it has a built preprocessor AND at least one live instance (Dynamo users
 see models "listed before they are routable" otherwise). The model set and each model's instance
-map (a read-only view for readers) are updated in place, so a model built or removed, and a
+map (typed read-only for readers) are updated in place, so a model built or removed, and a
 heartbeat-driven join or leave, cost O(1) even with thousands of models and instances. Writers
 and readers share one event loop, so a reader sees a consistent model between two awaits. A model
-seen but not built yet is *pending*: the HTTP layer answers 503, not 404.
+seen but not built yet is *pending*: the HTTP layer answers 503, not 404. Per-model records are
+untracked by the GC (no per-model object in its full collections: a 10,000-name flood made those
+pauses last hundreds of ms).
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from types import MappingProxyType
 from typing import Literal
+
+import msgspec
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.preprocessor import OpenAIPreprocessor
@@ -27,17 +28,16 @@ __all__ = ["LiveModel", "ModelCatalog", "ModelStatus"]
 ModelStatus = Literal["live", "pending", "unknown"]
 
 
-@dataclass(frozen=True, slots=True)
-class LiveModel:
+class LiveModel(msgspec.Struct, frozen=True, gc=False):
     """One servable model: its canonical card, its preprocessor, and its live instances by id."""
 
     name: str
     card: ModelDeploymentCard
     mdcsum: str
     preprocessor: OpenAIPreprocessor
-    instances: Mapping[str, Instance] = field(default_factory=lambda: MappingProxyType({}))
-    model_dir: Path | None = None
-    created: int = field(default_factory=lambda: int(time.time()))
+    instances: Mapping[str, Instance] = msgspec.field(default_factory=dict)
+    model_dir: str | None = None  # a str, as BuiltModel's
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
 
     def composition(self) -> dict[str, int]:
         """Declared token (or ``checkpoint default``) -> number of live instances declaring it."""
@@ -77,7 +77,7 @@ class ModelCatalog:
         self._pending.discard(model.name)
         instances = dict(model.instances)
         self._instances[model.name] = instances
-        owned = replace(model, instances=MappingProxyType(instances))
+        owned = msgspec.structs.replace(model, instances=instances)
         self._models[model.name] = owned
 
     def remove(self, name: str) -> None:

@@ -183,7 +183,7 @@ class ModelFileStore:
         # One eviction at a time. Its scan (every entry of the cache) runs outside ``_lock``, which
         # ``release`` takes on the event loop: a scan of thousands of models must not stall it.
         self._evicting = threading.Lock()
-        self._live: dict[str, frozenset[str]] = {}  # mdcsum -> its blobs' sha256, kept from eviction
+        self._live: dict[str, tuple[str, ...]] = {}  # mdcsum -> its blobs' sha256, kept from eviction
         self._clock_ns = 0  # the last use stamped (mtime is the LRU clock; file times are coarse)
 
     def model_dir_for(
@@ -202,7 +202,7 @@ class ModelFileStore:
             return resolve_model_dir(local_model_path)
         with self._lock:  # live before anything is fetched: a concurrent eviction keeps its blobs
             was_live = mdcsum in self._live
-            self._live[mdcsum] = frozenset(ref.sha256 for ref in card.files.values())
+            self._live[mdcsum] = tuple(ref.sha256 for ref in card.files.values())
         try:
             return self._cached_dir(card, mdcsum, endpoint, timeout_s, context)
         except BaseException:

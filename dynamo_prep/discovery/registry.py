@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -190,9 +190,9 @@ class ModelSnapshot:
     instances: Mapping[str, Instance]
 
 
-@dataclass(slots=True)
-class _Instance:
-    """Everything heard from one instance_id, admitted to a model or not."""
+class _Instance(msgspec.Struct, gc=False):
+    """Everything heard from one instance_id, admitted to a model or not (untracked by the GC, as
+    every per-instance and per-model record here: none can be part of a reference cycle)."""
 
     instance_id: str
     user_id: str | None
@@ -209,14 +209,12 @@ class _Instance:
     mismatch_reported: str | None = None
 
 
-@dataclass(slots=True)
-class _Model:
+class _Model(msgspec.Struct, gc=False):
     name: str
     mdcsum: str
-    fields: dict[str, Any]
     card: ModelDeploymentCard
     first_instance_id: str
-    instances: dict[str, Instance] = field(default_factory=dict)
+    instances: dict[str, Instance] = msgspec.field(default_factory=dict)
     confirmed: bool = False
 
 
@@ -425,7 +423,7 @@ class DiscoveryRegistry:
         record = _record(instance)
         events: list[RegistryEvent] = []
         if model is None:
-            model = _Model(card.display_name, mdcsum, card.mdcsum_fields(), card, instance.instance_id)
+            model = _Model(card.display_name, mdcsum, card, instance.instance_id)
             self._models[model.name] = model
             events.append(ModelFirstSeen(model.name, mdcsum, record, card))
         elif model.mdcsum != mdcsum:
@@ -453,7 +451,7 @@ class DiscoveryRegistry:
         if instance.mismatch_reported == model.mdcsum:
             return []
         instance.mismatch_reported = model.mdcsum
-        fields = _differences(model.fields, card.mdcsum_fields())
+        fields = _differences(model.card.mdcsum_fields(), card.mdcsum_fields())
         return [ChecksumMismatch(model.name, instance.instance_id, model.mdcsum, mdcsum, fields)]
 
     @staticmethod

@@ -27,9 +27,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgspec
 import structlog
 import zmq
 import zmq.asyncio
@@ -101,16 +101,18 @@ class InstanceListener(Protocol):
     def instance_removed(self, model: str, instance: Instance) -> None: ...
 
 
-@dataclass(slots=True)
-class _Build:
-    """One model's preprocessor build: in flight, failed (waiting for a retry) or done."""
+class _Build(msgspec.Struct, gc=False):
+    """One model's preprocessor build: in flight, failed (waiting for a retry) or done.
+
+    Untracked by the GC, as the registry's records (one per model of a 10,000-name flood): the only
+    cycle, through the task's coroutine while it runs, ends with the task (``task`` is cleared)."""
 
     mdcsum: str
     task: asyncio.Task[None] | None = None
     failures: int = 0
     retry_at: float = 0.0
     built: BuiltModel | None = None
-    pending_legacy: list[LegacyDowngrade] = field(default_factory=list)
+    pending_legacy: list[LegacyDowngrade] | None = None
 
 
 class DiscoveryWatcher:
@@ -169,7 +171,7 @@ class DiscoveryWatcher:
         self._on_endpoint_lost = on_endpoint_lost
         self._on_model_removed = on_model_removed  # called with the mdcsum: its cached files may go
         self._listeners = tuple(listeners)
-        self._compositions: dict[str, frozenset[str]] = {}
+        self._compositions: dict[str, tuple[str, ...]] = {}  # sorted labels (no GC-tracked set per model)
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -398,8 +400,8 @@ class DiscoveryWatcher:
         """Log ``pool_composition_changed`` when the set of declarations serving ``model`` changes."""
         live = self.catalog.get(model)
         composition = live.composition() if live is not None else {}
-        declarations = frozenset(composition)
-        if declarations == self._compositions.get(model, frozenset()):
+        declarations = tuple(composition)  # sorted
+        if declarations == self._compositions.get(model, ()):
             return
         if declarations:
             self._compositions[model] = declarations
@@ -416,6 +418,8 @@ class DiscoveryWatcher:
         """Log now if the model is built (we know what renders); else when its build ends."""
         build = self._builds.get(event.model)
         if build is not None and build.built is None and build.failures == 0:
+            if build.pending_legacy is None:
+                build.pending_legacy = []
             build.pending_legacy.append(event)
             return
         self._log.legacy_downgrade(event, build.built if build is not None else None)
@@ -493,6 +497,6 @@ class DiscoveryWatcher:
         self._flush_legacy(build)
 
     def _flush_legacy(self, build: _Build) -> None:
-        pending, build.pending_legacy = build.pending_legacy, []
+        pending, build.pending_legacy = build.pending_legacy or [], None
         for event in pending:
             self._log.legacy_downgrade(event, build.built)

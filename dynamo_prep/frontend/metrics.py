@@ -112,6 +112,7 @@ class FrontendMetrics:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged, path=directory)  # type: ignore[no-untyped-call]
+        merged.register(self.discovery.instances)  # this process's view: every child follows the plane
         return generate_latest(merged)
 
 
