@@ -418,18 +418,24 @@ async def test_a_drain_stops_at_its_time_budget_and_the_flood_is_still_processed
     assert len(find(logs, "instance_added")) == 1
 
 
-async def test_a_served_model_keeps_at_most_two_objects_the_gc_walks(
-    start: Start, logs: Logs, k3_card: ModelDeploymentCard
+@pytest.mark.parametrize(("model", "kept"), [(K3, 2), ("qwen-vl-demo", 3)])
+async def test_a_served_model_keeps_two_or_three_objects_the_gc_walks(
+    start: Start, logs: Logs, tmp_path: Path, model: str, kept: int
 ) -> None:
     """Issue 13's flood of 10,000 names: every object a model keeps that the garbage collector
-    tracks lengthens each full collection, a pause of the event loop (14 per model made it 300 ms).
-    The registry's, the watcher's and the catalog's records are untracked and models of the same
-    files share one tokenizer: the preprocessor and its formatter are what remains."""
-    watcher, peer = await start()
+    tracks lengthens each full collection, a pause of the event loop (20 per K3 model made it
+    300 ms; 263 per Jinja model). The registry's, the watcher's and the catalog's records are
+    untracked, and models of the same files share one tokenizer and one set of special-token
+    patterns: the preprocessor and its formatter (and a Jinja formatter's attributes) remain."""
+    card = ModelDeploymentCard.from_model_dir(model)
+    builder = PreprocessorBuilder(
+        ModelFileStore(tmp_path / "store"), local_model_path=resolve_model_dir(model)
+    )
+    watcher, peer = await start(builder=builder)
 
     async def serve(names: list[str]) -> None:
         cards = {
-            name: card_bytes(msgspec.structs.replace(k3_card, display_name=name, slug=name)) for name in names
+            name: card_bytes(msgspec.structs.replace(card, display_name=name, slug=name)) for name in names
         }
         deadline = time.monotonic() + 3 * TIMEOUT_S
         seq = 0
@@ -448,7 +454,7 @@ async def test_a_served_model_keeps_at_most_two_objects_the_gc_walks(
     names = [f"model-{index}" for index in range(200)]
     await serve(names)
     per_model = (len(gc.get_objects()) - before) / len(names)
-    assert per_model <= 2.25, per_model
+    assert per_model <= kept + 0.25, per_model
     served = [watcher.catalog.get(name) for name in names]
     assert len({id(model.preprocessor.tokenizer) for model in served if model is not None}) == 1
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import threading
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,12 @@ from dynamo_prep.protocol.openai import ChatCompletionRequest
 __all__ = ["JinjaFormatter"]
 
 _RESERVED_ARGS = ("messages", "tools")
+# Formatters cutting at the same specials (the names of one checkpoint) share one SpecialTokens: its
+# patterns and its segments, a few hundred objects the garbage collector walks, are paid once.
+_SHARED_SPECIALS: weakref.WeakValueDictionary[tuple[tuple[str, ...], bool], SpecialTokens] = (
+    weakref.WeakValueDictionary()
+)
+_SHARED_SPECIALS_LOCK = threading.Lock()  # models are built on several threads
 
 
 class JinjaFormatter:
@@ -77,7 +85,8 @@ class JinjaFormatter:
         specials = SpecialTokens(known)
         if self._template_sources is not None:
             specials.inner_pieces = any(specials.fragments_in(source) for source in self._template_sources)
-        return specials
+        with _SHARED_SPECIALS_LOCK:
+            return _SHARED_SPECIALS.setdefault((specials.strings, specials.inner_pieces), specials)
 
     def with_tokenizer_specials(self, specials: Iterable[str]) -> JinjaFormatter:
         """This formatter cutting at every special the joined tokenizer registers.
@@ -135,7 +144,7 @@ class JinjaFormatter:
             exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
             registered_specials=registered_specials,
             strict_hf_tokenization=strict_hf_tokenization,
-            template_sources=[template] if tool_use_template is None else [template, tool_use_template],
+            template_sources=(template,) if tool_use_template is None else (template, tool_use_template),
             limits=limits,
         )
 
