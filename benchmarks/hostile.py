@@ -561,13 +561,27 @@ def spoofed_names(count: int, *, fetch: bool) -> Callable[[Stack, Attacker], Out
         )
         served = (lambda: True) if fetch else (lambda: built(stack) >= want)
         answers, slowest, held = hold(stack, attacker, spoofs, until=served)
+        joined = "" if fetch else scale_up_joins(stack)
         return Outcome(
             bool(answers) and all(r.status_code == 200 for r in answers) and served(),
             f"{added(stack)} instance_added in {took:.1f} s; then {held:.0f} s of re-announces: "
-            f"models built: {built(stack)}; healthy chats {statuses(answers)}, slowest {slowest:.2f} s",
+            f"models built: {built(stack)}; healthy chats {statuses(answers)}, slowest {slowest:.2f} s"
+            + joined,
         )
 
     return attack
+
+
+def scale_up_joins(stack: Stack) -> str:
+    """A second worker of the healthy model (answered during the hold) joins the table the flood
+    filled with served junk, in place of the junk built last (a timeout here fails the outcome)."""
+    assert stack.log is not None
+    before = len(stack.log.find("instance_removed", reason="evicted"))
+    worker = stack.worker(DEMO_MODEL)
+    instance_id = LogTail(worker.log_path).wait("worker_started")["instance_id"]
+    stack.log.wait("instance_added", instance_id=instance_id, timeout=30)
+    evicted = len(stack.log.find("instance_removed", reason="evicted")) - before
+    return f"; then a second worker of it joined the full table ({evicted} junk evicted for it)"
 
 
 def hold(

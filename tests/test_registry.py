@@ -406,6 +406,31 @@ def test_junk_cannot_push_out_the_instances_of_a_served_model(k3_card: ModelDepl
     assert "InstanceAdded" in kinds(registry.apply(announce("real-2", 1, card_bytes(k3_card)), now=0.2))
 
 
+def test_a_scale_up_of_a_model_in_use_gets_into_a_table_full_of_served_junk(
+    k3_card: ModelDeploymentCard,
+) -> None:
+    """Issue 13: junk names reusing a served model's files build, so their instances are kept; a
+    newcomer announcing the card of a model whose workers answered requests still gets in, in place
+    of the instance confirmed last among models whose workers never answered. Nothing else evicts them."""
+    registry = DiscoveryRegistry(max_instances=3)
+    registry.apply(announce("real", 1, card_bytes(k3_card)), now=0.0)
+    registry.confirm(K3)
+    junk_cards = [card_bytes(msgspec.structs.replace(k3_card, display_name=f"junk-{i}")) for i in range(3)]
+    for index in range(2):
+        registry.apply(announce(f"junk-{index}", 1, junk_cards[index]), now=0.1)
+        registry.confirm(f"junk-{index}")
+    # no worker of kimi-k3-demo answered yet: a scale-up is refused like anything else
+    assert kinds(registry.apply(announce("real-2", 1, card_bytes(k3_card)), now=0.2)) == ["CardRejected"]
+    registry.note_answered(K3)
+    events = registry.apply(announce("real-2", 2, card_bytes(k3_card)), now=0.3)
+    assert kinds(events) == ["InstanceRemoved", "ModelRemoved", "InstanceAdded"]
+    assert events[0] == InstanceRemoved("junk-1", instance("junk-1"), "evicted")  # confirmed last
+    # junk coming back, or more junk, is refused: no churn
+    assert kinds(registry.apply(announce("junk-1", 2, junk_cards[1]), now=0.4)) == ["CardRejected"]
+    assert kinds(registry.apply(announce("junk-2", 1, junk_cards[2]), now=0.4)) == ["CardRejected"]
+    assert registry.model_names() == ["junk-0", K3]
+
+
 def test_a_model_holds_at_most_its_per_model_cap(k3_card: ModelDeploymentCard) -> None:
     registry = DiscoveryRegistry(max_instances_per_model=2)
     raw = card_bytes(k3_card)

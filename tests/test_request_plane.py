@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -55,7 +55,11 @@ def preprocess(declared: str | None, text: str = "Describe it.", **fields: Any) 
 
 
 def migration(
-    client: RequestPlaneClient, instances: list[Instance], *, migration_limit: int
+    client: RequestPlaneClient,
+    instances: list[Instance],
+    *,
+    migration_limit: int,
+    on_answered: Callable[[str], None] | None = None,
 ) -> tuple[Migration, LiveModel]:
     """A catalog serving the demo model on ``instances`` (the first is picked first), and its policy."""
     card = ModelDeploymentCard.from_model_dir(
@@ -73,7 +77,7 @@ def migration(
     )
     catalog = ModelCatalog()
     catalog.publish(model)
-    return Migration(catalog, Router(), client, DeclarationPreprocessors()), model
+    return Migration(catalog, Router(), client, DeclarationPreprocessors(), on_answered=on_answered), model
 
 
 def record() -> RequestRecord:
@@ -347,6 +351,32 @@ async def test_an_instance_that_never_answers_is_failed_over_fast_and_then_avoid
             [o async for o in through(policy, model, chat(), f"h{index + 2}", again)]
             assert again.instance_id == "b"
         assert len(_drain(silent)) == 0 and received >= 1  # never sent there again
+    finally:
+        silent.close(linger=0)
+        context.term()
+
+
+async def test_a_model_is_reported_answered_by_its_first_output_never_by_a_silent_endpoint(
+    workers: Any, client: RequestPlaneClient
+) -> None:
+    """What lets a scale-up of a model in use into a full discovery table (issue 13): the model of a
+    worker that answered a request, reported once per request; a silent endpoint reports nothing."""
+    _, endpoint = workers("--token-delay", "0")
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    answered: list[str] = []
+    try:
+        hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
+        policy, model = migration(client, [hole], migration_limit=0, on_answered=answered.append)
+        with pytest.raises(WorkerLost):
+            [o async for o in through(policy, model, chat(), "s1", record())]
+        assert answered == []
+        real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
+        policy, model = migration(client, [hole, real], migration_limit=0, on_answered=answered.append)
+        outputs = [o async for o in through(policy, model, chat(LONG_TEXT), "s2", record())]
+        assert len(outputs) > 1 and answered == [DEMO]
     finally:
         silent.close(linger=0)
         context.term()

@@ -28,6 +28,7 @@ from dynamo_prep.discovery import watcher as watcher_module
 from dynamo_prep.discovery.builder import BuiltModel, ModelBuildError, PreprocessorBuilder
 from dynamo_prep.discovery.eventlog import DiscoveryLog
 from dynamo_prep.discovery.files import ModelFileStore
+from dynamo_prep.discovery.registry import DiscoveryRegistry
 from dynamo_prep.discovery.trust import ClientCurve, ServerCurve, apply_client_curve, generate_keys
 from dynamo_prep.discovery.watcher import DiscoveryWatcher
 from dynamo_prep.logging import RateLimiter
@@ -457,6 +458,28 @@ async def test_a_served_model_keeps_two_or_three_objects_the_gc_walks(
     assert per_model <= kept + 0.25, per_model
     served = [watcher.catalog.get(name) for name in names]
     assert len({id(model.preprocessor.tokenizer) for model in served if model is not None}) == 1
+
+
+async def test_a_scale_up_of_a_model_in_use_gets_into_a_table_full_of_served_junk(
+    start: Start, logs: Logs, k3_card: ModelDeploymentCard
+) -> None:
+    """Issue 13: names announced with a served model's files build, so their instances are kept;
+    once a worker of the real model answered a request (``model_answered``, reported by the request
+    plane), a second worker of it gets in, in place of the junk built last."""
+    watcher, peer = await start()
+    watcher.registry = DiscoveryRegistry(max_instances=3)  # before any message: a table of three
+    await peer.publish(announce("real", 1, card_bytes(k3_card)))
+    for name in ("junk-0", "junk-1"):
+        await peer.publish(announce(name, 1, card_bytes(msgspec.structs.replace(k3_card, display_name=name))))
+    await until(lambda: all(watcher.catalog.get(name) for name in (K3, "junk-0", "junk-1")), "all served")
+    await peer.publish(announce("real-2", 1, card_bytes(k3_card)))
+    await wait_log(logs, "card_rejected", reason="too_many_instances")
+    watcher.model_answered(K3)
+    await peer.publish(announce("real-2", 2, card_bytes(k3_card)))
+    evicted = await wait_log(logs, "instance_removed", reason="evicted")  # the junk built last
+    await until(lambda: live_instances(watcher) == {"real", "real-2"}, "the scale-up served")
+    assert evicted["instance_id"] in {"junk-0", "junk-1"}
+    assert sum(watcher.catalog.get(name) is not None for name in ("junk-0", "junk-1")) == 1
 
 
 class FlakyBuilder:

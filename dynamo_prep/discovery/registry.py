@@ -19,7 +19,10 @@ Rules:
 * a card is decoded only when its bytes change, so a heartbeat costs a bytes comparison;
 * the table is bounded (``max_instances`` in all, ``max_instances_per_model`` per model); when it
   is full, a new instance evicts the oldest instance that is not serving a confirmed model (one the
-  frontend built and serves), so junk can fill the table only with junk;
+  frontend built and serves), so junk can fill the table only with junk. Junk reusing a served
+  model's files builds too: then a newcomer announcing the card of a model whose workers answer
+  requests (``note_answered``: a scale-up of a model in use) evicts the instance confirmed last
+  among those of models none of whose workers ever answered; nothing else does, so nothing churns;
 * an admitted instance is described by one ``Instance`` record (endpoint, declared token, KV-event
   address); when an announce changes it, ``InstanceAdded`` carries the new record again.
 """
@@ -70,6 +73,8 @@ MAX_SEQ_JUMP = 100_000
 # Room for the largest fleets of one model (benchmarks/scale.py runs 5,000), while junk announcing a
 # served model name (its instances are never evicted) still leaves a fifth of the table to others.
 DEFAULT_MAX_INSTANCES_PER_MODEL = 8_192
+# Distinct card bytes remembered per answered model (its workers' cards: one per deployment).
+CARDS_NOTED_PER_MODEL = 8
 
 RemovalReason = Literal["withdraw", "expired", "card_changed", "evicted", "revoked"]
 
@@ -216,6 +221,8 @@ class _Model(msgspec.Struct, gc=False):
     first_instance_id: str
     instances: dict[str, Instance] = msgspec.field(default_factory=dict)
     confirmed: bool = False
+    answered: bool = False
+    cards_noted: int = 0
 
 
 class DiscoveryRegistry:
@@ -234,6 +241,10 @@ class DiscoveryRegistry:
         self._max_per_model = max_instances_per_model
         # Tracked instances outside confirmed models, oldest first: who goes when the table is full.
         self._evictable: dict[str, None] = {}
+        # Instances of confirmed models no worker of which answered yet, by confirmation: the last goes
+        # for a newcomer whose card is one of ``_answered_cards`` (raw card -> its answered model).
+        self._unanswered: dict[str, None] = {}
+        self._answered_cards: dict[bytes, str] = {}
         self.counters: dict[str, int] = dict.fromkeys(
             ("duplicate", "stale", "cards_decoded", "seq_jump", "seq_restart"), 0
         )
@@ -309,6 +320,29 @@ class DiscoveryRegistry:
         model.confirmed = True
         for instance_id in model.instances:
             self._evictable.pop(instance_id, None)
+            if not model.answered:
+                self._unanswered[instance_id] = None
+
+    def note_answered(self, name: str) -> None:
+        """A worker of ``name`` answered a request: a newcomer announcing its card may take the
+        place of an instance of a served model that never answered one (see the module docstring)."""
+        model = self._models.get(name)
+        if model is None or model.answered:
+            return
+        model.answered = True
+        for instance_id in model.instances:
+            self._unanswered.pop(instance_id, None)
+            self._note_card(model, self._instances[instance_id])
+
+    def _note_card(self, model: _Model, instance: _Instance) -> None:
+        """Remember an answered model's card bytes (a few per model: junk under its name, each card
+        different, must not grow this)."""
+        raw = instance.raw
+        if not model.answered or raw is None or model.cards_noted >= CARDS_NOTED_PER_MODEL:
+            return
+        if raw not in self._answered_cards:
+            model.cards_noted += 1
+            self._answered_cards[raw] = model.name
 
     def revoke(self, keys: frozenset[str]) -> list[RegistryEvent]:
         """Forget every instance bound to one of ``keys`` (removed from the CURVE allow-list)."""
@@ -333,6 +367,14 @@ class DiscoveryRegistry:
         self._evictable.pop(instance.instance_id, None)
         return self._detach(instance, reason)
 
+    def _room_for(self, raw: bytes) -> str | None:
+        """The instance that makes room for a newcomer announcing ``raw`` in a full table, if any."""
+        if self._evictable:
+            return next(iter(self._evictable))
+        if self._unanswered and raw in self._answered_cards:
+            return next(reversed(self._unanswered))
+        return None
+
     # -- announce ----------------------------------------------------------------------------
 
     def _announce(
@@ -342,10 +384,11 @@ class DiscoveryRegistry:
         instance = self._instances.get(message.instance_id)
         if instance is None:
             if len(self._instances) >= self._max_instances:
-                if not self._evictable:
+                victim = self._room_for(raw)
+                if victim is None:
                     detail = f"{self._max_instances} instances of served models tracked already"
                     return [CardRejected(message.instance_id, "too_many_instances", detail)]
-                events.extend(self._forget(self._instances[next(iter(self._evictable))], "evicted"))
+                events.extend(self._forget(self._instances[victim], "evicted"))
             instance = _Instance(message.instance_id, user_id)
             self._instances[message.instance_id] = instance
             self._evictable[message.instance_id] = None
@@ -436,6 +479,9 @@ class DiscoveryRegistry:
         model.instances[instance.instance_id] = record
         if model.confirmed:
             self._evictable.pop(instance.instance_id, None)
+            if not model.answered:
+                self._unanswered[instance.instance_id] = None
+        self._note_card(model, instance)
         instance.model = model.name
         instance.mismatch_reported = None
         events.append(InstanceAdded(model.name, record, mdcsum))
@@ -489,12 +535,17 @@ class DiscoveryRegistry:
         model = self._models.get(name) if name is not None else None
         if model is None:
             return []
+        self._unanswered.pop(instance.instance_id, None)
         if instance.instance_id in self._instances:  # still tracked (withdrawn, or its card changed)
             self._evictable[instance.instance_id] = None
         record = model.instances.pop(instance.instance_id, None) or _record(instance)
         events: list[RegistryEvent] = [InstanceRemoved(model.name, record, reason)]
         if not model.instances:
             del self._models[model.name]
+            if model.answered:
+                self._answered_cards = {
+                    raw: name for raw, name in self._answered_cards.items() if name != model.name
+                }
             events.append(ModelRemoved(model.name, model.mdcsum))
         return events
 

@@ -382,6 +382,11 @@ class DiscoveryWatcher:
 
     # -- instances and declarations -----------------------------------------------------------
 
+    def model_answered(self, name: str) -> None:
+        """A worker of ``name`` answered a request (the request plane says so): a newcomer with its
+        card gets into a full table in place of a served model whose workers never answered."""
+        self.registry.note_answered(name)
+
     def _on_instance(self, event: InstanceAdded) -> None:
         """A new instance, or a new record of a live one (endpoint, declaration or KV address changed)."""
         live = self.catalog.get(event.model)

@@ -82,16 +82,18 @@ def create_app(
     kv: KvRouting | None = None,
     settings: HttpSettings | None = None,
     metrics: FrontendMetrics | None = None,
+    on_answered: Callable[[str], None] | None = None,
 ) -> ASGIApp:
     """The ASGI app serving ``catalog``'s live models through ``client``.
 
     ``kv`` routes by KV-cache overlap (else ``router``'s round robin). ``metrics`` is the
     frontend's own registry (shared with its watcher and router); without one the app gets a
-    private registry, never prometheus_client's global one.
+    private registry, never prometheus_client's global one. ``on_answered`` is told a model's name
+    when one of its workers answers a request (the watcher's ``model_answered``).
     """
     metrics = metrics if metrics is not None else FrontendMetrics()
     declarations = DeclarationPreprocessors(metrics.discovery)
-    migration = Migration(catalog, router or Router(), client, declarations, kv)
+    migration = Migration(catalog, router or Router(), client, declarations, kv=kv, on_answered=on_answered)
     handlers = _Handlers(catalog, migration, settings or HttpSettings(), metrics)
     app = Starlette(
         routes=[

@@ -79,13 +79,16 @@ class Migration:
         router: Router,
         client: RequestPlaneClient,
         declarations: DeclarationPreprocessors,
+        *,
         kv: KvRouting | None = None,
+        on_answered: Callable[[str], None] | None = None,
     ) -> None:
         self.catalog = catalog
         self.router = router
         self.client = client
         self.declarations = declarations
         self.kv = kv
+        self._on_answered = on_answered  # told the model's name when one of its workers answers
 
     async def begin(
         self,
@@ -215,8 +218,12 @@ class Migration:
             instance.endpoint, attempt, request_id=journey.request_id, timeout_s=timeout_s
         )
         budget = attempt.stop_conditions.max_tokens
+        answered = self._on_answered is None
         async with contextlib.aclosing(steps):  # leaving early cancels the generation on the worker
             async for output in steps:
+                if not answered and self._on_answered is not None:
+                    answered = True
+                    self._on_answered(journey.model.name)
                 sent = len(journey.streamed) - earlier
                 allowed = (
                     output if len(output.token_ids) <= budget - sent else _cut(output, budget - sent, sent)

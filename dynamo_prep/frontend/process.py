@@ -97,7 +97,15 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         watcher.close()
         log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
         return EXIT_FAILED
-    app = create_app(catalog, client, router=Router(), kv=kv, settings=config.http, metrics=metrics)
+    app = create_app(
+        catalog,
+        client,
+        router=Router(),
+        kv=kv,
+        settings=config.http,
+        metrics=metrics,
+        on_answered=watcher.model_answered,
+    )
     http = HttpServer(app, sock, config.http)
     _settle_heap()
     log.info(
