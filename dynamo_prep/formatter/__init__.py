@@ -7,6 +7,7 @@ could receive it, so a Qwen-VL prompt is byte-identical whatever a worker declar
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -78,6 +79,16 @@ def kimi_k3_formatter_for(
     """
     if not is_kimi_k3(model_type, display_name):
         return None
+    return _kimi_k3_formatter(image_placeholder_token, default_image_placeholder, generation_prompt)
+
+
+@functools.lru_cache(maxsize=64)
+def _kimi_k3_formatter(
+    image_placeholder_token: str | None,
+    default_image_placeholder: str,
+    generation_prompt: Literal["reference", "hosted"],
+) -> KimiK3Formatter:
+    """One formatter per contract (it holds nothing else): models of the same declaration share it."""
     return KimiK3Formatter(
         image_placeholder_token,
         default_image_placeholder=default_image_placeholder,
