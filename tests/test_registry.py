@@ -101,6 +101,24 @@ def test_heartbeat_is_silent_and_refreshes_deadline(k3_card: ModelDeploymentCard
     assert registry.expire(1.2) == []
 
 
+def test_heartbeats_keep_one_deadline_entry_per_instance(k3_card: ModelDeploymentCard) -> None:
+    """Issue 13: every heartbeat pushed a heap entry that lived until its deadline, so 10,000 junk
+    instances with a 600 s TTL heartbeating every 0.1 s grew the heap by 100,000 entries a second.
+    A later deadline now moves the instance's one entry lazily; an earlier one (a shorter TTL) is
+    pushed, so expiry is never late."""
+    registry = DiscoveryRegistry()
+    raw = card_bytes(k3_card)
+    for seq in range(1, 1001):
+        registry.apply(announce("a", seq, raw, ttl_ms=600_000), now=seq * 0.1)
+    assert len(registry._deadlines) == 1
+    assert registry.next_deadline() == pytest.approx(700.0)
+    assert registry.expire(650.0) == []
+    registry.apply(announce("a", 1001, raw, ttl_ms=1000), now=650.0)  # the TTL shrinks
+    assert registry.next_deadline() == pytest.approx(651.0)
+    assert kinds(registry.expire(651.5)) == ["InstanceRemoved", "ModelRemoved"]
+    assert registry.next_deadline() is None and registry._deadlines == []
+
+
 @pytest.mark.parametrize(("seq", "counter"), [(5, "duplicate"), (4, "stale"), (0, "stale")])
 def test_duplicate_and_stale_messages_are_dropped(
     k3_card: ModelDeploymentCard, seq: int, counter: str

@@ -203,6 +203,7 @@ class _Instance(msgspec.Struct, gc=False):
     user_id: str | None
     last_seq: int = -1
     deadline: float = 0.0
+    scheduled: float | None = None  # its entry in the deadline heap (at most ``deadline``)
     ttl_s: float = 0.0
     endpoint: str = ""
     kv_events: KvEventsEndpoint | None = None
@@ -288,12 +289,24 @@ class DiscoveryRegistry:
 
     def next_deadline(self) -> float | None:
         """The earliest instance deadline, so the caller knows how long it may sleep."""
-        while self._deadlines:
-            deadline, instance_id = self._deadlines[0]
+        due = self._due()
+        return None if due is None else due[0]
+
+    def _due(self) -> tuple[float, _Instance] | None:
+        """The earliest deadline and its instance. A heartbeat only moves ``deadline`` (a later one
+        is not pushed): an entry found stale here moves to its instance's deadline, so the heap
+        holds about one entry per instance, whatever the heartbeat rate and the TTL."""
+        heap = self._deadlines
+        while heap:
+            scheduled, instance_id = heap[0]
             instance = self._instances.get(instance_id)
-            if instance is not None and instance.deadline == deadline:
-                return deadline
-            heapq.heappop(self._deadlines)
+            if instance is None or instance.scheduled != scheduled:
+                heapq.heappop(heap)  # forgotten, or superseded by an earlier entry
+            elif instance.deadline > scheduled:
+                instance.scheduled = instance.deadline
+                heapq.heapreplace(heap, (instance.deadline, instance_id))
+            else:
+                return scheduled, instance
         return None
 
     # -- updates -----------------------------------------------------------------------------
@@ -354,12 +367,9 @@ class DiscoveryRegistry:
     def expire(self, now: float) -> list[RegistryEvent]:
         """Remove every instance (and tombstone) whose deadline has passed."""
         events: list[RegistryEvent] = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            deadline, instance_id = heapq.heappop(self._deadlines)
-            instance = self._instances.get(instance_id)
-            if instance is None or instance.deadline != deadline:
-                continue
-            events.extend(self._forget(instance, "expired"))
+        while (due := self._due()) is not None and due[0] <= now:
+            heapq.heappop(self._deadlines)
+            events.extend(self._forget(due[1], "expired"))
         return events
 
     def _forget(self, instance: _Instance, reason: RemovalReason) -> list[RegistryEvent]:
@@ -437,7 +447,9 @@ class DiscoveryRegistry:
 
     def _refresh(self, instance: _Instance, deadline: float) -> None:
         instance.deadline = deadline
-        heapq.heappush(self._deadlines, (deadline, instance.instance_id))
+        if instance.scheduled is None or deadline < instance.scheduled:
+            instance.scheduled = deadline
+            heapq.heappush(self._deadlines, (deadline, instance.instance_id))
 
     def _new_card(self, instance: _Instance, raw: bytes) -> list[RegistryEvent]:
         """Decode changed card bytes; a card for another model detaches the instance first."""
