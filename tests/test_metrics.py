@@ -15,6 +15,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
+from dynamo_prep.frontend.metrics import MAX_MODEL_LABELS, OTHER_MODELS, UNKNOWN_MODEL, FrontendMetrics
 from dynamo_prep.protocol.discovery import topic
 
 DEMO = "kimi-k3-demo"
@@ -263,3 +264,21 @@ def test_worker_metrics_follow_its_requests(plane: Plane) -> None:
     assert value(after, f"{W}inflight_requests") == 0
     assert value(after, f"{W}contract_violations_total", flavor="sglang") == 0
     assert json.loads(answer.text)["usage"]["completion_tokens"] == 5
+
+
+def test_model_labels_are_capped_and_later_models_share_other() -> None:
+    """Issue 13: a flood of announced names, each asked once, must not grow /metrics (nor the
+    objects the garbage collector walks: a few hundred per model label) without bound."""
+    metrics = FrontendMetrics()
+    for index in range(MAX_MODEL_LABELS + 50):
+        metrics.of(f"m{index}").requests(200).inc()
+    metrics.of(UNKNOWN_MODEL).requests(404).inc()
+    families = {f.name: f for f in text_string_to_metric_families(metrics.exposition().decode())}
+    totals = {
+        sample.labels["model"]: sample.value
+        for sample in families["dynamo_frontend_requests"].samples
+        if sample.name.endswith("_total")
+    }
+    assert len(totals) == MAX_MODEL_LABELS + 2
+    assert totals[OTHER_MODELS] == 50 and totals[UNKNOWN_MODEL] == 1 and totals["m0"] == 1
+    assert f"m{MAX_MODEL_LABELS}" not in totals

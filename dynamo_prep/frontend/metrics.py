@@ -29,7 +29,9 @@ from dynamo_prep.discovery.metrics import PREFIX, DiscoveryMetrics
 
 __all__ = [
     "CONTENT_TYPE",
+    "MAX_MODEL_LABELS",
     "MULTIPROC_ENV",
+    "OTHER_MODELS",
     "UNKNOWN_MODEL",
     "FrontendMetrics",
     "ModelMetrics",
@@ -41,6 +43,11 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Requests naming a model nobody announced share one label value: clients cannot grow the label set.
 UNKNOWN_MODEL = "unknown"
+# Served models with their own label set: a flood of announced names (issue 13) would otherwise add
+# a few hundred prometheus objects per name asked for, to /metrics and to every full collection.
+# Beyond this many, further models share OTHER_MODELS.
+MAX_MODEL_LABELS = 1024
+OTHER_MODELS = "other"
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _ITL_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -95,10 +102,15 @@ class FrontendMetrics:
 
     def of(self, model: str) -> ModelMetrics:
         """The per-model series of ``model``, looked up once (``labels`` costs a lock and a dict
-        per call; the label set is bounded by the served models plus ``unknown``)."""
+        per call; the label set is the served models, at most ``MAX_MODEL_LABELS``, plus ``unknown``
+        and ``other``)."""
         found = self._models.get(model)
         if found is None:
-            found = self._models[model] = ModelMetrics(self, model)
+            crowded = len(self._models) >= MAX_MODEL_LABELS and model != UNKNOWN_MODEL
+            label = OTHER_MODELS if crowded else model
+            found = self._models.get(label)
+            if found is None:
+                found = self._models[label] = ModelMetrics(self, label)
         return found
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:

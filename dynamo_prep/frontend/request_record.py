@@ -111,8 +111,9 @@ class RequestRecord:
         worker's), and what the answer parser made of the output; recoveries are counted by kind."""
         self.finish_reason = finish_reason or self.finish_reason
         self.tool_calls, self.reasoning_tokens = tool_calls, reasoning_tokens
+        label = self.metrics.of(self.model).model  # the model's label (``other`` past the cap)
         for kind, count in recoveries.items():
-            self.metrics.output_parse_errors.labels(model=self.model, kind=kind).inc(count)
+            self.metrics.output_parse_errors.labels(model=label, kind=kind).inc(count)
 
     def fail(self, status: int, error: str) -> None:
         """The first failure is the request's outcome (later ones are its consequences)."""
