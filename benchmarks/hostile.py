@@ -561,9 +561,10 @@ def spoofed_names(count: int, *, fetch: bool) -> Callable[[Stack, Attacker], Out
         )
         served = (lambda: True) if fetch else (lambda: built(stack) >= want)
         answers, slowest, held = hold(stack, attacker, spoofs, until=served)
-        joined = "" if fetch else scale_up_joins(stack)
+        joined = "" if fetch else newcomers_join(stack)
+        newcomers_ok = fetch or joined.endswith("chat 200)")
         return Outcome(
-            bool(answers) and all(r.status_code == 200 for r in answers) and served(),
+            bool(answers) and all(r.status_code == 200 for r in answers) and served() and newcomers_ok,
             f"{added(stack)} instance_added in {took:.1f} s; then {held:.0f} s of re-announces: "
             f"models built: {built(stack)}; healthy chats {statuses(answers)}, slowest {slowest:.2f} s"
             + joined,
@@ -572,16 +573,24 @@ def spoofed_names(count: int, *, fetch: bool) -> Callable[[Stack, Attacker], Out
     return attack
 
 
-def scale_up_joins(stack: Stack) -> str:
-    """A second worker of the healthy model (answered during the hold) joins the table the flood
-    filled with served junk, in place of the junk built last (a timeout here fails the outcome)."""
+def newcomers_join(stack: Stack) -> str:
+    """Real workers join the table the flood filled with served junk, each in place of the junk
+    built last: a second worker of the healthy model (a model in use: answered during the hold),
+    then a worker of a model nobody used yet (probed: it answers, junk does not), which serves.
+    A timeout here fails the outcome."""
     assert stack.log is not None
     before = len(stack.log.find("instance_removed", reason="evicted"))
-    worker = stack.worker(DEMO_MODEL)
-    instance_id = LogTail(worker.log_path).wait("worker_started")["instance_id"]
-    stack.log.wait("instance_added", instance_id=instance_id, timeout=30)
+    for extra in ((), ("--served-name", "brand-new")):
+        worker = stack.worker(DEMO_MODEL, *extra)
+        instance_id = LogTail(worker.log_path).wait("worker_started")["instance_id"]
+        stack.log.wait("instance_added", instance_id=instance_id, timeout=30)
+    stack.log.wait("model_added", model="brand-new", timeout=30)
     evicted = len(stack.log.find("instance_removed", reason="evicted")) - before
-    return f"; then a second worker of it joined the full table ({evicted} junk evicted for it)"
+    status = stack.chat(model="brand-new").status_code
+    return (
+        f"; then a second worker of it and a worker of a new model joined the full table ({evicted} "
+        f"junk evicted for them; the new model: chat {status})"
+    )
 
 
 def hold(

@@ -449,6 +449,27 @@ def test_a_scale_up_of_a_model_in_use_gets_into_a_table_full_of_served_junk(
     assert registry.model_names() == ["junk-0", K3]
 
 
+def test_a_newcomer_whose_endpoint_answered_a_probe_gets_into_a_table_full_of_served_junk(
+    k3_card: ModelDeploymentCard,
+) -> None:
+    """A worker of a brand-new model has no model in use to vouch for it: the watcher probes its
+    endpoint, and once it answered (``note_proven``) it gets in like a scale-up, and stays."""
+    registry = DiscoveryRegistry(max_instances=2)
+    junk_cards = [card_bytes(msgspec.structs.replace(k3_card, display_name=f"junk-{i}")) for i in range(3)]
+    for index in range(2):
+        registry.apply(announce(f"junk-{index}", 1, junk_cards[index]), now=0.0)
+        registry.confirm(f"junk-{index}")
+    assert kinds(registry.apply(announce("new", 1, card_bytes(k3_card)), now=0.1)) == ["CardRejected"]
+    registry.note_proven("new")
+    events = registry.apply(announce("new", 2, card_bytes(k3_card)), now=0.2)
+    assert kinds(events) == ["InstanceRemoved", "ModelRemoved", "ModelFirstSeen", "InstanceAdded"]
+    assert events[0] == InstanceRemoved("junk-1", instance("junk-1"), "evicted")
+    # unbuilt yet, it is still kept: junk coming back is refused
+    assert kinds(registry.apply(announce("junk-1", 2, junk_cards[1]), now=0.3)) == ["CardRejected"]
+    assert kinds(registry.apply(announce("junk-2", 1, junk_cards[2]), now=0.3)) == ["CardRejected"]
+    assert registry.model_of("new") == K3
+
+
 def test_a_model_holds_at_most_its_per_model_cap(k3_card: ModelDeploymentCard) -> None:
     registry = DiscoveryRegistry(max_instances_per_model=2)
     raw = card_bytes(k3_card)

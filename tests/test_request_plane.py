@@ -382,6 +382,26 @@ async def test_a_model_is_reported_answered_by_its_first_output_never_by_a_silen
         context.term()
 
 
+async def test_answers_tells_a_live_worker_from_a_silent_endpoint(
+    workers: Any, client: RequestPlaneClient
+) -> None:
+    """The probe the discovery watcher uses for a newcomer a full table refused (issue 13)."""
+    _, endpoint = workers("--token-delay", "0")
+    context = zmq.Context()
+    silent = context.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        assert await client.answers(endpoint, 5.0)
+        started = time.monotonic()
+        assert not await client.answers(silent.getsockopt_string(zmq.LAST_ENDPOINT), 0.3)
+        assert time.monotonic() - started < 2.0
+        assert not await client.answers("tcp://127.0.0.1:9", 0.3)  # nothing listens there
+    finally:
+        silent.close(linger=0)
+        context.term()
+
+
 def _drain(socket: zmq.Socket[Any]) -> list[list[bytes]]:
     frames = []
     while socket.poll(0):

@@ -22,6 +22,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from support.logs import TIMEOUT_S, Logs, find, until
+from support.plane import start_dynamo
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.discovery import watcher as watcher_module
@@ -31,6 +32,7 @@ from dynamo_prep.discovery.files import ModelFileStore
 from dynamo_prep.discovery.registry import DiscoveryRegistry
 from dynamo_prep.discovery.trust import ClientCurve, ServerCurve, apply_client_curve, generate_keys
 from dynamo_prep.discovery.watcher import DiscoveryWatcher
+from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
@@ -481,6 +483,34 @@ async def test_a_scale_up_of_a_model_in_use_gets_into_a_table_full_of_served_jun
     await until(lambda: live_instances(watcher) == {"real", "real-2"}, "the scale-up served")
     assert evicted["instance_id"] in {"junk-0", "junk-1"}
     assert sum(watcher.catalog.get(name) is not None for name in ("junk-0", "junk-1")) == 1
+
+
+async def test_a_worker_of_a_new_model_is_probed_into_a_table_full_of_served_junk(
+    start: Start, logs: Logs, k3_card: ModelDeploymentCard
+) -> None:
+    """Issue 13: with the table full of built junk, a real worker of a model nobody used yet is
+    refused, probed on the request plane (it answers; junk at dead ports does not) and let in on
+    its next heartbeat, in place of the junk built last."""
+    client = RequestPlaneClient()
+    watcher, peer = await start(prober=client.answers)
+    watcher.registry = DiscoveryRegistry(max_instances=2)  # before any message: a table of two
+    for name in ("junk-0", "junk-1"):
+        raw = card_bytes(msgspec.structs.replace(k3_card, display_name=name, slug=name))
+        await peer.publish(announce(name, 1, raw))
+    await until(lambda: watcher.catalog.get("junk-0") and watcher.catalog.get("junk-1"), "junk served")
+    worker = start_dynamo(
+        "worker", "--model-path", K3, "--served-name", "brand-new", "--discovery", watcher.addresses[0],
+        "--heartbeat", "0.2", "--token-delay", "0",
+    )  # fmt: skip
+    try:
+        instance_id = (await asyncio.to_thread(worker.wait_event, "worker_started"))["instance_id"]
+        await wait_log(logs, "instance_proven", instance_id=instance_id)
+        await until(lambda: watcher.catalog.get("brand-new"), "the new model served")
+        assert sum(watcher.catalog.get(name) is not None for name in ("junk-0", "junk-1")) == 1
+        assert find(logs, "instance_removed", reason="evicted")
+    finally:
+        worker.stop()
+        await client.close()
 
 
 class FlakyBuilder:

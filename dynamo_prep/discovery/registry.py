@@ -21,8 +21,9 @@ Rules:
   is full, a new instance evicts the oldest instance that is not serving a confirmed model (one the
   frontend built and serves), so junk can fill the table only with junk. Junk reusing a served
   model's files builds too: then a newcomer announcing the card of a model whose workers answer
-  requests (``note_answered``: a scale-up of a model in use) evicts the instance confirmed last
-  among those of models none of whose workers ever answered; nothing else does, so nothing churns;
+  requests (``note_answered``: a scale-up of a model in use), or one whose endpoint answered a
+  probe (``note_proven``), evicts the instance confirmed last among those of models none of whose
+  workers ever answered; nothing else does, so nothing churns;
 * an admitted instance is described by one ``Instance`` record (endpoint, declared token, KV-event
   address); when an announce changes it, ``InstanceAdded`` carries the new record again.
 """
@@ -75,6 +76,8 @@ MAX_SEQ_JUMP = 100_000
 DEFAULT_MAX_INSTANCES_PER_MODEL = 8_192
 # Distinct card bytes remembered per answered model (its workers' cards: one per deployment).
 CARDS_NOTED_PER_MODEL = 8
+# Instances remembered as proven live (``note_proven``), the oldest forgotten first.
+MAX_PROVEN = 4096
 
 RemovalReason = Literal["withdraw", "expired", "card_changed", "evicted", "revoked"]
 
@@ -246,6 +249,7 @@ class DiscoveryRegistry:
         # for a newcomer whose card is one of ``_answered_cards`` (raw card -> its answered model).
         self._unanswered: dict[str, None] = {}
         self._answered_cards: dict[bytes, str] = {}
+        self._proven: dict[str, None] = {}  # instances whose endpoint answered a probe, oldest first
         self.counters: dict[str, int] = dict.fromkeys(
             ("duplicate", "stale", "cards_decoded", "seq_jump", "seq_restart"), 0
         )
@@ -333,8 +337,18 @@ class DiscoveryRegistry:
         model.confirmed = True
         for instance_id in model.instances:
             self._evictable.pop(instance_id, None)
-            if not model.answered:
+            if not model.answered and instance_id not in self._proven:
                 self._unanswered[instance_id] = None
+
+    def note_proven(self, instance_id: str) -> None:
+        """``instance_id``'s endpoint answered a probe (the watcher probes a newcomer the full table
+        refused): it is kept like an instance of a model in use, and gets in as one."""
+        self._proven.pop(instance_id, None)
+        self._proven[instance_id] = None
+        if len(self._proven) > MAX_PROVEN:
+            del self._proven[next(iter(self._proven))]
+        self._evictable.pop(instance_id, None)
+        self._unanswered.pop(instance_id, None)
 
     def note_answered(self, name: str) -> None:
         """A worker of ``name`` answered a request: a newcomer announcing its card may take the
@@ -377,11 +391,11 @@ class DiscoveryRegistry:
         self._evictable.pop(instance.instance_id, None)
         return self._detach(instance, reason)
 
-    def _room_for(self, raw: bytes) -> str | None:
-        """The instance that makes room for a newcomer announcing ``raw`` in a full table, if any."""
+    def _room_for(self, instance_id: str, raw: bytes) -> str | None:
+        """The instance that makes room for a newcomer in a full table, if any."""
         if self._evictable:
             return next(iter(self._evictable))
-        if self._unanswered and raw in self._answered_cards:
+        if self._unanswered and (raw in self._answered_cards or instance_id in self._proven):
             return next(reversed(self._unanswered))
         return None
 
@@ -394,14 +408,15 @@ class DiscoveryRegistry:
         instance = self._instances.get(message.instance_id)
         if instance is None:
             if len(self._instances) >= self._max_instances:
-                victim = self._room_for(raw)
+                victim = self._room_for(message.instance_id, raw)
                 if victim is None:
                     detail = f"{self._max_instances} instances of served models tracked already"
                     return [CardRejected(message.instance_id, "too_many_instances", detail)]
                 events.extend(self._forget(self._instances[victim], "evicted"))
             instance = _Instance(message.instance_id, user_id)
             self._instances[message.instance_id] = instance
-            self._evictable[message.instance_id] = None
+            if message.instance_id not in self._proven:
+                self._evictable[message.instance_id] = None
         refused = self._refuse(instance, message.seq, "announce", user_id)
         if refused is not None:
             return events + refused
@@ -491,7 +506,7 @@ class DiscoveryRegistry:
         model.instances[instance.instance_id] = record
         if model.confirmed:
             self._evictable.pop(instance.instance_id, None)
-            if not model.answered:
+            if not model.answered and instance.instance_id not in self._proven:
                 self._unanswered[instance.instance_id] = None
         self._note_card(model, instance)
         instance.model = model.name

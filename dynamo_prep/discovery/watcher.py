@@ -25,7 +25,7 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -90,6 +90,11 @@ BUILD_BACKOFF_S = (1.0, 30.0)
 BUILD_THREADS = 2
 # Builds started and not finished at once; a model beyond it waits for a later announce of its own.
 MAX_BUILDS_IN_FLIGHT = 16
+# A newcomer the full table refused is probed (one at a time; an instance at most once a minute):
+# if its endpoint answers within the timeout, the registry lets it in on its next announce.
+PROBE_TIMEOUT_S = 1.0
+PROBE_AGAIN_AFTER_S = 60.0
+MAX_PROBED = 16_384
 
 
 class InstanceListener(Protocol):
@@ -139,6 +144,7 @@ class DiscoveryWatcher:
         on_model_removed: Callable[[str], None] | None = None,
         metrics: DiscoveryMetrics | None = None,
         listeners: Sequence[InstanceListener] = (),
+        prober: Callable[[str, float], Awaitable[bool]] | None = None,
     ) -> None:
         if not bind and not connect:
             raise ValueError("the discovery watcher needs at least one bind or connect address")
@@ -171,6 +177,9 @@ class DiscoveryWatcher:
         self._on_endpoint_lost = on_endpoint_lost
         self._on_model_removed = on_model_removed  # called with the mdcsum: its cached files may go
         self._listeners = tuple(listeners)
+        self._prober = prober  # (endpoint, timeout_s) -> whether it answered (the request plane's)
+        self._probing: asyncio.Task[None] | None = None
+        self._probed: dict[str, float] = {}  # instance_id -> when, oldest first
         self._compositions: dict[str, tuple[str, ...]] = {}  # sorted labels (no GC-tracked set per model)
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
 
@@ -252,8 +261,8 @@ class DiscoveryWatcher:
         self._tick = now
 
     def close(self) -> None:
-        """Cancel builds, close the socket (LINGER 0) and stop the authenticator."""
-        for task in list(self._tasks):
+        """Cancel builds and a probe, close the socket (LINGER 0) and stop the authenticator."""
+        for task in [*self._tasks, *([self._probing] if self._probing is not None else [])]:
             task.cancel()
         self._build_threads.shutdown(wait=False, cancel_futures=True)
         if self._socket is not None:
@@ -313,9 +322,41 @@ class DiscoveryWatcher:
         if self._allow is not None and not self._allow.allows(user_id):
             self._reject("revoked_key", f"a key no longer in the allow-list: {user_id}", now)
             return
-        self._handle(self.registry.apply(message, now=now, user_id=user_id))
+        events = self.registry.apply(message, now=now, user_id=user_id)
+        self._handle(events)
         if isinstance(message, Announce):
             self._maybe_retry_build(message.instance_id, message.endpoint, now)
+            if any(isinstance(e, CardRejected) and e.reason == "too_many_instances" for e in events):
+                self._maybe_probe(message.instance_id, message.endpoint, now)
+
+    def _maybe_probe(self, instance_id: str, endpoint: str, now: float) -> None:
+        """Probe a newcomer the full table refused (see ``PROBE_TIMEOUT_S``)."""
+        if self._prober is None or self._probing is not None:
+            return
+        last = self._probed.pop(instance_id, None)
+        if last is not None and now - last < PROBE_AGAIN_AFTER_S:
+            self._probed[instance_id] = last
+            return
+        self._probed[instance_id] = now
+        if len(self._probed) > MAX_PROBED:
+            del self._probed[next(iter(self._probed))]
+        self._probing = asyncio.get_running_loop().create_task(
+            self._probe(self._prober, instance_id, endpoint)
+        )
+
+    async def _probe(
+        self, prober: Callable[[str, float], Awaitable[bool]], instance_id: str, endpoint: str
+    ) -> None:
+        try:
+            answered = await prober(endpoint, PROBE_TIMEOUT_S)
+        except Exception as exc:  # a probe that cannot run proves nothing; the watcher goes on
+            self._pool_log.warning("instance_probe_failed", instance_id=instance_id, error=str(exc)[:200])
+            answered = False
+        finally:
+            self._probing = None
+        if answered:
+            self.registry.note_proven(instance_id)
+            self._pool_log.info("instance_proven", instance_id=instance_id, endpoint=endpoint)
 
     def _reject(self, reason: str, detail: str, now: float) -> None:
         """Count a refused message; the log line is rate-limited per reason."""

@@ -135,6 +135,7 @@ class _Channel:
         self.queues: dict[str, _Inbox] = {}
         self.closed = False
         self.heard = False  # anything at all from the worker since this channel opened
+        self.first_heard = asyncio.Event()
         self._loop = asyncio.get_running_loop()
         self._opened_at = self._loop.time()
         self._heard_at = self._loop.time()
@@ -193,7 +194,9 @@ class _Channel:
         while True:
             await self._until_readable()
             self._heard_at = self._loop.time()
-            self.heard = True
+            if not self.heard:
+                self.heard = True
+                self.first_heard.set()
             while True:
                 try:
                     payload = recv(zmq.NOBLOCK)
@@ -354,6 +357,17 @@ class RequestPlaneClient:
         and its in-flight streams still finish.
         """
         self._lose(endpoint, "removed")
+
+    async def answers(self, endpoint: str, timeout_s: float) -> bool:
+        """Whether ``endpoint`` answers (a Ping, or anything) within ``timeout_s``: a live worker
+        does in milliseconds, a forged or black-holed announce never does. The channel stays open
+        for requests and closes when idle, as any."""
+        channel = self._channel(endpoint)
+        if not channel.heard:
+            channel.send_nowait(Ping(request_id="probe"))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(channel.first_heard.wait(), timeout_s)
+        return channel.heard
 
     def unreachable_endpoints(self) -> frozenset[str]:
         """Endpoints that never answered a recent request: route elsewhere while there is elsewhere."""

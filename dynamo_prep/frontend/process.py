@@ -160,6 +160,7 @@ def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collabora
         catalog=catalog,
         context=context,
         on_endpoint_lost=client.endpoint_lost,
+        prober=client.answers,
         on_model_removed=store.release,
         metrics=metrics.discovery,
         listeners=[kv] if kv is not None else [],
