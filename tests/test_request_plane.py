@@ -130,6 +130,18 @@ def workers(plane: str) -> Iterator[Any]:
 
 
 @pytest.fixture
+def silent() -> Iterator[zmq.Socket[Any]]:
+    """A ROUTER that reads and never answers: a black-holed or forged announce's endpoint."""
+    context = zmq.Context()
+    socket = context.socket(zmq.ROUTER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.bind("tcp://127.0.0.1:*")
+    yield socket
+    socket.close(linger=0)
+    context.term()
+
+
+@pytest.fixture
 async def client() -> AsyncIterator[RequestPlaneClient]:
     client = RequestPlaneClient(stall_timeout_s=1.0)
     yield client
@@ -325,81 +337,57 @@ async def test_hundred_concurrent_requests_share_one_dealer(
 
 
 async def test_an_instance_that_never_answers_is_failed_over_fast_and_then_avoided(
-    workers: Any, client: RequestPlaneClient, mock: MockEngine
+    workers: Any, client: RequestPlaneClient, silent: zmq.Socket[Any], mock: MockEngine
 ) -> None:
     """A forged or black-holed announce (here: a ROUTER that reads and never answers) costs one
     request the connect timeout, not the stall timeout, moves it for free (migration_limit 0), and
     later requests route around it."""
     _, endpoint = workers("--token-delay", "0")
-    context = zmq.Context()
-    silent = context.socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    silent.bind("tcp://127.0.0.1:*")
-    try:
-        hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
-        real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
-        policy, model = migration(client, [hole, real], migration_limit=0)
-        first = record()
-        started = time.monotonic()
-        outputs = [o async for o in through(policy, model, chat(), "h1", first)]
-        assert outputs[-1].finish_reason == "stop" and first.instance_id == "b"
-        assert time.monotonic() - started < client.stall_timeout_s + 1.0  # the connect timeout, not a stall
-        assert hole.endpoint in client.unreachable_endpoints()
-        received = len(_drain(silent))
-        for index in range(3):
-            again = record()
-            [o async for o in through(policy, model, chat(), f"h{index + 2}", again)]
-            assert again.instance_id == "b"
-        assert len(_drain(silent)) == 0 and received >= 1  # never sent there again
-    finally:
-        silent.close(linger=0)
-        context.term()
+    hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
+    real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
+    policy, model = migration(client, [hole, real], migration_limit=0)
+    first = record()
+    started = time.monotonic()
+    outputs = [o async for o in through(policy, model, chat(), "h1", first)]
+    assert outputs[-1].finish_reason == "stop" and first.instance_id == "b"
+    assert time.monotonic() - started < client.stall_timeout_s + 1.0  # the connect timeout, not a stall
+    assert hole.endpoint in client.unreachable_endpoints()
+    received = len(_drain(silent))
+    for index in range(3):
+        again = record()
+        [o async for o in through(policy, model, chat(), f"h{index + 2}", again)]
+        assert again.instance_id == "b"
+    assert len(_drain(silent)) == 0 and received >= 1  # never sent there again
 
 
 async def test_a_model_is_reported_answered_by_its_first_output_never_by_a_silent_endpoint(
-    workers: Any, client: RequestPlaneClient
+    workers: Any, client: RequestPlaneClient, silent: zmq.Socket[Any]
 ) -> None:
     """What lets a scale-up of a model in use into a full discovery table (issue 13): the model of a
     worker that answered a request, reported once per request; a silent endpoint reports nothing."""
     _, endpoint = workers("--token-delay", "0")
-    context = zmq.Context()
-    silent = context.socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    silent.bind("tcp://127.0.0.1:*")
     answered: list[str] = []
-    try:
-        hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
-        policy, model = migration(client, [hole], migration_limit=0, on_answered=answered.append)
-        with pytest.raises(WorkerLost):
-            [o async for o in through(policy, model, chat(), "s1", record())]
-        assert answered == []
-        real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
-        policy, model = migration(client, [hole, real], migration_limit=0, on_answered=answered.append)
-        outputs = [o async for o in through(policy, model, chat(LONG_TEXT), "s2", record())]
-        assert len(outputs) > 1 and answered == [DEMO]
-    finally:
-        silent.close(linger=0)
-        context.term()
+    hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
+    policy, model = migration(client, [hole], migration_limit=0, on_answered=answered.append)
+    with pytest.raises(WorkerLost):
+        [o async for o in through(policy, model, chat(), "s1", record())]
+    assert answered == []
+    real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
+    policy, model = migration(client, [hole, real], migration_limit=0, on_answered=answered.append)
+    outputs = [o async for o in through(policy, model, chat(LONG_TEXT), "s2", record())]
+    assert len(outputs) > 1 and answered == [DEMO]
 
 
 async def test_answers_tells_a_live_worker_from_a_silent_endpoint(
-    workers: Any, client: RequestPlaneClient
+    workers: Any, client: RequestPlaneClient, silent: zmq.Socket[Any]
 ) -> None:
     """The probe the discovery watcher uses for a newcomer a full table refused (issue 13)."""
     _, endpoint = workers("--token-delay", "0")
-    context = zmq.Context()
-    silent = context.socket(zmq.ROUTER)
-    silent.setsockopt(zmq.LINGER, 0)
-    silent.bind("tcp://127.0.0.1:*")
-    try:
-        assert await client.answers(endpoint, 5.0)
-        started = time.monotonic()
-        assert not await client.answers(silent.getsockopt_string(zmq.LAST_ENDPOINT), 0.3)
-        assert time.monotonic() - started < 2.0
-        assert not await client.answers("tcp://127.0.0.1:9", 0.3)  # nothing listens there
-    finally:
-        silent.close(linger=0)
-        context.term()
+    assert await client.answers(endpoint, 5.0)
+    started = time.monotonic()
+    assert not await client.answers(silent.getsockopt_string(zmq.LAST_ENDPOINT), 0.3)
+    assert time.monotonic() - started < 2.0
+    assert not await client.answers("tcp://127.0.0.1:9", 0.3)  # nothing listens there
 
 
 def _drain(socket: zmq.Socket[Any]) -> list[list[bytes]]:
