@@ -447,6 +447,14 @@ def test_a_scale_up_of_a_model_in_use_gets_into_a_table_full_of_served_junk(
     assert kinds(registry.apply(announce("junk-1", 2, junk_cards[1]), now=0.4)) == ["CardRejected"]
     assert kinds(registry.apply(announce("junk-2", 1, junk_cards[2]), now=0.4)) == ["CardRejected"]
     assert registry.model_names() == ["junk-0", K3]
+    # the model leaves with its workers: its card vouches for nobody any more
+    registry.apply(withdraw("real", 2), now=0.5)
+    assert kinds(registry.apply(withdraw("real-2", 3), now=0.5)) == ["InstanceRemoved", "ModelRemoved"]
+    registry.expire(100.0)  # the tombstones go; junk-0 expires too
+    for index in range(3):
+        registry.apply(announce(f"junk-{index}", 3, junk_cards[index]), now=100.0)
+        registry.confirm(f"junk-{index}")
+    assert kinds(registry.apply(announce("real-3", 1, card_bytes(k3_card)), now=100.0)) == ["CardRejected"]
 
 
 def test_a_newcomer_whose_endpoint_answered_a_probe_gets_into_a_table_full_of_served_junk(

@@ -226,7 +226,7 @@ class _Model(msgspec.Struct, gc=False):
     instances: dict[str, Instance] = msgspec.field(default_factory=dict)
     confirmed: bool = False
     answered: bool = False
-    cards_noted: int = 0
+    cards: tuple[bytes, ...] = ()  # its card bytes in ``_answered_cards`` (an answered model's)
 
 
 class DiscoveryRegistry:
@@ -336,9 +336,14 @@ class DiscoveryRegistry:
             return
         model.confirmed = True
         for instance_id in model.instances:
-            self._evictable.pop(instance_id, None)
-            if not model.answered and instance_id not in self._proven:
-                self._unanswered[instance_id] = None
+            self._keep(model, instance_id)
+
+    def _keep(self, model: _Model, instance_id: str) -> None:
+        """An instance of a confirmed model is not evicted for any newcomer; unless its model answered
+        or it proved live, it is in ``_unanswered`` (it may go for a newcomer vouched for)."""
+        self._evictable.pop(instance_id, None)
+        if not model.answered and instance_id not in self._proven:
+            self._unanswered[instance_id] = None
 
     def note_proven(self, instance_id: str) -> None:
         """``instance_id``'s endpoint answered a probe (the watcher probes a newcomer the full table
@@ -365,10 +370,10 @@ class DiscoveryRegistry:
         """Remember an answered model's card bytes (a few per model: junk under its name, each card
         different, must not grow this)."""
         raw = instance.raw
-        if not model.answered or raw is None or model.cards_noted >= CARDS_NOTED_PER_MODEL:
+        if not model.answered or raw is None or len(model.cards) >= CARDS_NOTED_PER_MODEL:
             return
         if raw not in self._answered_cards:
-            model.cards_noted += 1
+            model.cards += (raw,)
             self._answered_cards[raw] = model.name
 
     def revoke(self, keys: frozenset[str]) -> list[RegistryEvent]:
@@ -505,9 +510,7 @@ class DiscoveryRegistry:
             events.extend(self._check_runtime_config(model, instance.instance_id, card))
         model.instances[instance.instance_id] = record
         if model.confirmed:
-            self._evictable.pop(instance.instance_id, None)
-            if not model.answered and instance.instance_id not in self._proven:
-                self._unanswered[instance.instance_id] = None
+            self._keep(model, instance.instance_id)
         self._note_card(model, instance)
         instance.model = model.name
         instance.mismatch_reported = None
@@ -569,10 +572,8 @@ class DiscoveryRegistry:
         events: list[RegistryEvent] = [InstanceRemoved(model.name, record, reason)]
         if not model.instances:
             del self._models[model.name]
-            if model.answered:
-                self._answered_cards = {
-                    raw: name for raw, name in self._answered_cards.items() if name != model.name
-                }
+            for raw in model.cards:
+                del self._answered_cards[raw]
             events.append(ModelRemoved(model.name, model.mdcsum))
         return events
 
