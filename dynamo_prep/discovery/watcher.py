@@ -262,8 +262,10 @@ class DiscoveryWatcher:
 
     def close(self) -> None:
         """Cancel builds and a probe, close the socket (LINGER 0) and stop the authenticator."""
-        for task in [*self._tasks, *([self._probing] if self._probing is not None else [])]:
+        for task in list(self._tasks):
             task.cancel()
+        if self._probing is not None:
+            self._probing.cancel()
         self._build_threads.shutdown(wait=False, cancel_futures=True)
         if self._socket is not None:
             self._socket.close(linger=0)
@@ -333,10 +335,10 @@ class DiscoveryWatcher:
         """Probe a newcomer the full table refused (see ``PROBE_TIMEOUT_S``)."""
         if self._prober is None or self._probing is not None:
             return
-        last = self._probed.pop(instance_id, None)
+        last = self._probed.get(instance_id)
         if last is not None and now - last < PROBE_AGAIN_AFTER_S:
-            self._probed[instance_id] = last
             return
+        self._probed.pop(instance_id, None)  # re-inserted: the oldest probe first
         self._probed[instance_id] = now
         if len(self._probed) > MAX_PROBED:
             del self._probed[next(iter(self._probed))]

@@ -134,8 +134,7 @@ class _Channel:
         self.connect_timeout_s = client.connect_timeout_s
         self.queues: dict[str, _Inbox] = {}
         self.closed = False
-        self.heard = False  # anything at all from the worker since this channel opened
-        self.first_heard = asyncio.Event()
+        self.first_heard = asyncio.Event()  # anything at all from the worker since this channel opened
         self._loop = asyncio.get_running_loop()
         self._opened_at = self._loop.time()
         self._heard_at = self._loop.time()
@@ -144,6 +143,10 @@ class _Channel:
         self._readable: asyncio.Future[None] | None = None  # the receive loop, waiting
         self._polling: asyncio.Future[Any] | None = None
         self.tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def heard(self) -> bool:
+        return self.first_heard.is_set()
 
     def open(self, request_id: str) -> _Inbox:
         if request_id in self.queues:
@@ -194,9 +197,7 @@ class _Channel:
         while True:
             await self._until_readable()
             self._heard_at = self._loop.time()
-            if not self.heard:
-                self.heard = True
-                self.first_heard.set()
+            self.first_heard.set()
             while True:
                 try:
                     payload = recv(zmq.NOBLOCK)

@@ -218,12 +218,12 @@ class Migration:
             instance.endpoint, attempt, request_id=journey.request_id, timeout_s=timeout_s
         )
         budget = attempt.stop_conditions.max_tokens
-        answered = self._on_answered is None
+        on_answered = self._on_answered  # told once, at the first output
         async with contextlib.aclosing(steps):  # leaving early cancels the generation on the worker
             async for output in steps:
-                if not answered and self._on_answered is not None:
-                    answered = True
-                    self._on_answered(journey.model.name)
+                if on_answered is not None:
+                    on_answered(journey.model.name)
+                    on_answered = None
                 sent = len(journey.streamed) - earlier
                 allowed = (
                     output if len(output.token_ids) <= budget - sent else _cut(output, budget - sent, sent)
