@@ -82,7 +82,7 @@ from benchmarks._plane import (
 )
 from benchmarks._report import RESULTS_DIR, Record, Suite
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.engines.kv_cache import HashKind, PagedPrefixCache
+from dynamo_prep.engines.mock.kv_cache import HashKind, PagedPrefixCache
 from dynamo_prep.formatter import KimiK3Formatter
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor

@@ -12,9 +12,8 @@ import pytest
 import structlog
 
 from dynamo_prep.card import ModelCardError
-from dynamo_prep.engines import sglang, vllm
 from dynamo_prep.engines.declare import declared_image_token
-from dynamo_prep.engines.sglang_standins import (
+from dynamo_prep.engines.mock.standins import (
     EngineStandIn,
     ImageProcessorStandIn,
     KimiK3ImageProcessorStandIn,
@@ -23,6 +22,8 @@ from dynamo_prep.engines.sglang_standins import (
     TokenizerManagerStandIn,
     sglang_engine_standin,
 )
+from dynamo_prep.engines.sglang import declare as sglang
+from dynamo_prep.engines.vllm import translate as vllm
 from dynamo_prep.models import DEMO_MODELS_DIR
 
 K3_CONFIG = json.loads((DEMO_MODELS_DIR / "kimi-k3-demo" / "config.json").read_text())

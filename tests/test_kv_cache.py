@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.protocol.kv_events import (
     AllBlocksCleared,

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.protocol.kv_events import (
     BlockStored,
     ImageSpan,

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.kv_events import (
     AllBlocksCleared,

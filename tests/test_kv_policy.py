@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from dynamo_prep.engines.kv_cache import PagedPrefixCache
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.protocol.kv_events import ImageSpan
 from dynamo_prep.routing.index import KvIndex
 from dynamo_prep.routing.policy import Decision, KvRouter, LoadTracker, choose, count_blocks

@@ -18,7 +18,7 @@ from support import kv_wire
 from support.kv_wire import END, be8
 from support.logs import TIMEOUT_S
 
-from dynamo_prep.engines.kv_publisher import KvEventPublisher
+from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 context = kv_wire.context  # a fixture

@@ -31,7 +31,7 @@ from support.kv_wire import (
 )
 from support.logs import TIMEOUT_S, Logs, find, until
 
-from dynamo_prep.engines.kv_publisher import KvEventPublisher
+from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol.discovery import Instance, KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import (
     MAX_BATCH_BYTES,

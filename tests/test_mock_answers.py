@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.mock import MockContinuation, MockEngine
+from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
 from dynamo_prep.formatter import prompt_formatter_for
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest

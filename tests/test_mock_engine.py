@@ -14,8 +14,8 @@ import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.engines.base import EngineContractError, Flavor
-from dynamo_prep.engines.mock import MockEngine, MockOutput
-from dynamo_prep.engines.mock_prompt import count_occurrences
+from dynamo_prep.engines.mock.engine import MockEngine, MockOutput
+from dynamo_prep.engines.mock.prompt import count_occurrences
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest

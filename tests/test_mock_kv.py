@@ -21,10 +21,10 @@ from support.plane import SubCollector, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
 from dynamo_prep.engines.base import EngineContractError, Flavor
-from dynamo_prep.engines.kv_cache import PagedPrefixCache
 from dynamo_prep.engines.kv_config import kv_events_endpoint
-from dynamo_prep.engines.mock import MockContinuation, MockEngine, MockOutput, Prefill
-from dynamo_prep.engines.mock_kv import MockKvEngine, image_spans
+from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine, MockOutput, Prefill
+from dynamo_prep.engines.mock.kv import MockKvEngine, image_spans
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.formatter.parts import image_uuid
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.discovery import Announce, KvEventsEndpoint

@@ -11,8 +11,8 @@ import pytest
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.engines.base import ReplyFormat
-from dynamo_prep.engines.mock import MockContinuation, MockEngine
-from dynamo_prep.engines.mock_replies import RepliesError, load_replies
+from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
+from dynamo_prep.engines.mock.replies import RepliesError, load_replies
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.tokenizer import Tokenizer

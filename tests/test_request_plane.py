@@ -15,7 +15,7 @@ from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoin
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
-from dynamo_prep.engines.mock import MockEngine
+from dynamo_prep.engines.mock.engine import MockEngine
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics

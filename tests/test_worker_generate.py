@@ -16,8 +16,8 @@ import pytest
 from support.plane import SubCollector, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
-from dynamo_prep.engines.mock import MockContinuation, MockEngine, MockOutput
-from dynamo_prep.engines.sglang_standins import sglang_engine_standin
+from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine, MockOutput
+from dynamo_prep.engines.mock.standins import sglang_engine_standin
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire

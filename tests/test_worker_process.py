@@ -15,7 +15,7 @@ from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, 
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
 from dynamo_prep.discovery.files import FileFetchError, ModelFileStore, fetch_file
-from dynamo_prep.engines.mock import MockEngine
+from dynamo_prep.engines.mock.engine import MockEngine
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.models import DEMO_MODELS_DIR, resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor

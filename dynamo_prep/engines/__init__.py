@@ -1,19 +1,14 @@
-"""Engines as the worker sees them: the contract, what each one declares, and a GPU-free mock.
+"""Engines as the worker sees them: the contract, the bridges to real engines, and a mock.
 
 * ``base``: the engine contract (``EngineContractError``, ``EngineOutput``, ``Flavor``).
-* ``sglang``: reads the per-image token from the multimodal processor SGLang actually loaded
-  (``engine.tokenizer_manager.mm_processor.mm_tokens.image_token``); ``sglang_standins``: objects
-  shaped like SGLang's classes, for tests and the mock (real SGLang needs a GPU).
-* ``vllm``: declares nothing; vLLM expands the checkpoint's own placeholder string.
 * ``declare``: the declared token for an engine of either flavor.
-* ``mock``: ``MockEngine``, which enforces either engine's real image contract on the token ids
-  it receives and streams a deterministic reply, like Dynamo's mocker (``mock_prompt`` reads the
-  prompt, ``mock_replies`` loads scripted replies, ``mock_answer`` writes the model's format).
-* ``kv_cache``: ``PagedPrefixCache``, the mock's paged prefix cache emitting vLLM's KV events;
-  ``kv_publisher``: ``KvEventPublisher``, vLLM's ZeroMQ publisher with its replay ROUTER;
-  ``mock_kv``: ``MockKvEngine``, the mock behind that cache (``--kv-events``).
+* ``vllm`` / ``sglang``: one bridge per real engine, in two parts: pure translation (request ->
+  engine call, engine output -> ``EngineOutput``; no engine import) and a thin runtime adapter
+  that imports the engine lazily. SGLang's ``declare`` reads the per-image token from the
+  processor SGLang actually loaded; vLLM declares nothing (it expands the checkpoint's own
+  placeholder string).
 * ``kv_config``: what a real engine's ``--kv-events-config`` advertises in the announce.
+* ``mock``: the GPU-free engine that enforces either engine's image contract (its own folder).
 
-Each accessor takes the engine as a plain ``object`` and reads it with ``getattr``, so this
-package never imports SGLang or vLLM.
+Nothing here imports SGLang, vLLM or torch at import time.
 """

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dynamo_prep.engines import sglang
 from dynamo_prep.engines.base import FLAVORS, Flavor
+from dynamo_prep.engines.sglang import declare as sglang
 
 __all__ = ["declared_image_token"]
 

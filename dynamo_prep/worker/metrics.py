@@ -20,7 +20,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
 from dynamo_prep.engines.base import CheckFn, EngineContractError
-from dynamo_prep.engines.mock import Prefill
+from dynamo_prep.engines.mock.engine import Prefill
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import ErrorReply, Generate, Output

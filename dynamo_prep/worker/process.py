@@ -25,10 +25,10 @@ import zmq.asyncio
 from dynamo_prep.card import ModelCardError, ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.discovery.trust import TrustError
 from dynamo_prep.engines.base import GenerateFn
-from dynamo_prep.engines.kv_cache import PagedPrefixCache
-from dynamo_prep.engines.kv_publisher import KvEventPublisher
-from dynamo_prep.engines.mock import MockContinuation, MockEngine
-from dynamo_prep.engines.mock_kv import MockKvEngine
+from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
+from dynamo_prep.engines.mock.kv import MockKvEngine
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
+from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer

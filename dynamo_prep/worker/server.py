@@ -33,7 +33,7 @@ from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.files import FileServer
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
 from dynamo_prep.discovery.trust import ClientCurve
-from dynamo_prep.engines.kv_publisher import KvEventPublisher
+from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import (
     DEFAULT_HEARTBEAT_S,

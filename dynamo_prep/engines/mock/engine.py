@@ -8,10 +8,10 @@ It then streams a deterministic reply, one token per output, until a stop id (ne
 a stop string or ``max_tokens``: the first scripted reply (``replies``, a JSON Lines file; see
 ``mock_replies``) whose ``when`` occurs in the last user message, else the echo of what it
 received (``[mock FLAVOR] N image(s), M prompt tokens. You said: ...``). With
-``reply_format="model"`` the echo is written in the model's own answer format (``mock_answer``):
+``reply_format="model"`` the echo is written in the model's own answer format (``answer``):
 a short think channel when the prompt ends in one, the echo as the response, a call of the first
 declared tool when the user spoke last, and after tool results a plain answer saying what they
-returned. Everything is read from the prompt's ids (``mock_prompt``).
+returned. Everything is read from the prompt's ids (``prompt``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import msgspec
 import structlog
 
 from dynamo_prep.card import ModelCardError
-from dynamo_prep.engines import vllm
 from dynamo_prep.engines.base import (
     DEFAULT_REPLY_FORMAT,
     FLAVORS,
@@ -35,14 +34,15 @@ from dynamo_prep.engines.base import (
     ReplyFormat,
 )
 from dynamo_prep.engines.declare import declared_image_token
-from dynamo_prep.engines.mock_answer import AnswerWriter, ToolCall, schema_arguments
-from dynamo_prep.engines.mock_prompt import PromptReader, PromptView, count_occurrences
-from dynamo_prep.engines.mock_replies import load_replies, matching_reply
-from dynamo_prep.engines.sglang_standins import (
+from dynamo_prep.engines.mock.answer import AnswerWriter, ToolCall, schema_arguments
+from dynamo_prep.engines.mock.prompt import PromptReader, PromptView, count_occurrences
+from dynamo_prep.engines.mock.replies import load_replies, matching_reply
+from dynamo_prep.engines.mock.standins import (
     QWEN_VL_MODEL_TYPES,
     QwenVLImageProcessorStandIn,
     sglang_engine_standin,
 )
+from dynamo_prep.engines.vllm import translate as vllm
 from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions

@@ -22,8 +22,8 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from dynamo_prep.engines.kv_cache import PagedPrefixCache
-from dynamo_prep.engines.mock import MockContinuation, MockOutput, Prefill
+from dynamo_prep.engines.mock.engine import MockContinuation, MockOutput, Prefill
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.formatter.parts import image_uuid
 from dynamo_prep.protocol.kv_events import ImageSpan, KVEvent
 from dynamo_prep.protocol.kv_events import image_spans as spans_of

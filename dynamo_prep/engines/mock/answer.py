@@ -16,7 +16,7 @@ import json
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from dynamo_prep.engines.mock_prompt import IM_END, IM_START, Family, PromptView, Tool
+from dynamo_prep.engines.mock.prompt import IM_END, IM_START, Family, PromptView, Tool
 from dynamo_prep.formatter import KimiK3Formatter
 from dynamo_prep.formatter.kimi_k3 import OPEN, SEP
 from dynamo_prep.prompt import Segment

@@ -1,0 +1,1 @@
+"""The SGLang bridge: ``declare`` and ``translate`` (pure) and ``runtime`` (imports SGLang lazily)."""
