@@ -130,15 +130,40 @@ def workers(plane: str) -> Iterator[Any]:
 
 
 @pytest.fixture
-def silent() -> Iterator[zmq.Socket[Any]]:
-    """A ROUTER that reads and never answers: a black-holed or forged announce's endpoint."""
+def routers() -> Iterator[Callable[[], zmq.Socket[Any]]]:
+    """Bound ROUTERs driven by the test itself (silent, or answering what the test says)."""
     context = zmq.Context()
-    socket = context.socket(zmq.ROUTER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.bind("tcp://127.0.0.1:*")
-    yield socket
-    socket.close(linger=0)
+    sockets: list[zmq.Socket[Any]] = []
+
+    def bind() -> zmq.Socket[Any]:
+        socket = context.socket(zmq.ROUTER)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind("tcp://127.0.0.1:*")
+        sockets.append(socket)
+        return socket
+
+    yield bind
+    for socket in sockets:
+        socket.close(linger=0)
     context.term()
+
+
+@pytest.fixture
+def silent(routers: Callable[[], zmq.Socket[Any]]) -> zmq.Socket[Any]:
+    """A ROUTER that reads and never answers: a black-holed or forged announce's endpoint."""
+    return routers()
+
+
+async def next_generate(socket: zmq.Socket[Any]) -> tuple[bytes, Generate]:
+    """The next Generate a hand-driven ROUTER receives (Pings answered on the way), with its peer."""
+    while True:
+        assert await asyncio.to_thread(socket.poll, 10_000), "no request within 10 s"
+        identity, payload = socket.recv_multipart()
+        message = wire.decode_to_worker(payload)
+        if isinstance(message, Generate):
+            return identity, message
+        if isinstance(message, wire.Ping):
+            socket.send_multipart([identity, wire.encode(wire.Pong(request_id=message.request_id))])
 
 
 @pytest.fixture
@@ -361,21 +386,35 @@ async def test_an_instance_that_never_answers_is_failed_over_fast_and_then_avoid
 
 
 async def test_a_model_is_reported_answered_by_its_first_output_never_by_a_silent_endpoint(
-    workers: Any, client: RequestPlaneClient, silent: zmq.Socket[Any]
+    client: RequestPlaneClient,
+    silent: zmq.Socket[Any],
+    routers: Callable[[], zmq.Socket[Any]],
 ) -> None:
     """What lets a scale-up of a model in use into a full discovery table (issue 13): the model of a
-    worker that answered a request, reported once per request; a silent endpoint reports nothing."""
-    _, endpoint = workers("--token-delay", "0")
+    worker that answered a request, reported once per request (at its first output, not again at
+    later ones); a silent endpoint reports nothing. The worker is driven by the test, so the
+    request has two outputs whatever the timing: the second is sent after the first was taken."""
     answered: list[str] = []
     hole = Instance(instance_id="a", endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT))
     policy, model = migration(client, [hole], migration_limit=0, on_answered=answered.append)
     with pytest.raises(WorkerLost):
         [o async for o in through(policy, model, chat(), "s1", record())]
     assert answered == []
+    worker = routers()
+    endpoint = worker.getsockopt_string(zmq.LAST_ENDPOINT)
     real = Instance(instance_id="b", endpoint=endpoint, declared_token=MEDIA_PAD)
     policy, model = migration(client, [hole, real], migration_limit=0, on_answered=answered.append)
-    outputs = [o async for o in through(policy, model, chat(LONG_TEXT), "s2", record())]
-    assert len(outputs) > 1 and answered == [DEMO]
+    outputs = through(policy, model, chat(LONG_TEXT), "s2", record())
+    first = asyncio.ensure_future(anext(outputs))
+    identity, generate = await next_generate(worker)
+    step = Output(request_id=generate.request_id, token_ids=[11], prompt_tokens=5, completion_tokens=1)
+    worker.send_multipart([identity, wire.encode(step)])
+    assert (await first).token_ids == [11]
+    assert answered == [DEMO]
+    final = Output(request_id=generate.request_id, token_ids=[12], finish_reason="stop", completion_tokens=2)
+    worker.send_multipart([identity, wire.encode(final)])
+    assert [o.token_ids async for o in outputs] == [[12]]
+    assert answered == [DEMO]
 
 
 async def test_answers_tells_a_live_worker_from_a_silent_endpoint(
