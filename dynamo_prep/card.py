@@ -107,8 +107,12 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, gc=False):
         kv_cache_block_size: int = 16,
         migration_limit: int = 0,
         runtime_config: ModelRuntimeConfig | None = None,
+        context_length: int | None = None,
     ) -> ModelDeploymentCard:
-        """Read a model directory (or a demo model name) into a card with content checksums."""
+        """Read a model directory (or a demo model name) into a card with content checksums.
+
+        ``context_length`` is the engine's own when a running engine says (vLLM ``max_model_len``);
+        None reads it from the model's files."""
         model_dir = resolve_model_dir(path)
         files = model_files(model_dir)
         config = read_json(model_dir / "config.json")
@@ -118,7 +122,7 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, gc=False):
             display_name=display_name,
             slug=slugify(display_name),
             model_type=_str_or_none(config.get("model_type")),
-            context_length=_context_length(config, tokenizer_config, model_dir),
+            context_length=context_length or _context_length(config, tokenizer_config, model_dir),
             kv_cache_block_size=kv_cache_block_size,
             migration_limit=migration_limit,
             files={name: file_ref(file) for name, file in files.items()},

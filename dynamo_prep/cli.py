@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, FLAVORS, REPLY_FORMATS
+from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS
 from dynamo_prep.frontend import config as frontend_defaults
 from dynamo_prep.frontend import up as up_defaults
 from dynamo_prep.lifecycle import EXIT_FAILED
@@ -36,12 +36,24 @@ LOG_FORMATS = ("json", "console")
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``dynamo-prep`` console script."""
-    args = _parser().parse_args(argv)
+    args = parse_args(argv)
     # render's stdout is its result, so its logs go to stderr; every other process logs to stdout.
     stream = sys.stderr if args.command in ("render", "keys", "watch") else sys.stdout
     configure_logging(level=args.log_level, log_format=args.log_format, stream=stream, component=args.command)
     result: int = args.handler(args)
     return result
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, in two stages for ``worker``: the flags it does not know are a real
+    engine's own (``engine_args``, parsed by the engine's parser when it starts, in order);
+    every other command refuses unknown flags."""
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "worker":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.engine_args = unknown
+    return args
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -157,7 +169,13 @@ def _add_discovery_client(command: Any) -> None:
 
 def _add_worker(commands: Any) -> None:
     defaults = worker_defaults
-    worker = commands.add_parser("worker", help="announce a model card and serve the request plane")
+    worker = commands.add_parser(
+        "worker",
+        help="announce a model card and serve the request plane",
+        description="Flags not listed here go to the engine's own parser unchanged (--engine vllm or "
+        "sglang: --tensor-parallel-size, --block-size / --page-size, --kv-events-config, --seed, ...).",
+        allow_abbrev=False,  # an engine flag must never be taken for a prefix of one of ours
+    )
     worker.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
     worker.add_argument("--served-name", default=None, help="model name (default: the directory name)")
     declaration = worker.add_mutually_exclusive_group()
@@ -195,15 +213,22 @@ def _add_worker(commands: Any) -> None:
         help=f"how long frontends keep this instance without news (default {DEFAULT_TTL_MS})",
     )
     worker.add_argument(
-        "--engine", default="mock", choices=defaults.ENGINES, help="the engine behind the worker"
+        "--engine",
+        default="mock",
+        choices=defaults.ENGINES,
+        help="the engine behind the worker: the GPU-free mock (default), or a real vLLM or SGLang engine "
+        "in this process, built from the engine flags with --model-path as its model unless they name one",
     )
     worker.add_argument(
-        "--flavor", default="sglang", choices=FLAVORS, help="whose image contract the mock enforces"
+        "--flavor",
+        default=None,
+        choices=FLAVORS,
+        help="mock engine: whose image contract it enforces (default sglang)",
     )
     worker.add_argument(
         "--token-delay",
         type=float,
-        default=defaults.DEFAULT_TOKEN_DELAY_S,
+        default=None,
         metavar="SECONDS",
         help=f"mock engine delay per token (default {defaults.DEFAULT_TOKEN_DELAY_S:g})",
     )
@@ -217,7 +242,7 @@ def _add_worker(commands: Any) -> None:
     )
     worker.add_argument(
         "--reply-format",
-        default=DEFAULT_REPLY_FORMAT,
+        default=None,
         choices=REPLY_FORMATS,
         help="mock engine, when no scripted reply matches: the echo in the model's own answer format "
         "(think channel, response, a call of the first declared tool; the default), or as plain text",
@@ -438,7 +463,7 @@ def _add_keys(commands: Any) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from dynamo_prep._render import render_request  # noqa: PLC0415 - keep start-up light
+    from dynamo_prep.frontend.render import render_request  # noqa: PLC0415 - keep start-up light
 
     try:
         output = render_request(
@@ -495,6 +520,7 @@ def _worker(args: argparse.Namespace) -> int:
         kv_events=args.kv_events,
         kv_blocks=args.kv_blocks,
         prefill_ms_per_1k=args.prefill_ms_per_1k,
+        engine_args=args.engine_args,
     )
 
 

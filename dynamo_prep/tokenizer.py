@@ -248,13 +248,19 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids`` (bytes joined, invalid UTF-8 replaced); skipping drops ``all_special_ids`` only."""
-        if ids and (min(ids) < 0 or max(ids) >= self.n_vocab):
-            bad = next(token_id for token_id in ids if not 0 <= token_id < self.n_vocab)
+        bad = self.first_unknown_id(ids)
+        if bad is not None:
             raise TokenizerError(f"{self.name}: token id {bad} is out of range [0, {self.n_vocab})")
         if skip_special_tokens:
             ids = [token_id for token_id in ids if token_id not in self.all_special_ids]
         data: bytes = self._encoding.decode_bytes(list(ids))
         return data.decode("utf-8", errors="replace")
+
+    def first_unknown_id(self, ids: Sequence[int]) -> int | None:
+        """The first of ``ids`` outside the vocabulary ``[0, n_vocab)``, or None when all are in it."""
+        if not ids or (min(ids) >= 0 and max(ids) < self.n_vocab):
+            return None
+        return next(token_id for token_id in ids if not 0 <= token_id < self.n_vocab)
 
     def token_to_id(self, text: str) -> int | None:
         """The id of a registered special, or of text that is exactly one base-vocabulary token."""

@@ -23,7 +23,7 @@ from dynamo_prep.engines.mock.standins import (
     sglang_engine_standin,
 )
 from dynamo_prep.engines.sglang import declare as sglang
-from dynamo_prep.engines.vllm import translate as vllm
+from dynamo_prep.engines.vllm import contract as vllm
 from dynamo_prep.models import DEMO_MODELS_DIR
 
 K3_CONFIG = json.loads((DEMO_MODELS_DIR / "kimi-k3-demo" / "config.json").read_text())

@@ -19,7 +19,7 @@ import zmq
 from support.plane import DynamoProcess, start_dynamo, tcp_endpoint, wait_for
 
 from dynamo_prep.frontend.config import FrontendConfig
-from dynamo_prep.frontend.process import serve_frontend
+from dynamo_prep.frontend.serve import serve_frontend
 from dynamo_prep.protocol.discovery import DEFAULT_BIND, topic
 
 DEMO = "kimi-k3-demo"

@@ -18,9 +18,12 @@ import pytest_asyncio
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint
 
 from dynamo_prep.frontend.config import FrontendConfig
-from dynamo_prep.frontend.process import serve_frontend
+from dynamo_prep.frontend.render import render_request
+from dynamo_prep.frontend.serve import serve_frontend
+from dynamo_prep.tokenizer import Tokenizer
 
 DEMO = "kimi-k3-demo"
+K3_CONTEXT = 8192  # the demo's context length
 BODY_LIMIT = 64 << 10
 TIMEOUT_S = 20.0
 DATA_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
@@ -200,6 +203,20 @@ async def test_models_tokenize_health_live(fe: Frontend) -> None:
     assert (await fe.http.get("/live")).status_code == 200
 
 
+async def test_detokenize_gives_back_what_tokenize_took(fe: Frontend) -> None:
+    text = "Hello there: ünïcode, 日本語, a typed <|im_end|> and\n  spaces "
+    tokens = (await fe.http.post("/tokenize", json={"model": DEMO, "prompt": text})).json()["tokens"]
+    answer = await fe.http.post("/detokenize", json={"model": DEMO, "tokens": tokens})
+    assert answer.status_code == 200 and answer.json() == {"prompt": text}
+    chat_ids = (await fe.http.post("/tokenize", json=chat())).json()["tokens"]
+    rendered = (await fe.http.post("/detokenize", json={"model": DEMO, "tokens": chat_ids})).json()
+    expected = render_request(chat(), model_path=DEMO, served_name=None, declared_token=None, hosted=False)
+    assert rendered == {"prompt": expected["text"]}  # control tokens decode to their text
+    assert "<|open|>" in rendered["prompt"]
+    empty = await fe.http.post("/detokenize", json={"model": DEMO, "tokens": []})
+    assert empty.json() == {"prompt": ""}
+
+
 # -- errors -----------------------------------------------------------------------------------------
 
 
@@ -233,6 +250,40 @@ async def test_bad_requests_are_400_with_the_reason(
     assert "x-request-id" in answer.headers
 
 
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"tokens": [1]}, "missing required field `model`", "model"),
+        ({"model": DEMO}, "missing required field `tokens`", "tokens"),
+        ({"model": DEMO, "tokens": "1 2"}, "Expected `array`, got `str`", "tokens"),
+        ({"model": DEMO, "tokens": [1, "2"]}, "at `$.tokens[1]`", "tokens"),
+        ({"model": DEMO, "tokens": [1, 2.5]}, "Expected `int`, got `float`", "tokens"),
+        ({"model": DEMO, "tokens": [True]}, "Expected `int`, got `bool`", "tokens"),
+        ({"model": DEMO, "tokens": [2**64]}, "Expected `int` <=", "tokens"),
+        ({"model": DEMO, "tokens": [1] * (K3_CONTEXT + 1)}, f"context length of {K3_CONTEXT}", "tokens"),
+        ({"model": "", "tokens": [1]}, "at `$.model`", "model"),
+    ],
+)
+async def test_bad_detokenize_requests_are_400_naming_the_parameter(
+    fe: Frontend, body: dict[str, Any], message: str, param: str
+) -> None:
+    error = error_of(await fe.http.post("/detokenize", json=body), 400)
+    assert message in error["message"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+async def test_detokenize_names_the_first_id_outside_the_vocabulary(
+    fe: Frontend, k3_demo_tokenizer: Tokenizer
+) -> None:
+    size = k3_demo_tokenizer.n_vocab
+    for tokens, bad in (([1, size, -1], size), ([5, -1, size + 9], -1), ([2**62], 2**62)):
+        error = error_of(await fe.http.post("/detokenize", json={"model": DEMO, "tokens": tokens}), 400)
+        assert f"token id {bad} is outside the vocabulary of {size} ids" in error["message"]
+        assert error["param"] == "tokens"
+    error_of(await fe.http.post("/detokenize", content=b"{not json"), 400)
+
+
 async def test_engine_contract_violation_is_a_400(fe: Frontend) -> None:
     body = chat([DATA_IMAGE, {"type": "text", "text": "hi"}], model="breaker")
     error = error_of(await fe.http.post("/v1/chat/completions", json=body), 400)
@@ -246,6 +297,8 @@ async def test_unknown_model_is_404_listing_the_served_models(fe: Frontend) -> N
     assert "gpt-9" in error["message"] and DEMO in error["message"] and "breaker" in error["message"]
     assert error["param"] == "model"
     error_of(await fe.http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}), 404)
+    unknown = error_of(await fe.http.post("/detokenize", json={"model": "gpt-9", "tokens": [1]}), 404)
+    assert "gpt-9" in unknown["message"] and unknown["param"] == "model"
 
 
 async def test_body_limit_is_413_by_header_and_by_stream(fe: Frontend) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
+from support import kv_wire
+from support.kv_wire import REMOVED_FIELDS, STORED_FIELDS
 
 from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.models import DEMO_MODELS_DIR
@@ -155,6 +158,31 @@ def test_events_are_valid_on_the_wire_in_both_hash_kinds() -> None:
         ]
         for block_hash in hashes:
             assert check(block_hash) if check else isinstance(block_hash, int) and 0 <= block_hash < 2**64
+
+
+def test_the_map_wire_carries_every_vllm_field_in_order_and_shorter_frames_still_decode() -> None:
+    """vLLM's own decoder requires lora_id, medium and lora_name (no defaults), so every field of its
+    structs is written, in its order; what older engines send (fewer trailing fields) still decodes."""
+    cache = PagedPrefixCache(BS, 2)
+    cache.admit("a", blocks(0, 2), [ImageSpan("i", 0, 1)])
+    cache.release("a")
+    cache.admit("b", blocks(100, 1))  # evicts a block of "a"
+    cache.release("b")
+    cache.reset()
+    events = cache.take_events()
+    ts, raw, rank = msgspec.msgpack.decode(encode_batch(KVEventBatch(ts=0.5, events=events)))
+    assert (ts, rank) == (0.5, None)  # positional: all three, always
+    order = {"BlockStored": ["type", *STORED_FIELDS], "BlockRemoved": ["type", *REMOVED_FIELDS]}
+    assert [list(event) for event in raw] == [order.get(event["type"], ["type"]) for event in raw]
+    assert {event["type"] for event in raw} == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+    plain = next(e for e in events if isinstance(e, BlockStored) and e.extra_keys is None)
+    wire = raw[events.index(plain)]
+    for count in range(4, len(STORED_FIELDS) + 1):  # the required four, then each optional one
+        short = {"type": "BlockStored", **{name: wire[name] for name in STORED_FIELDS[:count]}}
+        decoded = decode_batch(kv_wire.batch([short, kv_wire.removed([1]), kv_wire.cleared()]))
+        cut = msgspec.structs.replace(plain, **dict.fromkeys(STORED_FIELDS[count:]))  # defaults: None
+        removed = BlockRemoved(block_hashes=[1], medium="GPU")
+        assert decoded.batch.events == [cut, removed, AllBlocksCleared()] and not decoded.skipped
 
 
 def test_engine_hashes_depend_on_the_seed_and_the_kind_not_only_the_tokens() -> None:

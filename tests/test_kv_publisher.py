@@ -15,7 +15,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from support import kv_wire
-from support.kv_wire import END, be8
+from support.kv_wire import END, REMOVED_FIELDS, STORED_FIELDS, be8, full
 from support.logs import TIMEOUT_S
 
 from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
@@ -93,18 +93,16 @@ async def test_live_frames_are_the_vllm_wire(context: zmq.asyncio.Context, shape
         assert topic == b"kv-events" and seq == be8(first)
         ts, events, rank = msgspec.msgpack.decode(payload)
         assert isinstance(ts, float) and rank == 1
-        if shape == "map":
+        if shape == "map":  # every field of vLLM's structs, in its order (it requires lora_id, ...)
+            block = {"block_hashes": [7], "parent_block_hash": 6, "token_ids": [7] * 4, "block_size": 4}
             assert events == [
-                {
-                    "type": "BlockStored",
-                    "block_hashes": [7],
-                    "parent_block_hash": 6,
-                    "token_ids": [7] * 4,
-                    "block_size": 4,
-                },
-                {"type": "BlockRemoved", "block_hashes": [b"\x01" * 32]},
+                full("BlockStored", STORED_FIELDS, **block),
+                full("BlockRemoved", REMOVED_FIELDS, block_hashes=[b"\x01" * 32]),
                 {"type": "AllBlocksCleared"},
             ]
+            assert [list(event) for event in events] == [
+                ["type", *STORED_FIELDS], ["type", *REMOVED_FIELDS], ["type"]
+            ]  # fmt: skip
         else:
             assert events == [
                 ["BlockStored", [7], 6, [7] * 4, 4, None, None],

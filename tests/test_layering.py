@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,6 @@ FLOORS: dict[str, int] = {
     "dynamo_prep.worker": 6,
     "dynamo_prep.frontend": 7,
     "dynamo_prep.watch": 7,
-    "dynamo_prep._render": 8,
     "dynamo_prep.cli": 8,
     "dynamo_prep": 9,
 }
@@ -52,16 +52,24 @@ def module_name(path: Path) -> str:
 
 
 def imports(path: Path) -> set[str]:
+    """Every dynamo_prep module ``path`` imports, at its top or inside a function (lazily):
+    ``from package import module`` names the module, ``from module import name`` the module."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module)
+            found.update(_imported(node.module, alias.name) for alias in node.names)
         elif isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
     return {name for name in found if name == "dynamo_prep" or name.startswith("dynamo_prep.")}
 
 
+def _imported(module: str, name: str) -> str:
+    submodule = f"{module}.{name}"
+    return submodule if submodule in MODULE_NAMES else module
+
+
 MODULES = sorted(PACKAGE.rglob("*.py"))
+MODULE_NAMES = frozenset(module_name(path) for path in MODULES)
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
@@ -75,3 +83,13 @@ def test_no_module_imports_from_a_higher_floor(path: Path) -> None:
 def test_every_module_has_a_floor() -> None:
     for path in MODULES:
         floor_of(module_name(path))
+
+
+def test_no_modules_import_each_other() -> None:
+    """The import graph has no cycle, direct (a <-> b) or longer (a -> b -> c -> a)."""
+    graph = {module_name(path): imports(path) - {module_name(path)} for path in MODULES}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as exc:
+        cycle = exc.args[1]
+        raise AssertionError(f"an import cycle: {' -> '.join(cycle)}") from None

@@ -343,6 +343,18 @@ VLLM_CONFIG = {
 }
 
 
+# SGLang 0.5.23: no enable_kv_cache_events (publisher zmq is the switch).
+SGLANG_CONFIG = {
+    "publisher": "zmq",
+    "endpoint": "tcp://*:5557",
+    "replay_endpoint": "tcp://*:5558",
+    "topic": "kv",
+    "buffer_steps": 10000,
+    "hwm": 100000,
+    "max_queue_size": 100000,
+}
+
+
 def advertised(config: Any, flavor: Flavor = "vllm", **options: Any) -> KvEventsEndpoint | None:
     options.setdefault("endpoint_host", HOST)
     return kv_events_endpoint(config, flavor=flavor, **options)
@@ -365,7 +377,7 @@ def test_the_data_parallel_rank_offsets_both_ports_as_vllm_does() -> None:
     [
         # vLLM: publisher defaults to zmq when enabled; no replay endpoint unless configured.
         ({"enable_kv_cache_events": True}, "vllm", ("tcp://10.1.2.3:5557", None, "")),
-        # SGLang before enable_kv_cache_events existed: publisher zmq is enough; JSON text as given.
+        # SGLang has no enable_kv_cache_events: publisher zmq is enough; JSON text as given.
         ('{"publisher": "zmq", "endpoint": "tcp://*:6000"}', "sglang", ("tcp://10.1.2.3:6000", None, "")),
         # The replay ROUTER always binds: 0.0.0.0 is a wildcard there, a concrete host stays.
         (
@@ -412,11 +424,26 @@ def test_the_engines_config_object_is_read_by_attribute() -> None:
     [
         ({**VLLM_CONFIG, "enable_kv_cache_events": False}, "vllm", "disabled", "info"),
         ({"publisher": "zmq"}, "vllm", "disabled", "info"),  # vLLM needs enable_kv_cache_events
-        ({"publisher": "zmq", "enable_kv_cache_events": False}, "sglang", "disabled", "info"),
+        ({"enable_kv_cache_events": True}, "sglang", "disabled", "info"),  # SGLang's publisher: "null"
         ({**VLLM_CONFIG, "publisher": "null"}, "vllm", "disabled", "info"),
         ({**VLLM_CONFIG, "publisher": "kafka"}, "vllm", "publisher_not_zmq", "warning"),
         ({**VLLM_CONFIG, "endpoint": "tcp://10.0.0.5:5557"}, "vllm", "publisher_connects", "warning"),
-        ({**VLLM_CONFIG, "endpoint": "tcp://0.0.0.0:5557"}, "sglang", "publisher_connects", "warning"),
+        ({**VLLM_CONFIG, "endpoint": "tcp://0.0.0.0:5557"}, "vllm", "publisher_connects", "warning"),
+        ({**SGLANG_CONFIG, "endpoint": "tcp://10.0.0.5:5557"}, "sglang", "publisher_connects", "warning"),
+        (
+            {**SGLANG_CONFIG, "endpoint": "tcp://10.0.0.5:5557", "bind": False},
+            "sglang",
+            "publisher_connects",
+            "warning",
+        ),
+        ({**SGLANG_CONFIG, "bind": False}, "sglang", "publisher_connects", "warning"),
+        (
+            {**SGLANG_CONFIG, "endpoint": "ipc:///run/kv.sock", "bind": False},
+            "sglang",
+            "publisher_connects",
+            "warning",
+        ),
+        ({**SGLANG_CONFIG, "endpoint": "inproc://kv", "bind": True}, "sglang", "inproc", "warning"),
         ({**VLLM_CONFIG, "endpoint": "inproc://kv"}, "vllm", "inproc", "warning"),
         ({**VLLM_CONFIG, "endpoint": "tcp://*:*"}, "vllm", "no_port", "warning"),
     ],
@@ -442,6 +469,107 @@ def test_a_config_that_cannot_be_followed_advertises_nothing_and_says_why(
 def test_a_config_the_engine_would_refuse_is_an_error(config: Any, rank: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         advertised(config, data_parallel_rank=rank)
+
+
+# -- SGLang 0.5.23: no enable key, an explicit bind, a hash format ------------------------------
+
+
+def endpoints(found: KvEventsEndpoint | None) -> tuple[str | None, ...] | None:
+    return None if found is None else (found.endpoint, found.replay_endpoint, found.topic)
+
+
+def test_sglang_publishes_without_the_enable_key() -> None:
+    found = advertised(SGLANG_CONFIG, "sglang")
+    assert endpoints(found) == ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5558", "kv")
+
+
+def test_sglang_ignores_the_enable_key_it_does_not_have() -> None:
+    """SGLang drops unknown keys, ``enable_kv_cache_events: false`` included: it still publishes."""
+    found = advertised({**SGLANG_CONFIG, "enable_kv_cache_events": False}, "sglang")
+    assert found == advertised(SGLANG_CONFIG, "sglang")
+
+
+def test_vllm_still_needs_the_enable_key(logs: Logs) -> None:
+    assert advertised(SGLANG_CONFIG, "vllm") is None
+    [line] = [entry for entry in logs if entry["event"] == "kv_events_not_advertised"]
+    assert (line["reason"], line["publisher"]) == ("disabled", "zmq")
+
+
+@pytest.mark.parametrize("host", ["10.9.9.9", "127.0.0.1", "[fd00::9]", "worker-0.example"])
+def test_sglang_bind_true_advertises_its_concrete_host(host: str) -> None:
+    config = {**SGLANG_CONFIG, "endpoint": f"tcp://{host}:5557", "bind": True}
+    assert endpoints(advertised(config, "sglang")) == (f"tcp://{host}:5557", "tcp://10.1.2.3:5558", "kv")
+
+
+@pytest.mark.parametrize("wildcard", ["*", "0.0.0.0"])
+@pytest.mark.parametrize("bind", [True, None])
+def test_a_wildcard_sglang_binds_is_advertised_on_the_worker_host(wildcard: str, bind: bool | None) -> None:
+    """SGLang binds ``0.0.0.0`` as it binds ``*`` (vLLM connects to it)."""
+    config = {**SGLANG_CONFIG, "endpoint": f"tcp://{wildcard}:5557", "bind": bind}
+    found = advertised(config, "sglang", endpoint_host="192.168.7.7")
+    assert endpoints(found) == ("tcp://192.168.7.7:5557", "tcp://192.168.7.7:5558", "kv")
+
+
+def test_a_concrete_host_sglang_connects_to_is_logged_not_advertised(logs: Logs) -> None:
+    assert advertised({**SGLANG_CONFIG, "endpoint": "tcp://10.9.9.9:5557"}, "sglang") is None
+    [line] = [entry for entry in logs if entry["event"] == "kv_events_not_advertised"]
+    expected = {"log_level": "warning", "reason": "publisher_connects", "flavor": "sglang"}
+    assert {key: line[key] for key in expected} == expected
+    assert (line["endpoint"], line["data_parallel_rank"]) == ("tcp://10.9.9.9:5557", 0)
+
+
+@pytest.mark.parametrize(
+    ("config", "rank", "expected"),
+    [
+        (SGLANG_CONFIG, 2, ("tcp://10.1.2.3:5559", "tcp://10.1.2.3:5560", "kv")),
+        (
+            {**SGLANG_CONFIG, "endpoint": "tcp://10.9.9.9:7000", "bind": True},
+            3,
+            ("tcp://10.9.9.9:7003", "tcp://10.1.2.3:5561", "kv"),
+        ),
+    ],
+)
+def test_sglang_data_parallel_ranks_offset_both_ports(
+    config: dict[str, Any], rank: int, expected: tuple[str, ...]
+) -> None:
+    assert endpoints(advertised(config, "sglang", data_parallel_rank=rank)) == expected
+
+
+@pytest.mark.parametrize("hash_format", ["default", "dynamo"])
+def test_sglang_hash_formats_publish_the_same_wire(hash_format: str) -> None:
+    """``"dynamo"`` only namespaces the (opaque) block hashes: followed like the default."""
+    found = advertised({**SGLANG_CONFIG, "format": hash_format}, "sglang")
+    assert found == advertised(SGLANG_CONFIG, "sglang")
+
+
+@pytest.mark.parametrize("hash_format", ["vllm", "Dynamo", ""])
+def test_an_sglang_format_sglang_refuses_is_an_error_naming_the_field(hash_format: str) -> None:
+    with pytest.raises(ValueError, match=r"format must be one of 'default', 'dynamo', got"):
+        advertised({**SGLANG_CONFIG, "format": hash_format}, "sglang")
+
+
+def test_an_sglang_format_is_checked_even_when_nothing_publishes() -> None:
+    """SGLang reads ``format`` whenever the config is set, so it refuses to start either way."""
+    with pytest.raises(ValueError, match="format"):
+        advertised({"publisher": "null", "format": "raw"}, "sglang")
+
+
+def test_unknown_keys_are_ignored() -> None:
+    extra = {"future_key": {"nested": [1, 2]}, "max_queue_size": 5, "hwm": 7}
+    assert advertised({**SGLANG_CONFIG, **extra}, "sglang") == advertised(SGLANG_CONFIG, "sglang")
+    assert advertised({**VLLM_CONFIG, **extra}) == advertised(VLLM_CONFIG)
+
+
+def test_vllm_ignores_sglangs_bind_and_format() -> None:
+    """vLLM has neither key (it refuses them itself): its own address rule decides."""
+    assert advertised({**VLLM_CONFIG, "endpoint": "tcp://10.9.9.9:5557", "bind": True}) is None
+    assert advertised({**VLLM_CONFIG, "format": "raw"}) == advertised(VLLM_CONFIG)
+
+
+def test_sglangs_config_object_is_read_by_attribute() -> None:
+    """SGLang's own ``KVEventsConfig`` (a pydantic model) has no ``enable_kv_cache_events``."""
+    config = types.SimpleNamespace(**{**SGLANG_CONFIG, "bind": None, "format": "dynamo"})
+    assert advertised(config, "sglang") == advertised(SGLANG_CONFIG, "sglang")
 
 
 async def test_register_announces_the_engines_kv_events_address() -> None:

@@ -62,6 +62,7 @@ def test_frames_are_tagged_maps_with_documented_keys() -> None:
         "finish_reason": "stop",
         "prompt_tokens": 4,
         "completion_tokens": 1,
+        "cached_tokens": 0,
     }
     assert {"stop", "length", "cancelled", "deadline"} == wire.FINISH_REASONS
 

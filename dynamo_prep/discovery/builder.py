@@ -4,6 +4,8 @@ Blocking (file fetches, tokenizer load), so the watcher runs it in a thread. The
 tokenizer are built separately and joined with ``OpenAIPreprocessor.new_with_parts``, exactly as
 the reference frontend does, so the declared-token check in ``new_with_parts`` runs on this path.
 Every failure is a ``ModelBuildError`` whose ``stage`` tells ops where to look.
+``build_preprocessor`` is the one place a model's parts are built, for the frontend and for
+``dynamo-prep render`` alike.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dynamo_prep.formatter import prompt_formatter_for
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["BuiltModel", "ModelBuildError", "ModelBuilder", "PreprocessorBuilder"]
+__all__ = ["BuiltModel", "ModelBuildError", "ModelBuilder", "PreprocessorBuilder", "build_preprocessor"]
 
 BuildStage = Literal["files", "formatter", "tokenizer", "preprocessor"]
 _T = TypeVar("_T")
@@ -105,14 +107,7 @@ class PreprocessorBuilder:
                 context=self.context,
             ),
         )
-        token = card.runtime_config.image_placeholder_token
-        formatter = _stage(
-            "formatter", lambda: prompt_formatter_for(card, model_dir, image_placeholder_token=token)
-        )
-        tokenizer = _stage("tokenizer", lambda: self._tokenizer(card, model_dir))
-        preprocessor = _stage(
-            "preprocessor", lambda: OpenAIPreprocessor.new_with_parts(card, formatter, tokenizer)
-        )
+        preprocessor = build_preprocessor(card, model_dir, tokenizer=lambda: self._tokenizer(card, model_dir))
         return BuiltModel(preprocessor=preprocessor, model_dir=str(model_dir))
 
     def _tokenizer(self, card: ModelDeploymentCard, model_dir: Path) -> Tokenizer:
@@ -126,6 +121,34 @@ class PreprocessorBuilder:
         tokenizer = Tokenizer.from_model_dir(model_dir)
         with self._tokenizers_lock:
             return self._tokenizers.setdefault(files, tokenizer)
+
+
+def build_preprocessor(
+    card: ModelDeploymentCard,
+    model_dir: Path,
+    *,
+    tokenizer: Callable[[], Tokenizer] | None = None,
+    generation_prompt: Literal["reference", "hosted"] = "reference",
+    strict_hf_tokenization: bool = False,
+) -> OpenAIPreprocessor:
+    """The card's formatter (for its declared token) and tokenizer from ``model_dir``, joined.
+
+    ``tokenizer`` gives the tokenizer (a shared one), else it is loaded from ``model_dir``; the other
+    options are ``prompt_formatter_for``'s. Raises ``ModelBuildError``.
+    """
+    token = card.runtime_config.image_placeholder_token
+    formatter = _stage(
+        "formatter",
+        lambda: prompt_formatter_for(
+            card,
+            model_dir,
+            image_placeholder_token=token,
+            generation_prompt=generation_prompt,
+            strict_hf_tokenization=strict_hf_tokenization,
+        ),
+    )
+    tokens = _stage("tokenizer", tokenizer or (lambda: Tokenizer.from_model_dir(model_dir)))
+    return _stage("preprocessor", lambda: OpenAIPreprocessor.new_with_parts(card, formatter, tokens))
 
 
 def _stage(stage: BuildStage, step: Callable[[], _T]) -> _T:

@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
 
 Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize`` (vLLM's shape), ``GET /health`` (readiness: 503 until a model is live),
-``GET /live`` and ``GET /metrics`` (Prometheus). Every response carries ``x-request-id`` (an
-incoming one is honoured); every error has OpenAI's body (``errors.py``); every request ends with
-one ``request_finished`` or ``request_failed`` line (``request_record.py``), which also updates the
-request metrics. A chat request's way through the pool (pick, render for the pick, stream, move
-on loss) is ``migration.py``'s; this module turns its outputs into OpenAI responses.
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /health`` (readiness: 503 until
+a model is live), ``GET /live`` and ``GET /metrics`` (Prometheus). Every response carries
+``x-request-id`` (an incoming one is honoured); every error has OpenAI's body (``errors.py``);
+every request ends with one ``request_finished`` or ``request_failed`` line (``request_record.py``),
+which also updates the request metrics. A chat request's way through the pool (pick, render for the
+pick, stream, move on loss) is ``migration.py``'s; this module turns its outputs into OpenAI
+responses.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ from dynamo_prep.frontend.router import Router
 from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
+    DetokenizeRequest,
+    DetokenizeResponse,
     ModelEntry,
     ModelList,
     RequestError,
@@ -53,6 +56,7 @@ from dynamo_prep.protocol.openai import (
     parse_chat_request,
 )
 from dynamo_prep.protocol.wire import Output
+from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = ["create_app"]
 
@@ -100,6 +104,7 @@ def create_app(
             Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
             Route("/v1/models", handlers.models, methods=["GET"]),
             Route("/tokenize", handlers.tokenize, methods=["POST"]),
+            Route("/detokenize", handlers.detokenize, methods=["POST"]),
             Route("/health", handlers.health, methods=["GET"]),
             Route("/live", handlers.live, methods=["GET"]),
             Route("/metrics", handlers.metrics_text, methods=["GET"]),
@@ -164,7 +169,7 @@ class _Handlers:
             await _unless_disconnected(request.receive, _drain(deltas))
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
 
-    # -- models, tokenize, health ------------------------------------------------------------
+    # -- models, tokenize, detokenize, health ------------------------------------------------
 
     async def models(self, request: Request) -> Response:
         del request
@@ -194,6 +199,17 @@ class _Handlers:
         answer = TokenizeResponse(count=len(tokens), max_model_len=preprocessor.context_length, tokens=tokens)
         return Response(_encoder.encode(answer), media_type=_JSON)
 
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ids of the model's vocabulary back to text (specials as their text)."""
+        body = await _read_body(request, self.settings)
+        with decoding(RequestError.naming_field):
+            detokenize = msgspec.json.decode(body, type=DetokenizeRequest)
+        preprocessor = self._live_model(detokenize.model).preprocessor
+        ids, tokenizer = detokenize.tokens, preprocessor.tokenizer
+        _check_ids(ids, preprocessor.context_length, tokenizer)
+        text = await _off_loop(len(body), lambda: tokenizer.decode(ids))
+        return Response(_encoder.encode(DetokenizeResponse(prompt=text)), media_type=_JSON)
+
     async def health(self, request: Request) -> Response:
         """Readiness: 200 with the live models once one is servable, else 503."""
         del request
@@ -222,6 +238,19 @@ class _Handlers:
             raise OpenAIError(503, f"no model is being served right now (asked for {name!r})")
         raise OpenAIError(
             404, f"The model {name!r} does not exist. Served models: {', '.join(served)}", param="model"
+        )
+
+
+def _check_ids(ids: list[int], context_length: int, tokenizer: Tokenizer) -> None:
+    """400s naming ``tokens``: more ids than the model's context holds, or one outside its vocabulary."""
+    if len(ids) > context_length:
+        raise OpenAIError(
+            400, f"{len(ids)} tokens exceed the model's context length of {context_length}", param="tokens"
+        )
+    bad, size = tokenizer.first_unknown_id(ids), tokenizer.n_vocab
+    if bad is not None:
+        raise OpenAIError(
+            400, f"token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})", param="tokens"
         )
 
 

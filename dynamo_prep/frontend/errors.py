@@ -59,7 +59,7 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
         case PreprocessError():
             return OpenAIError(400, exc.message, param=exc.param)
         case RequestError():
-            return OpenAIError(400, str(exc))
+            return OpenAIError(400, str(exc), param=exc.param)
         case WorkerError() if exc.code == 400:
             return OpenAIError(400, f"the engine refused the request: {exc.message}")
         case WorkerError() if exc.code in (503, 504):

@@ -285,6 +285,10 @@ def _as_sent(output: Output, request: PreprocessedRequest, earlier: int) -> Outp
     """Usage as the client sees it: its own prompt, and the tokens of earlier attempts added."""
     if not earlier and output.prompt_tokens:
         return output
+    prompt_tokens = len(request.token_ids)
     return msgspec.structs.replace(
-        output, prompt_tokens=len(request.token_ids), completion_tokens=earlier + output.completion_tokens
+        output,
+        prompt_tokens=prompt_tokens,
+        completion_tokens=earlier + output.completion_tokens,
+        cached_tokens=min(output.cached_tokens, prompt_tokens),
     )

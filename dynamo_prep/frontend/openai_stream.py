@@ -32,6 +32,7 @@ from dynamo_prep.protocol.openai import (
     ChunkFunction,
     ChunkToolCall,
     FunctionCall,
+    PromptTokensDetails,
     ToolCall,
     Usage,
 )
@@ -55,6 +56,7 @@ class Completion:
     answer: AnswerStream
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
@@ -79,6 +81,9 @@ class Completion:
             prompt_tokens=self.prompt_tokens,
             completion_tokens=self.completion_tokens,
             total_tokens=self.prompt_tokens + self.completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=self.cached_tokens)
+            if self.cached_tokens
+            else None,
         )
 
     def response(self) -> ChatCompletionResponse:
@@ -145,6 +150,7 @@ async def answer_deltas(
         async for output in outputs:
             completion.prompt_tokens = output.prompt_tokens or completion.prompt_tokens
             completion.completion_tokens = output.completion_tokens
+            completion.cached_tokens = output.cached_tokens or completion.cached_tokens
             deltas = answer.push(output.token_ids)
             reason = "stop" if answer.stopped else output.finish_reason  # a stop string ends it all
             if reason is not None and not answer.stopped:

@@ -1,8 +1,8 @@
 """``dynamo-prep frontend --http-workers N``: N whole frontend processes on one HTTP port, supervised.
 
-Each child runs the complete frontend (discovery watcher, KV subscriber when routing by KV, HTTP)
-and binds the port with SO_REUSEPORT; the kernel spreads new connections over the children. The
-parent starts no event loop and serves nothing:
+Each child runs the complete frontend (``serve.py``: discovery watcher, KV subscriber when routing
+by KV, HTTP) and binds the port with SO_REUSEPORT; the kernel spreads new connections over the
+children. The parent starts no event loop and serves nothing:
 
 * it reserves the port (a bound, never listening SO_REUSEPORT socket), so ``--http-port 0`` works
   and a restarted child gets the same port;
@@ -40,6 +40,7 @@ from dynamo_prep.discovery.broker import Broker
 from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.http_server import GRACE_S
 from dynamo_prep.frontend.metrics import MULTIPROC_ENV
+from dynamo_prep.frontend.serve import run_in_loop, serve_frontend
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals
 from dynamo_prep.logging import configure_logging, logging_options
 
@@ -190,7 +191,5 @@ class _Supervisor:
 
 def _child(config: FrontendConfig, index: int, logging: dict[str, Any]) -> None:
     """One HTTP worker process: the whole frontend on its own loop."""
-    from dynamo_prep.frontend.process import run_in_loop, serve_frontend  # noqa: PLC0415 - no cycle
-
     configure_logging(**logging, http_worker=index)
     raise SystemExit(run_in_loop(serve_frontend(config)))

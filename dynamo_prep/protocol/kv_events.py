@@ -4,7 +4,9 @@ Live frames are ``[topic, seq, payload]``: ``seq`` a u64 big-endian counter from
 ``payload`` a MessagePack ``KVEventBatch`` ``[ts, events, data_parallel_rank]`` (``ts`` is the
 engine's ``time.monotonic()``, not wall time). Events are tagged structs: maps with a ``"type"``
 key in current vLLM, positional arrays with the tag first before vLLM PR #42892. Both decode to
-the same classes below; block hashes are ``int`` or ``bytes`` (opaque to us).
+the same classes below; block hashes are ``int`` or ``bytes`` (opaque to us). We write every field
+of vLLM's structs, in vLLM's order, defaults included: vLLM's own decoder requires ``lora_id``,
+``medium`` and ``lora_name`` (no defaults there), and ours fills in what older engines leave out.
 
 Replay: a DEALER sends ``[b"", start_seq]`` to the publisher's ROUTER, which answers
 ``[b"", topic, seq, payload]`` for each buffered batch with ``seq >= start_seq`` (older vLLM:
@@ -63,7 +65,7 @@ class KvEventDecodeError(WireDecodeError):
     """
 
 
-class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     """Full blocks entered the engine's prefix cache, chained to ``parent_block_hash``.
 
     ``token_ids`` holds every token of the stored blocks, concatenated; ``extra_keys`` has one
@@ -88,7 +90,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defa
     lookahead_token_ids: list[int] | None = None
 
 
-class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     """Blocks left the engine's cache (evicted)."""
 
     block_hashes: list[BlockHash]
@@ -98,15 +100,15 @@ class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_de
     ownership: Any = None
 
 
-class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type", omit_defaults=True):
+class AllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", tag_field="type"):
     """The engine dropped its whole prefix cache (e.g. ``reset_prefix_cache``)."""
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One published step: ``[ts, events, data_parallel_rank]``."""
+class KVEventBatch(msgspec.Struct, array_like=True):
+    """One published step: ``[ts, events, data_parallel_rank]`` (positional: all three, always)."""
 
     ts: float
     events: list[KVEvent]

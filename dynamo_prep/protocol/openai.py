@@ -6,6 +6,7 @@ formatter validates the shapes it understands with errors that name the message.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -14,13 +15,30 @@ from dynamo_prep.protocol.decode import decoding
 
 
 class RequestError(ValueError):
-    """A request that does not decode: the message names the field (HTTP 400)."""
+    """A request that does not decode: the message names the field (HTTP 400); ``param`` too, when set."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
     @classmethod
     def of(cls, reason: str, detail: str) -> RequestError:
         """The client's message for a ``decoding`` failure."""
         says = "Request body is not valid JSON" if reason == "undecodable" else "Invalid request"
         return cls(f"{says}: {detail}")
+
+    @classmethod
+    def naming_field(cls, reason: str, detail: str) -> RequestError:
+        """``of``, with ``param`` the top-level field msgspec's ``detail`` names (when it names one)."""
+        error = cls.of(reason, detail)
+        found = _AT_FIELD.search(detail) or _MISSING_FIELD.search(detail)
+        error.param = found.group(1) if found else None
+        return error
+
+
+# Where msgspec's messages name a field: "... - at `$.tokens[3]`", "Object missing required field `model`".
+_AT_FIELD = re.compile(r"at `\$\.(\w+)")
+_MISSING_FIELD = re.compile(r"missing required field `(\w+)`")
 
 
 # What the wire can carry: ints a MessagePack frame holds (int64), names and tags a log line can
@@ -98,10 +116,18 @@ def parse_chat_request(request: ChatCompletionRequest | dict[str, Any] | bytes) 
 # clients expect ``"logprobs": null`` and ``"finish_reason": null`` to be present).
 
 
-class Usage(msgspec.Struct, kw_only=True):
+class PromptTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int
+
+
+class Usage(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """``prompt_tokens_details`` is left out unless the engine said how much of the prompt its
+    prefix cache served."""
+
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class FunctionCall(msgspec.Struct, kw_only=True):
@@ -223,3 +249,14 @@ class TokenizeResponse(msgspec.Struct, kw_only=True):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /detokenize``: token ids of ``model``'s vocabulary, back to text."""
+
+    model: Name
+    tokens: list[Int]
+
+
+class DetokenizeResponse(msgspec.Struct, kw_only=True):
+    prompt: str

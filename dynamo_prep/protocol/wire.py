@@ -82,7 +82,8 @@ class FileData(msgspec.Struct, kw_only=True, tag="file_data", tag_field="kind"):
 class Output(msgspec.Struct, kw_only=True, tag="output", tag_field="kind"):
     """One streamed step of a generation; the last one of a request has ``finish_reason`` set.
 
-    ``prompt_tokens`` / ``completion_tokens`` are cumulative usage as of this step.
+    ``prompt_tokens`` / ``completion_tokens`` are cumulative usage as of this step;
+    ``cached_tokens`` the prompt tokens the engine's prefix cache served (0: none, or not said).
     """
 
     request_id: str
@@ -90,6 +91,7 @@ class Output(msgspec.Struct, kw_only=True, tag="output", tag_field="kind"):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def merged(outputs: list[Output]) -> Output:
@@ -104,6 +106,7 @@ def merged(outputs: list[Output]) -> Output:
         finish_reason=last.finish_reason,
         prompt_tokens=next((output.prompt_tokens for output in reversed(outputs) if output.prompt_tokens), 0),
         completion_tokens=last.completion_tokens,
+        cached_tokens=next((output.cached_tokens for output in reversed(outputs) if output.cached_tokens), 0),
     )
 
 
@@ -117,7 +120,8 @@ class ErrorReply(msgspec.Struct, kw_only=True, tag="error", tag_field="kind"):
     """A request the worker cannot serve; ``code`` is HTTP-like.
 
     400 engine contract violation (the engine's own message) or bad request, 404 unknown file,
-    503 the worker is draining (retryable elsewhere), 504 deadline already passed, 500 otherwise.
+    503 the worker is draining, or its engine aborted the request or is gone (retryable
+    elsewhere), 504 deadline already passed, 500 otherwise.
     """
 
     request_id: str

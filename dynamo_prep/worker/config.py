@@ -1,7 +1,9 @@
 """The worker's options, validated once: what every ``dynamo-prep worker`` flag means.
 
 Light on purpose (no ZeroMQ, no tokenizer, no formatter): the CLI reads its defaults here. What
-needs the model (the engine, the card, a replies file) is loaded when the process starts.
+needs the model (the engine, the card, a replies file) is loaded when the process starts. A real
+engine (``--engine vllm|sglang``) gets every flag the worker does not know (``engine_args``),
+parsed by the engine's own parser when it starts; the mock's own options are refused there.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ DEFAULT_TOKEN_DELAY_S = 0.02
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
 DEFAULT_KV_BLOCKS = 2048
 DEFAULT_PREFILL_MS_PER_1K = 0.0
-EngineKind = Literal["mock"]
+EngineKind = Literal["mock", "vllm", "sglang"]
 ENGINES: tuple[EngineKind, ...] = get_args(EngineKind)
 
 
@@ -69,6 +71,16 @@ class WorkerConfig:
     kv_events: bool = False
     kv_blocks: int = DEFAULT_KV_BLOCKS
     prefill_ms_per_1k: float = DEFAULT_PREFILL_MS_PER_1K
+    engine_args: tuple[str, ...] = ()
+
+    @property
+    def real_engine(self) -> bool:
+        return self.engine != "mock"
+
+    @property
+    def legacy_runtime(self) -> dict[str, bool] | None:
+        """The pre-declaration runtime_config key a legacy worker publishes, or None."""
+        return {"expands_image_pad_token": True} if self.legacy_expands_image_pad_token else None
 
     @classmethod
     def from_options(
@@ -86,20 +98,23 @@ class WorkerConfig:
         curve_secret_key: Path | None = None,
         curve_server_key: Path | None = None,
         engine: str = "mock",
-        flavor: str = "sglang",
-        token_delay_s: float = DEFAULT_TOKEN_DELAY_S,
+        flavor: str | None = None,
+        token_delay_s: float | None = None,
         replies: str | Path | None = None,
-        reply_format: str = DEFAULT_REPLY_FORMAT,
+        reply_format: str | None = None,
         migration_limit: int = 0,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         metrics_port: int | None = None,
         kv_events: bool = False,
         kv_blocks: int | None = None,
         prefill_ms_per_1k: float | None = None,
+        engine_args: Sequence[str] = (),
     ) -> WorkerConfig:
         """Raises ValueError (TrustError for CURVE key files) naming the option that is wrong.
 
-        ``kv_blocks`` and ``prefill_ms_per_1k`` (None: the default) are options of ``kv_events``.
+        ``flavor``, ``token_delay_s``, ``replies``, ``reply_format`` and ``kv_events`` are the mock
+        engine's (None: its default); ``kv_blocks`` and ``prefill_ms_per_1k`` options of
+        ``kv_events``. ``engine_args`` go to a real engine's own parser (the mock takes none).
         """
         if not discovery:
             raise ValueError("--discovery needs at least one address")
@@ -107,8 +122,23 @@ class WorkerConfig:
             raise ValueError("--declare-image-token and --legacy-expands-image-pad-token exclude each other")
         if declared_image_token == "":
             raise ValueError("--declare-image-token must not be empty")
+        if engine not in ENGINES:
+            raise ValueError(f"unknown --engine {engine!r} (known: {', '.join(ENGINES)})")
+        _check_engine_options(
+            engine,
+            engine_args,
+            {
+                "--flavor": flavor,
+                "--token-delay": token_delay_s,
+                "--replies": replies,
+                "--reply-format": reply_format,
+                "--kv-events": kv_events or None,
+            },
+        )
+        flavor = flavor or (engine if engine != "mock" else "sglang")
+        reply_format = reply_format or DEFAULT_REPLY_FORMAT
+        token_delay_s = DEFAULT_TOKEN_DELAY_S if token_delay_s is None else token_delay_s
         for option, value, known in (
-            ("--engine", engine, ENGINES),
             ("--flavor", flavor, FLAVORS),
             ("--reply-format", reply_format, REPLY_FORMATS),
         ):
@@ -138,7 +168,7 @@ class WorkerConfig:
             heartbeat_s=heartbeat_s,
             ttl_ms=ttl_ms,
             curve=_client_curve(curve_secret_key, curve_server_key),
-            engine=cast(EngineKind, engine),
+            engine=engine,
             flavor=cast(Flavor, flavor),
             token_delay_s=token_delay_s,
             replies=Path(replies) if replies is not None else None,
@@ -149,7 +179,22 @@ class WorkerConfig:
             kv_events=kv_events,
             kv_blocks=DEFAULT_KV_BLOCKS if kv_blocks is None else kv_blocks,
             prefill_ms_per_1k=DEFAULT_PREFILL_MS_PER_1K if prefill_ms_per_1k is None else prefill_ms_per_1k,
+            engine_args=tuple(engine_args),
         )
+
+
+def _check_engine_options(engine: str, engine_args: Sequence[str], mock_options: dict[str, object]) -> None:
+    """The mock takes no engine flags; a real engine takes none of the mock's options."""
+    if engine == "mock":
+        if engine_args:
+            raise ValueError(
+                f"unrecognized arguments for --engine mock: {' '.join(engine_args)} "
+                "(engine flags are passed to --engine vllm or sglang)"
+            )
+        return
+    given = [option for option, value in mock_options.items() if value is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)}: options of --engine mock, not of --engine {engine}")
 
 
 def _check_kv_options(kv_events: bool, kv_blocks: int | None, prefill_ms_per_1k: float | None) -> None:

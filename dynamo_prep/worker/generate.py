@@ -23,7 +23,7 @@ from typing import Literal
 import structlog
 import zmq
 
-from dynamo_prep.engines.base import CheckFn, EngineContractError, GenerateFn
+from dynamo_prep.engines.base import CheckFn, EngineContractError, EngineError, GenerateFn
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong, merged
@@ -53,6 +53,7 @@ class _Running:
 class _Progress:
     prompt_tokens: int
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish_reason: str | None = None
 
 
@@ -159,8 +160,8 @@ class GenerationServer:
             final = self._cancelled(request_id, progress)
             if final is None:
                 raise
-        except EngineContractError as exc:
-            final = ErrorReply(request_id=request_id, code=400, message=str(exc))
+        except EngineError as exc:
+            final = ErrorReply(request_id=request_id, code=exc.code, message=str(exc))
         except Exception as exc:
             log.exception("request_failed", request_id=request_id)
             final = ErrorReply(request_id=request_id, code=500, message=type(exc).__name__)
@@ -185,6 +186,7 @@ class GenerationServer:
                 async for step in steps:
                     progress.prompt_tokens = step.prompt_tokens or progress.prompt_tokens
                     progress.completion_tokens = step.completion_tokens
+                    progress.cached_tokens = step.cached_tokens
                     output = self._output(message.request_id, step.token_ids, step.finish_reason, progress)
                     if step.finish_reason is not None:
                         return await frames.last(output)
@@ -219,6 +221,7 @@ class GenerationServer:
             finish_reason=finish,
             prompt_tokens=progress.prompt_tokens,
             completion_tokens=progress.completion_tokens,
+            cached_tokens=progress.cached_tokens,
         )
 
 

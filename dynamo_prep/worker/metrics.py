@@ -3,24 +3,24 @@
 Counted where the worker's messages pass, not inside the generation code: every message a
 Generate handler sends goes through a counting ``reply``, so requests are counted by their final
 message (``stop``, ``length``, ``cancelled``, ``deadline`` or ``error_<code>``: the same words as
-the worker's ``request_finished`` line), tokens by what was actually streamed and prompt tokens by
-the final ``Output`` of each request that ran. Contract violations are counted around the engine's
-contract check; prefix-cache hits where the engine admits a prompt (``count_prefill``), since no
-message carries them. The registry is the worker's own
+the worker's ``request_finished`` line), tokens by what was actually streamed, prompt tokens and
+prefix-cache hits by the final ``Output`` of each request that ran. Contract violations are
+counted around the engine's contract check. Gauges read their owner's own count at scrape time
+(in flight, blocks held, the engine's unfinished requests). The registry is the worker's own
 (never prometheus_client's global one); the server is prometheus_client's, in a daemon thread.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from wsgiref.simple_server import WSGIServer
 
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from dynamo_prep.engines.base import CheckFn, EngineContractError
-from dynamo_prep.engines.mock.engine import Prefill
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import ErrorReply, Generate, Output
@@ -67,14 +67,24 @@ class WorkerMetrics:
             registry=reg,
         )
         self.kv_blocks = Gauge(f"{PREFIX}kv_blocks", "Blocks held by the prefix cache", registry=reg)
+        self.engine_unfinished = Gauge(
+            f"{PREFIX}engine_unfinished_requests",
+            "Requests the engine itself has not finished (its own count)",
+            registry=reg,
+        )
 
     def track_kv_blocks(self, blocks: Callable[[], int]) -> None:
         """The gauge reads the prefix cache's own count at scrape time."""
         self.kv_blocks.set_function(lambda: float(blocks()))
 
-    def count_prefill(self, prefill: Prefill) -> None:
-        """One prompt admitted into the prefix cache: count the tokens it reused."""
-        self.kv_cached_tokens.inc(prefill.cached_tokens)
+    def track_engine_unfinished(self, unfinished: Callable[[], int]) -> None:
+        """The gauge reads the engine's own count of unfinished requests at scrape time."""
+        self.engine_unfinished.set_function(lambda: float(unfinished()))
+
+    def include_engine_metrics(self) -> None:
+        """Serve the engine's own metrics too (vLLM's ``vllm:*`` live in prometheus_client's global
+        registry, in this process): one port shows the worker and its engine."""
+        self.registry.register(_GlobalRegistry())
 
     def track_inflight(self, in_flight: Callable[[], int]) -> None:
         """The gauge reads the generation server's own count at scrape time (never drifts)."""
@@ -107,11 +117,19 @@ class WorkerMetrics:
                 if message.finish_reason is not None:
                     self.requests.labels(status=message.finish_reason).inc()
                     self.prompt_tokens.inc(message.prompt_tokens)
+                    self.kv_cached_tokens.inc(message.cached_tokens)
             elif isinstance(message, ErrorReply):
                 self.requests.labels(status=f"error_{message.code}").inc()
             await reply(message)
 
         return counted
+
+
+class _GlobalRegistry:
+    """prometheus_client's process-wide registry, as one collector of the worker's own."""
+
+    def collect(self) -> Iterable[Metric]:
+        return REGISTRY.collect()
 
 
 class MetricsServer:

@@ -4,7 +4,9 @@ Nothing here uses ``dynamo_prep.protocol.kv_events`` to build frames: payloads a
 dicts encoded with msgpack, as vLLM (maps with ``"type"``) or older vLLM (arrays, tag first) send
 them, so the tests check the project's reading of the wire against the wire itself.
 
-* ``stored`` / ``removed`` / ``cleared`` / ``batch``: events and payloads in either shape.
+* ``stored`` / ``removed`` / ``cleared`` / ``batch``: events and payloads in either shape (the
+  required fields only, as older engines send them); ``full``: an event map with every field of
+  vLLM's struct in vLLM's order (``STORED_FIELDS``, ``REMOVED_FIELDS``), as we publish them.
 * ``RawKvPublisher``: an XPUB (so a test can wait for the subscription instead of sleeping) and a
   ROUTER whose replies the test controls (answer, hold, stay silent, answer garbage).
 * ``RecordingSink`` / ``RecordingChannel``: test doubles of ``KvEventSink`` and ``ReplayChannel``
@@ -67,6 +69,20 @@ def stored(
             "medium": "GPU",
         }
     return ["BlockStored", list(hashes), parent, token_ids, block_size, None, "GPU"]
+
+
+# vLLM's event fields in vLLM's order (vllm/distributed/kv_events.py, 0.33; 0.32 lacks the last).
+STORED_FIELDS = (
+    "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name",
+    "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality",
+    "ownership", "session_id", "lookahead_token_ids",
+)  # fmt: skip
+REMOVED_FIELDS = ("block_hashes", "medium", "group_idx", "locality", "ownership")
+
+
+def full(tag: str, fields: Sequence[str], **values: Any) -> dict[str, Any]:
+    """An event map with every one of ``fields``, in order (None where ``values`` has none)."""
+    return {"type": tag, **{name: values.get(name) for name in fields}}
 
 
 def removed(hashes: Sequence[Any], *, shape: Shape = "map") -> Any:

@@ -42,7 +42,7 @@ from dynamo_prep.engines.mock.standins import (
     QwenVLImageProcessorStandIn,
     sglang_engine_standin,
 )
-from dynamo_prep.engines.vllm import translate as vllm
+from dynamo_prep.engines.vllm import contract as vllm
 from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions
@@ -64,6 +64,7 @@ class MockOutput(msgspec.Struct, frozen=True):
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 class Prefill(NamedTuple):
@@ -151,10 +152,8 @@ class MockEngine:
         if self.flavor == "sglang":
             message = f"Expected {expected} image placeholder token(s), found {found}"
         else:
-            message = (
-                f"Expected {expected} occurrence(s) of the image placeholder {self._contract.spelling!r} "
-                f"(token ids {list(self._contract.pattern)}), one per image, found {found}"
-            )
+            spelling = str(self._contract.spelling)
+            message = vllm.placeholder_mismatch(spelling, self._contract.pattern, expected, found)
         self._violation(expected=expected, found=found, message=message)
 
     async def generate(
@@ -167,24 +166,30 @@ class MockEngine:
         self.check_contract(request)
         token_ids, finish_reason = self.plan(request, prefill=prefill)
         prompt_tokens = len(request.token_ids)
-        async for step in self.stream(token_ids, finish_reason, prompt_tokens, prefill_s=prefill.seconds):
+        async for step in self.stream(token_ids, finish_reason, prompt_tokens, prefill=prefill):
             yield step
 
     async def stream(
-        self, token_ids: Sequence[int], finish_reason: str, prompt_tokens: int, *, prefill_s: float = 0.0
+        self,
+        token_ids: Sequence[int],
+        finish_reason: str,
+        prompt_tokens: int,
+        *,
+        prefill: Prefill = NO_PREFILL,
     ) -> AsyncIterator[MockOutput]:
-        """``token_ids`` one per output, ``token_delay_s`` apart, the first after ``prefill_s`` more;
-        the last output has ``finish_reason``."""
+        """``token_ids`` one per output, ``token_delay_s`` apart, the first after the prefill's
+        ``seconds`` more; the last output has ``finish_reason``; each reports the prefill's cache hits."""
+        cached = prefill.cached_tokens
         try:
-            if prefill_s > 0:
-                await asyncio.sleep(prefill_s)
+            if prefill.seconds > 0:
+                await asyncio.sleep(prefill.seconds)
             if not token_ids:
-                yield MockOutput([], finish_reason, prompt_tokens, 0)
+                yield MockOutput([], finish_reason, prompt_tokens, 0, cached)
                 return
             for index, token_id in enumerate(token_ids, start=1):
                 await asyncio.sleep(self.token_delay_s)
                 last = index == len(token_ids)
-                yield MockOutput([token_id], finish_reason if last else None, prompt_tokens, index)
+                yield MockOutput([token_id], finish_reason if last else None, prompt_tokens, index, cached)
         except asyncio.CancelledError:
             log.debug("mock_generate_cancelled", flavor=self.flavor, prompt_tokens=prompt_tokens)
             raise
@@ -362,7 +367,7 @@ class MockContinuation:
         token_ids, finish_reason = self.engine.plan(shortened, streamed=streamed, prefill=prefill)
         remaining = token_ids[streamed:]
         async for step in self.engine.stream(
-            remaining, finish_reason, len(request.token_ids), prefill_s=prefill.seconds
+            remaining, finish_reason, len(request.token_ids), prefill=prefill
         ):
             yield step
 

@@ -1,1 +1,1 @@
-"""The vLLM bridge: ``translate`` (pure) and ``runtime`` (imports vLLM when a worker starts one)."""
+"""The vLLM bridge: ``contract`` and ``translate`` (pure) and ``runtime`` (imports vLLM lazily)."""

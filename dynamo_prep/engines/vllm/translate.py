@@ -1,32 +1,109 @@
-"""vLLM: declares no image token; its processor expands the checkpoint's own placeholder string.
+"""vLLM as the worker speaks to it: a request as ``AsyncLLM.generate``'s arguments, each
+``RequestOutput`` as an ``EngineStep``, the engine's figures as ``EngineFacts``.
 
-vLLM's Kimi-K3 processor finds the checkpoint's ``image_placeholder`` string (several BPE ids, not
-a registered token) in the prompt and replaces each occurrence with the media block. The frontend
-renders exactly that default when a worker declares nothing, so a vLLM worker never declares.
+Pure: vLLM's objects are read by attribute and its classes are built by ``runtime`` from the plain
+values made here. Fixed choices (docs/engines.md): DELTA outputs, no detokenization (stop strings
+stay in the frontend), ``max_tokens`` always set, the model's generation_config under the
+request's values, the stop or EOS id vLLM returns as the last id dropped.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any, Final
 
-from dynamo_prep.card import read_json
-from dynamo_prep.formatter import DEFAULT_IMAGE_PLACEHOLDER, checkpoint_image_placeholder, is_kimi_k3
-from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.engines.base import EngineAbortedError, EngineFacts, EngineFailedError
+from dynamo_prep.engines.steps import EngineStep, StepCounter, sampling_values, stop_ids
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 
-__all__ = ["expanded_image_placeholder"]
+__all__ = [
+    "MODEL_FLAGS",
+    "OutputReader",
+    "engine_argv",
+    "engine_facts",
+    "prompt_fields",
+    "sampling_fields",
+]
+
+# The engine flags that name the model; without one, the worker's --model-path is the model.
+MODEL_FLAGS: Final = ("--model",)
+# vLLM's finish reasons that end a stream normally, as the request plane names them.
+_FINISHED: Final = {"stop": "stop", "length": "length", "repetition": "stop"}
 
 
-def expanded_image_placeholder(model_dir: str | Path) -> str | None:
-    """The string vLLM expands per image: the checkpoint's own, as the frontend renders it.
+def engine_argv(model_dir: str | Path, rest: Sequence[str]) -> list[str]:
+    """vLLM's own command line: the operator's engine flags, and ``--model`` unless they name one."""
+    if any(arg == flag or arg.startswith(f"{flag}=") for arg in rest for flag in MODEL_FLAGS):
+        return list(rest)
+    return ["--model", str(model_dir), *rest]
 
-    None for a model whose chat template places its image tokens itself.
+
+def sampling_fields(request: PreprocessedRequest, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``SamplingParams`` keywords for a request (``runtime`` adds DELTA output and builds it).
+
+    ``defaults`` is ``model_config.get_diff_sampling_param()`` (vLLM does not apply it itself).
     """
-    directory = resolve_model_dir(model_dir)
-    config = read_json(directory / "config.json")
-    placeholder = checkpoint_image_placeholder(config)
-    model_type = config.get("model_type")
-    if placeholder is None and is_kimi_k3(
-        model_type if isinstance(model_type, str) else None, directory.resolve().name
-    ):
-        return DEFAULT_IMAGE_PLACEHOLDER  # K3 by its name alone: the formatter renders the default too
-    return placeholder
+    stop = request.stop_conditions
+    fields = sampling_values(request, defaults)
+    fields.update(
+        max_tokens=stop.max_tokens,
+        stop_token_ids=stop_ids(request),
+        ignore_eos=stop.ignore_eos,
+        detokenize=False,
+    )
+    if stop.min_tokens is not None:
+        fields["min_tokens"] = stop.min_tokens
+    return fields
+
+
+def prompt_fields(request: PreprocessedRequest, images: Sequence[object]) -> dict[str, Any]:
+    """``TokensPrompt`` keys: the ids, and the decoded images with their uuids in prompt order (the
+    uuids name the images in vLLM's KV events, as the frontend's router hashes them)."""
+    fields: dict[str, Any] = {"prompt_token_ids": request.token_ids}
+    if images:
+        fields["multi_modal_data"] = {"image": list(images)}
+        fields["multi_modal_uuids"] = {"image": [image.uuid or None for image in request.images]}
+    return fields
+
+
+class OutputReader:
+    """One request's ``RequestOutput``s (DELTA) as ``EngineStep``s."""
+
+    __slots__ = ("_counter",)
+
+    def __init__(self, request: PreprocessedRequest) -> None:
+        self._counter = StepCounter(stop_ids(request))
+
+    def step(self, output: Any) -> EngineStep:
+        """Raises ``EngineAbortedError`` when vLLM aborted the request by itself (our own cancel
+        closes the stream and reads nothing more), ``EngineFailedError`` for vLLM's ``error``."""
+        completion = output.outputs[0]
+        reason = completion.finish_reason
+        if reason == "abort":
+            raise EngineAbortedError("the engine aborted the request")
+        if reason is not None and reason not in _FINISHED:
+            raise EngineFailedError(f"the engine ended the request with {reason!r}")
+        finish = _FINISHED.get(reason) if reason is not None else None
+        token_ids = self._counter.visible(list(completion.token_ids), finish == "stop")
+        return EngineStep(
+            token_ids=token_ids,
+            finish_reason=finish,
+            prompt_tokens=len(output.prompt_token_ids or ()),
+            completion_tokens=self._counter.completion_tokens,
+            cached_tokens=output.num_cached_tokens or 0,
+        )
+
+
+def engine_facts(vllm_config: Any) -> EngineFacts:
+    """What the card says of the running engine (read after start: KV blocks are sized then)."""
+    cache, scheduler = vllm_config.cache_config, vllm_config.scheduler_config
+    return EngineFacts(
+        block_size=cache.block_size,
+        total_kv_blocks=cache.num_gpu_blocks,
+        max_num_seqs=scheduler.max_num_seqs,
+        max_num_batched_tokens=scheduler.max_num_batched_tokens,
+        context_length=vllm_config.model_config.max_model_len,
+        data_parallel_rank=vllm_config.parallel_config.data_parallel_rank or 0,
+        kv_events_config=vllm_config.kv_events_config,
+    )

@@ -1,0 +1,86 @@
+"""A worker in front of the GPU-free mock engine (``--engine mock``).
+
+With ``--kv-events`` the mock engine runs behind a paged prefix cache (``engines.mock.kv``) whose
+events a ``KvEventPublisher`` bound on ``endpoint_host`` publishes; the Worker starts it, announces
+its addresses and closes it after the drain.
+"""
+
+from __future__ import annotations
+
+import os
+
+import zmq.asyncio
+
+from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.engines.base import GenerateFn
+from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
+from dynamo_prep.engines.mock.kv import MockKvEngine
+from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
+from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
+from dynamo_prep.worker.config import WorkerConfig
+from dynamo_prep.worker.generate import GenerationServer
+from dynamo_prep.worker.metrics import WorkerMetrics
+from dynamo_prep.worker.server import Worker
+
+__all__ = ["mock_card", "mock_engine", "mock_worker"]
+
+
+def mock_engine(config: WorkerConfig) -> MockContinuation:
+    """The GPU-free engine; a model directory or replies file it cannot load is a start failure."""
+    return MockContinuation(
+        MockEngine(
+            config.model_dir,
+            flavor=config.flavor,
+            token_delay_s=config.token_delay_s,
+            replies=config.replies,
+            reply_format=config.reply_format,
+        )
+    )
+
+
+def mock_card(config: WorkerConfig, declared_token: str | None) -> ModelDeploymentCard:
+    return ModelDeploymentCard.from_model_dir(
+        config.model_dir,
+        served_name=config.served_name,
+        migration_limit=config.migration_limit,
+        runtime_config=ModelRuntimeConfig(image_placeholder_token=declared_token),
+    )
+
+
+def mock_worker(
+    config: WorkerConfig, card: ModelDeploymentCard, engine: MockContinuation, context: zmq.asyncio.Context
+) -> Worker:
+    metrics = WorkerMetrics()
+    generate: GenerateFn = engine.generate
+    kv_publisher = None
+    if config.kv_events:
+        address = f"tcp://{config.endpoint_host}:*"
+        kv_publisher = KvEventPublisher(address, replay_endpoint=address, context=context)
+        # A seed per process, as vLLM's unseeded hashes: engine hashes mean nothing outside it.
+        cache = PagedPrefixCache(card.kv_cache_block_size, config.kv_blocks, seed=os.urandom(16))
+        metrics.track_kv_blocks(lambda: len(cache))
+        generate = MockKvEngine(
+            engine,
+            cache,
+            kv_publisher.publish,
+            prefill_ms_per_1k=config.prefill_ms_per_1k,
+        ).generate
+    return Worker(
+        card,
+        config.model_dir,
+        discovery=config.discovery,
+        namespace=config.namespace,
+        endpoint_host=config.endpoint_host,
+        heartbeat_s=config.heartbeat_s,
+        ttl_ms=config.ttl_ms,
+        legacy_runtime=config.legacy_runtime,
+        curve=config.curve,
+        context=context,
+        generation=GenerationServer(
+            generate, check=metrics.counting_check(engine.check_contract, config.flavor)
+        ),
+        drain_timeout_s=config.drain_timeout_s,
+        metrics=metrics,
+        metrics_port=config.metrics_port,
+        kv_publisher=kv_publisher,
+    )

@@ -1,0 +1,65 @@
+"""Write a tiny model directory a REAL engine can serve on the CPU with dummy weights.
+
+The tokenizer files and chat template are the ``qwen-vl-demo`` model's (the frontend renders and
+tokenizes with them); ``config.json`` is a text-only ``Qwen2ForCausalLM`` with the same vocabulary
+size, small enough that vLLM's CPU build starts in about 30 s and streams a token every few ms
+with ``--load-format dummy --skip-tokenizer-init`` (random weights, no download, ids in and out).
+CPU attention needs ``head_dim`` >= 64 and a ``--block-size`` that is a multiple of 32.
+
+Usage: python scripts/make_engine_model.py OUT_DIR [--max-position-embeddings N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+DEMO = Path(__file__).resolve().parent.parent / "dynamo_prep" / "models" / "qwen-vl-demo"
+COPIED = ("tiktoken.model", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def engine_config(demo: dict[str, Any], max_position_embeddings: int) -> dict[str, Any]:
+    """A 2-layer Qwen2 decoder over the demo vocabulary (its special ids kept)."""
+    return {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": demo["vocab_size"],
+        "bos_token_id": demo["bos_token_id"],
+        "eos_token_id": demo["eos_token_id"],
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+def write_engine_model(out: Path, *, max_position_embeddings: int = 4096) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:
+        shutil.copyfile(DEMO / name, out / name)
+    demo = json.loads((DEMO / "config.json").read_text(encoding="utf-8"))
+    config = engine_config(demo, max_position_embeddings)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--max-position-embeddings", type=int, default=4096)
+    args = parser.parse_args()
+    print(write_engine_model(args.out, max_position_embeddings=args.max_position_embeddings))
+
+
+if __name__ == "__main__":
+    main()
