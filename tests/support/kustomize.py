@@ -12,8 +12,9 @@ Supported:
   each document) or with a ``target`` (``kind``, ``name``, equality-only ``labelSelector``);
   maps merge recursively (``null`` deletes a key); ``args`` / ``command`` are replaced whole;
   ``containers``, ``initContainers``, ``env``, ``volumes`` (by ``name``), ``volumeMounts`` (by
-  ``mountPath``) and container ``ports`` (by ``containerPort``) merge by key; ``$patch: delete``
-  removes a list element or, alone in its file (kustomize 5.5 crashes on several), a whole object;
+  ``mountPath``) and container ``ports`` (by ``containerPort``) merge by key, the patch's elements
+  first and then the base's others (kustomize's order); ``$patch: delete`` removes a list element
+  or, alone in its file (kustomize 5.5 crashes on several), a whole object;
 * ``replicas`` (``name``, ``count``) and ``images`` (``name``, ``newName``, ``newTag``, ``digest``).
 """
 
@@ -185,23 +186,22 @@ def _merge_list(base: list[Any] | None, patch: list[Any], kind: str, path: tuple
     merge_key = _MERGE_KEYS.get(key)
     if merge_key is None or (kind == "Service" and key == "ports"):
         raise KustomizeError(f"{'.'.join(path)}: cannot merge this list faithfully; outside the subset")
-    merged = copy.deepcopy(base or [])
+    # As kustomize orders the result: the patch's elements first, in its order (each merged into
+    # its namesake from the base), then the base's other elements, in theirs.
+    remaining = copy.deepcopy(base or [])
+    merged = []
     for item in patch:
         if not isinstance(item, dict) or merge_key not in item:
             raise KustomizeError(f"{'.'.join(path)}: every element needs its merge key {merge_key}")
-        index = next((i for i, old in enumerate(merged) if old.get(merge_key) == item[merge_key]), None)
+        index = next((i for i, old in enumerate(remaining) if old.get(merge_key) == item[merge_key]), None)
+        original = remaining.pop(index) if index is not None else None
         directive = item.get("$patch")
         if directive == "delete":
-            if index is not None:
-                del merged[index]
             continue
         if directive is not None:
             raise KustomizeError(f"{'.'.join(path)}: $patch: {directive} outside the supported subset")
-        if index is None:
-            merged.append(copy.deepcopy(item))
-        else:
-            merged[index] = _merge_map(merged[index], item, kind, path)
-    return merged
+        merged.append(copy.deepcopy(item) if original is None else _merge_map(original, item, kind, path))
+    return merged + remaining
 
 
 def _apply_replicas(directory: Path, replica: Obj, objects: list[Obj]) -> None:
