@@ -1,19 +1,24 @@
 """What a real engine's ``--kv-events-config`` publishes, as the address a frontend can connect to.
 
-vLLM and SGLang take the same JSON object (``enable_kv_cache_events``, ``publisher``,
-``endpoint``, ``replay_endpoint``, ``topic``, plus buffer sizes we do not need) and build the same
-ZeroMQ publisher from it, so one reading serves both:
+vLLM and SGLang take a similar JSON object (``publisher``, ``endpoint``, ``replay_endpoint``,
+``topic``, plus buffer sizes we do not need) and build the same ZeroMQ publisher from it. Where
+they differ, the reading follows each engine (vLLM 0.32-0.33, SGLang 0.5.23):
 
-* Enabled: vLLM publishes only with ``enable_kv_cache_events: true``; SGLang releases before
-  that key existed publish whenever ``publisher`` is ``"zmq"``, so for SGLang an absent key with
-  ``"zmq"`` counts as enabled. ``publisher`` defaults to ``"zmq"`` when enabled; anything else
+* Enabled: vLLM publishes only with ``enable_kv_cache_events: true`` (``publisher`` then defaults
+  to ``"zmq"``). SGLang has no such key (it ignores it, like any unknown key): it publishes
+  whenever ``publisher`` is ``"zmq"``, whose default there is ``"null"``. Any other publisher
   publishes nowhere we can follow.
-* Data parallel rank ``r`` publishes on the configured ports plus ``r`` (``offset_endpoint_port``).
-* The PUB binds only when its address has ``*`` or ``::`` in it, or is ``ipc://`` (else the engine
-  *connects* to it, towards a relay, and there is nothing to subscribe to). The replay ROUTER
-  always binds. A wildcard host (``*``, ``0.0.0.0``, ``::``) is replaced by the worker's
-  ``endpoint_host``: a frontend must connect to a concrete address. ``inproc://`` is not
-  reachable from another process.
+* Data parallel rank ``r`` publishes on the configured ports plus ``r`` (``offset_endpoint_port``;
+  SGLang's rank is the attention-DP rank under DP attention).
+* The PUB binds when its address has ``*`` or ``::`` in it (SGLang: also ``0.0.0.0``), or is
+  ``ipc://``; otherwise the engine *connects* to it, towards a relay, and there is nothing to
+  subscribe to. SGLang's ``bind`` overrides that guess: ``true`` binds even a concrete host (which
+  is then advertised as is), ``false`` connects. The replay ROUTER always binds. A wildcard host
+  (``*``, ``0.0.0.0``, ``::``) is replaced by the worker's ``endpoint_host``: a frontend must
+  connect to a concrete address. ``inproc://`` is not reachable from another process.
+* SGLang's ``format`` is ``"default"`` or ``"dynamo"``: both send the same events; ``"dynamo"``
+  namespaces block hashes by cache salt and LoRA (the same ids in stores, parent links and
+  removals, so still opaque ids we can follow). Anything else is refused, as SGLang refuses it.
 """
 
 from __future__ import annotations
@@ -27,22 +32,27 @@ import structlog
 from dynamo_prep.engines.base import Flavor
 from dynamo_prep.protocol.discovery import KvEventsEndpoint
 
-__all__ = ["WILDCARD_HOSTS", "kv_events_endpoint"]
+__all__ = ["SGLANG_FORMATS", "WILDCARD_HOSTS", "kv_events_endpoint"]
 
 log = structlog.get_logger("dynamo_prep.engines")
 
 WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
+SGLANG_FORMATS: Final = ("default", "dynamo")
+# What in a PUB address makes each engine bind it when nothing says otherwise.
+_BIND_MARKS: Final[dict[Flavor, tuple[str, ...]]] = {"vllm": ("*", "::"), "sglang": ("*", "::", "0.0.0.0")}
 _MAX_PORT: Final = 65535
 
 
 class _KvEventsConfig(msgspec.Struct, kw_only=True):
     """The fields of vLLM's / SGLang's ``KVEventsConfig`` that say where events go (others ignored)."""
 
-    enable_kv_cache_events: bool | None = None
+    enable_kv_cache_events: bool | None = None  # vLLM only
     publisher: str | None = None
     endpoint: str = "tcp://*:5557"
+    bind: bool | None = None  # SGLang only
     replay_endpoint: str | None = None
     topic: str = ""
+    format: str = "default"  # SGLang only
 
 
 class _NotAdvertisedError(Exception):
@@ -64,15 +74,14 @@ def kv_events_endpoint(
 
     ``config`` is the ``--kv-events-config`` value as a dict, as its JSON text, or as the engine's
     own config object (read by attribute). Raises ValueError for a config the engine itself would
-    refuse (not an object, wrong field types, a port that is not a number where an offset applies).
+    refuse (not an object, wrong field types, an SGLang ``format`` other than ``SGLANG_FORMATS``, a
+    port that is not a number where an offset applies).
     """
     if data_parallel_rank < 0:
         raise ValueError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
-    parsed = _parse(config)
-    enabled = parsed.enable_kv_cache_events is True or (
-        flavor == "sglang" and parsed.enable_kv_cache_events is None
-    )
-    publisher = parsed.publisher or ("zmq" if parsed.enable_kv_cache_events else "null")
+    parsed = _parse(config, flavor)
+    enabled = flavor == "sglang" or parsed.enable_kv_cache_events is True
+    publisher = parsed.publisher or ("zmq" if flavor == "vllm" and enabled else "null")
     fields = {"flavor": flavor, "endpoint": parsed.endpoint, "data_parallel_rank": data_parallel_rank}
     if not enabled or publisher == "null":
         log.info("kv_events_not_advertised", reason="disabled", publisher=publisher, **fields)
@@ -83,7 +92,7 @@ def kv_events_endpoint(
     endpoint = _offset(parsed.endpoint, data_parallel_rank)
     replay = _offset(parsed.replay_endpoint, data_parallel_rank)
     try:
-        advertised = _pub_address(endpoint, endpoint_host)
+        advertised = _pub_address(endpoint, endpoint_host, binds=_binds(endpoint, parsed.bind, flavor))
     except _NotAdvertisedError as refused:
         log.warning("kv_events_not_advertised", reason=refused.reason, **fields)
         return None
@@ -101,15 +110,20 @@ def kv_events_endpoint(
     return result
 
 
-def _parse(config: Mapping[str, Any] | str | object) -> _KvEventsConfig:
+def _parse(config: Mapping[str, Any] | str | object, flavor: Flavor) -> _KvEventsConfig:
     try:
         if isinstance(config, str | bytes):
-            return msgspec.json.decode(config, type=_KvEventsConfig)
-        if isinstance(config, Mapping):
-            return msgspec.convert(dict(config), _KvEventsConfig)
-        return msgspec.convert(config, _KvEventsConfig, from_attributes=True)
+            parsed = msgspec.json.decode(config, type=_KvEventsConfig)
+        elif isinstance(config, Mapping):
+            parsed = msgspec.convert(dict(config), _KvEventsConfig)
+        else:
+            parsed = msgspec.convert(config, _KvEventsConfig, from_attributes=True)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"kv_events_config: {exc}") from None
+    if flavor == "sglang" and parsed.format not in SGLANG_FORMATS:
+        accepted = ", ".join(repr(name) for name in SGLANG_FORMATS)
+        raise ValueError(f"kv_events_config: format must be one of {accepted}, got {parsed.format!r}")
+    return parsed
 
 
 def _offset(endpoint: str | None, rank: int) -> str | None:
@@ -128,15 +142,25 @@ def _offset(endpoint: str | None, rank: int) -> str | None:
     return f"{base}:{int(port) + rank}"
 
 
-def _pub_address(endpoint: str | None, endpoint_host: str) -> str:
+def _binds(endpoint: str | None, bind: bool | None, flavor: Flavor) -> bool:
+    """Whether the engine binds its PUB to ``endpoint`` (else it connects)."""
+    if flavor == "sglang" and bind is not None:
+        return bind
+    if not endpoint:
+        return False
+    local = endpoint.startswith(("ipc://", "inproc://"))
+    return local or any(mark in endpoint for mark in _BIND_MARKS[flavor])
+
+
+def _pub_address(endpoint: str | None, endpoint_host: str, *, binds: bool) -> str:
     if not endpoint:
         raise _NotAdvertisedError("no_endpoint")
     if endpoint.startswith("inproc://"):
         raise _NotAdvertisedError("inproc")
+    if not binds:
+        raise _NotAdvertisedError("publisher_connects")
     if endpoint.startswith("ipc://"):
         return endpoint
-    if "*" not in endpoint and "::" not in endpoint:
-        raise _NotAdvertisedError("publisher_connects")
     return _tcp_address(endpoint, endpoint_host)
 
 
