@@ -92,25 +92,10 @@ def engine_worker(
             endpoint_host=config.endpoint_host,
             data_parallel_rank=facts.data_parallel_rank,
         )
-    return Worker(
-        card,
-        config.model_dir,
-        discovery=config.discovery,
-        namespace=config.namespace,
-        endpoint_host=config.endpoint_host,
-        heartbeat_s=config.heartbeat_s,
-        ttl_ms=config.ttl_ms,
-        legacy_runtime=config.legacy_runtime,
-        curve=config.curve,
-        context=context,
-        generation=GenerationServer(
-            runtime.generate, check=metrics.counting_check(runtime.check, runtime.flavor)
-        ),
-        drain_timeout_s=config.drain_timeout_s,
-        metrics=metrics,
-        metrics_port=config.metrics_port,
-        kv_events=kv_events,
+    generation = GenerationServer(
+        runtime.generate, check=metrics.counting_check(runtime.check, runtime.flavor)
     )
+    return Worker.from_config(config, card, context, generation, metrics, kv_events=kv_events)
 
 
 def _runtime_config(facts: EngineFacts, declared_token: str | None) -> ModelRuntimeConfig:

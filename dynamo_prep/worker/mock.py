@@ -65,22 +65,7 @@ def mock_worker(
             kv_publisher.publish,
             prefill_ms_per_1k=config.prefill_ms_per_1k,
         ).generate
-    return Worker(
-        card,
-        config.model_dir,
-        discovery=config.discovery,
-        namespace=config.namespace,
-        endpoint_host=config.endpoint_host,
-        heartbeat_s=config.heartbeat_s,
-        ttl_ms=config.ttl_ms,
-        legacy_runtime=config.legacy_runtime,
-        curve=config.curve,
-        context=context,
-        generation=GenerationServer(
-            generate, check=metrics.counting_check(engine.check_contract, config.flavor)
-        ),
-        drain_timeout_s=config.drain_timeout_s,
-        metrics=metrics,
-        metrics_port=config.metrics_port,
-        kv_publisher=kv_publisher,
+    generation = GenerationServer(
+        generate, check=metrics.counting_check(engine.check_contract, config.flavor)
     )
+    return Worker.from_config(config, card, context, generation, metrics, kv_publisher=kv_publisher)

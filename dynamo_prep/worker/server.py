@@ -42,7 +42,7 @@ from dynamo_prep.protocol.discovery import (
     KvEventsEndpoint,
 )
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
-from dynamo_prep.worker.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_ENDPOINT_HOST
+from dynamo_prep.worker.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_ENDPOINT_HOST, WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer, Reply
 from dynamo_prep.worker.metrics import MetricsServer, WorkerMetrics
 
@@ -149,6 +149,38 @@ class Worker:
         self.kv_events = kv_events
         self.kv_publisher = kv_publisher
         self.endpoint = ""
+
+    @classmethod
+    def from_config(
+        cls,
+        config: WorkerConfig,
+        card: ModelDeploymentCard,
+        context: zmq.asyncio.Context,
+        generation: GenerationServer,
+        metrics: WorkerMetrics,
+        *,
+        kv_events: KvEventsEndpoint | None = None,
+        kv_publisher: KvEventPublisher | None = None,
+    ) -> Worker:
+        """The worker ``dynamo-prep worker`` runs: every option from ``config``, the engine's parts given."""
+        return cls(
+            card,
+            config.model_dir,
+            discovery=config.discovery,
+            namespace=config.namespace,
+            endpoint_host=config.endpoint_host,
+            heartbeat_s=config.heartbeat_s,
+            ttl_ms=config.ttl_ms,
+            legacy_runtime=config.legacy_runtime,
+            curve=config.curve,
+            context=context,
+            generation=generation,
+            drain_timeout_s=config.drain_timeout_s,
+            metrics=metrics,
+            metrics_port=config.metrics_port,
+            kv_events=kv_events,
+            kv_publisher=kv_publisher,
+        )
 
     async def start(self) -> None:
         """Bind the request plane (the advertised endpoint is the real bound address)."""

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
@@ -122,6 +124,16 @@ class Cluster:
 
     def worker(self, instance_id: str) -> Worker:
         return next(worker for worker in self.workers if worker.instance_id == instance_id)
+
+    def client(self) -> openai.OpenAI:
+        """The official openai client on the frontend (no retries: every failure shows)."""
+        return openai.OpenAI(
+            base_url=self.base_url,
+            api_key="none",
+            max_retries=0,
+            timeout=120,
+            http_client=httpx.Client(trust_env=False, timeout=120),
+        )
 
 
 def wait_serving(frontend: DynamoProcess, instance_id: str) -> None:

@@ -21,16 +21,6 @@ from dynamo_prep.protocol.wire import Output
 LONG = 1500  # tokens: several seconds of generation on the CPU, far longer than any check takes
 
 
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=cluster.base_url,
-        api_key="none",
-        max_retries=0,
-        timeout=120,
-        http_client=httpx.Client(trust_env=False, timeout=120),
-    )
-
-
 def chat(text: str) -> list[dict[str, Any]]:
     return [{"role": "user", "content": text}]
 
@@ -53,7 +43,7 @@ def test_an_answer_and_its_usage_are_the_engines(vllm_cluster: Cluster) -> None:
         engine_sum(vllm_cluster, "vllm:prompt_tokens_total"),
         engine_sum(vllm_cluster, "vllm:generation_tokens_total"),
     )
-    answer = client(vllm_cluster).chat.completions.create(
+    answer = vllm_cluster.client().chat.completions.create(
         model=MODEL, messages=prompt[0], max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
     )
     assert answer.choices[0].finish_reason == "length"
@@ -72,7 +62,7 @@ def test_an_answer_and_its_usage_are_the_engines(vllm_cluster: Cluster) -> None:
         message="the engine's own token counters to match the usage",
     )
     hits_before = engine_sum(vllm_cluster, "vllm:prefix_cache_hits_total")
-    again = client(vllm_cluster).chat.completions.create(model=MODEL, messages=prompt[0], max_tokens=4)
+    again = vllm_cluster.client().chat.completions.create(model=MODEL, messages=prompt[0], max_tokens=4)
     assert again.usage is not None and again.usage.prompt_tokens_details is not None
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert cached is not None and cached >= BLOCK_SIZE and cached % BLOCK_SIZE == 0
@@ -85,7 +75,7 @@ def test_an_answer_and_its_usage_are_the_engines(vllm_cluster: Cluster) -> None:
 
 @pytest.mark.parametrize("max_tokens", [1, 16, 100])
 def test_short_streams_are_whole(vllm_cluster: Cluster, max_tokens: int) -> None:
-    stream = client(vllm_cluster).chat.completions.create(
+    stream = vllm_cluster.client().chat.completions.create(
         model=MODEL,
         messages=chat(f"Count to {max_tokens}."),
         max_tokens=max_tokens,
@@ -104,7 +94,7 @@ def test_a_stream_s_first_content_arrives_while_the_engine_still_generates(vllm_
     """The answer is not held back: when the client holds the first visible delta, the engine
     (its own count of unfinished requests) is still generating the rest."""
     for attempt in range(3):
-        stream = client(vllm_cluster).chat.completions.create(
+        stream = vllm_cluster.client().chat.completions.create(
             model=MODEL,
             messages=chat(f"Write a long story, number {attempt}."),
             max_tokens=LONG,
@@ -123,7 +113,7 @@ def test_a_stream_s_first_content_arrives_while_the_engine_still_generates(vllm_
 
 
 def test_a_cancelled_stream_leaves_the_engine_with_nothing_unfinished(vllm_cluster: Cluster) -> None:
-    stream = client(vllm_cluster).chat.completions.create(
+    stream = vllm_cluster.client().chat.completions.create(
         model=MODEL,
         messages=chat("Go on forever."),
         max_tokens=LONG,
@@ -170,7 +160,7 @@ async def test_a_stop_id_is_trimmed_from_the_answer_and_counted_in_usage(
     ids = await _greedy_ids(vllm_cluster, engine_model, text, 8)
     assert len(ids) == 8
     cut = next(index for index in range(1, 8) if ids[index] not in ids[:index])
-    openai_client = client(vllm_cluster)
+    openai_client = vllm_cluster.client()
     shorter = openai_client.chat.completions.create(
         model=MODEL, messages=chat(text), max_tokens=cut, temperature=0, extra_body={"ignore_eos": True}
     )
@@ -190,7 +180,7 @@ def test_a_repeated_prefix_is_routed_by_the_engines_own_kv_events(vllm_cluster: 
     """The first request's prompt lands on one engine; its KV events (vLLM's own publisher, no
     relay) tell the frontend, so follow-ups sharing the prefix go to that engine."""
     preamble = "You are a careful assistant who answers about lighthouses. " * 30
-    openai_client = client(vllm_cluster)
+    openai_client = vllm_cluster.client()
     first = openai_client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "system", "content": preamble}, *chat("First question?")],
@@ -257,7 +247,7 @@ def test_the_card_carries_the_engine_s_own_figures(vllm_cluster: Cluster) -> Non
     assert started["total_kv_blocks"] > 0
     assert started["max_num_seqs"] == 16
     assert started["context_length"] == 4096
-    too_long = client(vllm_cluster)
+    too_long = vllm_cluster.client()
     with pytest.raises(openai.BadRequestError) as refused:
         too_long.chat.completions.create(model=MODEL, messages=chat("word " * 5000), max_tokens=1)
     assert "4096" in str(refused.value)
@@ -268,7 +258,7 @@ def test_streams_at_concurrency_all_finish(vllm_cluster: Cluster) -> None:
     import concurrent.futures  # noqa: PLC0415
 
     def one(index: int) -> int:
-        stream = client(vllm_cluster).chat.completions.create(
+        stream = vllm_cluster.client().chat.completions.create(
             model=MODEL,
             messages=chat(f"Story {index}: " + "once upon a time " * index),
             max_tokens=64,

@@ -8,8 +8,6 @@ import os
 import signal
 from pathlib import Path
 
-import httpx
-import openai
 from conftest import MODEL, Cluster
 from support.plane import wait_for
 
@@ -28,16 +26,6 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def client(cluster: Cluster) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=cluster.base_url,
-        api_key="none",
-        max_retries=0,
-        timeout=120,
-        http_client=httpx.Client(trust_env=False, timeout=120),
-    )
-
-
 def test_an_engine_that_dies_makes_its_worker_withdraw_and_exit_1(vllm_cluster: Cluster) -> None:
     doomed = vllm_cluster.workers[1]
     engine_processes = children(doomed.process.pid)
@@ -50,7 +38,7 @@ def test_an_engine_that_dies_makes_its_worker_withdraw_and_exit_1(vllm_cluster: 
     vllm_cluster.frontend.wait_event(
         "instance_removed", timeout=30, instance_id=doomed.instance_id, reason="withdraw"
     )
-    answer = client(vllm_cluster).chat.completions.create(
+    answer = vllm_cluster.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Still there?"}], max_tokens=4
     )
     assert answer.choices[0].finish_reason == "length"  # the other worker serves
@@ -59,7 +47,7 @@ def test_an_engine_that_dies_makes_its_worker_withdraw_and_exit_1(vllm_cluster: 
 def test_sigterm_during_a_stream_drains_it_then_stops_the_engine(vllm_cluster: Cluster) -> None:
     """The issue's scenario: SIGTERM to the worker's main process while a 400-token stream runs."""
     worker = vllm_cluster.workers[0]
-    stream = client(vllm_cluster).chat.completions.create(
+    stream = vllm_cluster.client().chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": "A long answer, please."}],
         max_tokens=400,
