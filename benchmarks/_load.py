@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
 import httptools
@@ -32,13 +33,17 @@ def encode_post(path: str, body: dict[str, Any], host: str = "127.0.0.1") -> byt
 
 
 class Connection(asyncio.Protocol):
-    """One keep-alive connection; ``request`` sends one request and returns the whole body."""
+    """One keep-alive connection; ``request`` sends one request and returns the whole body.
+
+    ``first_body_at`` is when the last request's first body bytes arrived (``time.perf_counter``):
+    a stream's time to first event."""
 
     def __init__(self) -> None:
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
         self._waiting: asyncio.Future[bytes] | None = None
         self._body: list[bytes] = []
+        self.first_body_at: float | None = None
 
     @classmethod
     async def open(cls, host: str, port: int) -> Connection:
@@ -51,6 +56,7 @@ class Connection(asyncio.Protocol):
             raise HttpError("connection closed")
         self._waiting = asyncio.get_running_loop().create_future()
         self._body = []
+        self.first_body_at = None
         self._transport.write(raw)
         return await self._waiting
 
@@ -78,6 +84,8 @@ class Connection(asyncio.Protocol):
 
     # httptools callbacks
     def on_body(self, body: bytes) -> None:
+        if self.first_body_at is None:
+            self.first_body_at = time.perf_counter()
         self._body.append(body)
 
     def on_message_complete(self) -> None:

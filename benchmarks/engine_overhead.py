@@ -6,9 +6,9 @@
 One vLLM ``AsyncLLM`` runs in THIS process, built from the engine flags exactly as
 ``dynamo-prep worker --engine vllm`` builds it, with the worker's own ``Worker`` serving it on the
 same event loop (as the worker process does). A real ``dynamo-prep frontend`` runs as a process;
-the HTTP load comes from a separate client process (``client`` subcommand, httpx streaming), so
-its CPU is nobody's. The same prompts go, interleaved round by round so the shared machine's
-noise hits both alike:
+the HTTP load comes from a separate client process (``client`` subcommand: keep-alive connections
+parsed by httptools, ``benchmarks._load``), so its CPU is nobody's. The same prompts go,
+interleaved round by round so the shared machine's noise hits both alike:
 
 * ``direct``: straight into the engine's ``generate`` (vLLM's own ``SamplingParams``, DELTA
   outputs, the ids the frontend would send), TTFT from the call to the first output;
@@ -35,9 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
 import zmq.asyncio
 
+from benchmarks._load import Connection, encode_post
 from benchmarks._plane import FileProcess, cpu_seconds, summary, tcp_endpoint
 from benchmarks._report import Suite
 
@@ -60,39 +60,40 @@ def _messages(index: int, nonce: str) -> list[dict[str, str]]:
 async def _client(
     url: str, prompts: list[list[dict[str, str]]], tokens: int, concurrency: int
 ) -> dict[str, Any]:
-    """Stream every prompt through the frontend, ``concurrency`` at a time: TTFTs and tokens/s."""
+    """Stream every prompt through the frontend, ``concurrency`` keep-alive connections at a time
+    (httptools' parser: the client's own CPU stays small): TTFTs and tokens/s."""
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
     ttfts: list[float] = []
     counted = 0
     queue = list(prompts)
-    async with httpx.AsyncClient(base_url=url, timeout=300, trust_env=False) as http:
 
-        async def one(messages: list[dict[str, str]]) -> None:
-            nonlocal counted
-            body = {
-                "model": MODEL, "messages": messages, "max_tokens": tokens, "stream": True,
-                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True},
-            }  # fmt: skip
-            started = time.perf_counter()
-            first = None
-            async with http.stream("POST", "/chat/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if first is None:
-                        first = time.perf_counter() - started
-                    if '"usage"' in line and '"choices":[]' in line:
-                        counted += json.loads(line[6:])["usage"]["completion_tokens"]
-            ttfts.append(first or 0.0)
-
-        async def worker() -> None:
+    async def worker() -> None:
+        nonlocal counted
+        connection = await Connection.open(host, int(port))
+        try:
             while queue:
-                await one(queue.pop())
+                body = {
+                    "model": MODEL, "messages": queue.pop(), "max_tokens": tokens, "stream": True,
+                    "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True},
+                }  # fmt: skip
+                started = time.perf_counter()
+                events = await connection.request(encode_post("/v1/chat/completions", body))
+                ttfts.append((connection.first_body_at or started) - started)
+                counted += _usage_tokens(events)
+        finally:
+            connection.close()
 
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    return {"ttft_s": ttfts, "tokens": counted, "wall_s": wall}
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return {"ttft_s": ttfts, "tokens": counted, "wall_s": time.perf_counter() - started}
+
+
+def _usage_tokens(events: bytes) -> int:
+    """The completion tokens of a stream's usage chunk (the last event before ``[DONE]``)."""
+    for line in reversed(events.split(b"\n")):
+        if line.startswith(b"data: {") and b'"usage"' in line:
+            return int(json.loads(line[6:])["usage"]["completion_tokens"])
+    raise RuntimeError(f"a stream without usage: {events[-300:]!r}")
 
 
 def client_main(args: argparse.Namespace) -> int:
@@ -204,7 +205,7 @@ async def _measure(args: argparse.Namespace, suite: Suite) -> None:
         await _direct(runtime, preprocessor, 4, 8, concurrency=1, nonce="warm")
         await asyncio.to_thread(_run_client, url, 4, 8, 1, "warm")
         results: dict[str, dict[str, list[Any]]] = {}
-        cpu = {"direct": 0.0, "http": 0.0, "frontend": 0.0}
+        cpu: dict[str, float] = {}  # "<process>@<concurrency>": seconds
         for round_ in range(args.rounds):
             for concurrency in (1, CONCURRENCY):
                 nonce = f"r{round_}c{concurrency}"
@@ -223,8 +224,11 @@ async def _measure(args: argparse.Namespace, suite: Suite) -> None:
                         got = await asyncio.to_thread(
                             _run_client, url, args.requests, args.tokens, concurrency, nonce
                         )
-                        cpu["frontend"] += cpu_seconds(frontend.pid) - front
-                    cpu[mode] += cpu_seconds(os.getpid()) - own
+                        cpu[f"frontend@{concurrency}"] = cpu.get(f"frontend@{concurrency}", 0.0) + (
+                            cpu_seconds(frontend.pid) - front
+                        )
+                    key = f"{mode}@{concurrency}"
+                    cpu[key] = cpu.get(key, 0.0) + cpu_seconds(os.getpid()) - own
                     slot = results.setdefault(
                         f"{mode}@{concurrency}", {"ttft_s": [], "tps": [], "tokens": []}
                     )
@@ -253,11 +257,16 @@ def _report(suite: Suite, results: dict[str, dict[str, list[Any]]], cpu: dict[st
         f"tokens/s at {CONCURRENCY} streams, http / direct", ratio, "x", ">= 0.9x", ratio >= 0.9,
         note=f"{tps_http:.0f} / {tps_direct:.0f} tokens/s",
     )  # fmt: skip
-    tokens = sum(sum(results[f"http@{c}"]["tokens"]) for c in (1, CONCURRENCY))
-    suite.record("frontend CPU per streamed token", cpu["frontend"] / tokens * 1e6, "us")
-    suite.record(
-        "worker CPU per streamed token (http - direct)", (cpu["http"] - cpu["direct"]) / tokens * 1e6, "us"
-    )
+    for streams in (1, CONCURRENCY):
+        tokens = sum(results[f"http@{streams}"]["tokens"])
+        frontend_us = cpu[f"frontend@{streams}"] / tokens * 1e6
+        worker_us = (cpu[f"http@{streams}"] - cpu[f"direct@{streams}"]) / tokens * 1e6
+        suite.record(
+            f"CPU per streamed token at {streams} stream(s), frontend + worker",
+            frontend_us + worker_us,
+            "us",
+            note=f"frontend {frontend_us:.0f} us, worker {worker_us:.0f} us (its process, http - direct)",
+        )  # fmt: skip
     suite.details = {
         "ttft_s": {mode: summary(values["ttft_s"]) for mode, values in results.items()},
         "tokens_per_s": {mode: values["tps"] for mode, values in results.items()},

@@ -2,10 +2,11 @@
 
 Each Generate runs in its own task (handlers run inline in the ROUTER's receive loop, so a long
 stream must not block it) and is tracked by ``request_id`` until its final message, so Cancel
-can find it and a stopping worker can drain it. A stream sends at most one frame per
-``COALESCE_S``: steps an engine produces faster than that wait for the next frame and go out
-together as one Output (their tokens in order, the last step's usage); a slower stream sends every
-step at once, and the final message carries whatever was still waiting.
+can find it and a stopping worker can drain it. A stream sends at most one frame per frame
+interval (``frame_interval``: ``COALESCE_S``, longer with many streams in flight): steps an engine
+produces faster than that wait for the next frame and go out together as one Output (their
+tokens in order, the last step's usage); a slower stream sends every step at once, its first
+step (the first token) never waits, and the final message carries whatever was still waiting.
 
 Every request ends with exactly one final message: an ``Output`` with ``finish_reason`` ("stop",
 "length", "cancelled", "deadline") or an ``ErrorReply``. The one exception is a request cancelled
@@ -28,13 +29,19 @@ from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong, merged
 
-__all__ = ["COALESCE_S", "GenerationServer", "Reply"]
+__all__ = ["COALESCE_S", "GenerationServer", "Reply", "frame_interval"]
 
 log = structlog.get_logger("dynamo_prep.worker")
 
 # At most one frame per stream per this many seconds (500/s): faster steps are merged. A real
 # engine's inter-token gap is longer, so its steps go out as they come.
 COALESCE_S = 0.002
+# With many streams, each stream's frame interval grows by this much per stream in flight (up to
+# MAX_COALESCE_S): the worker's frames stay near a thousand a second however many streams share
+# the engine, so a frame carries several tokens when the engine makes tokens faster than that.
+# A stream's first frame (its first token) never waits.
+COALESCE_PER_STREAM_S = 0.001
+MAX_COALESCE_S = 0.02
 
 Reply = Callable[[wire.FromWorker], Awaitable[None]]
 """Sends one message to the peer that made the request (bound by the request-plane dispatcher)."""
@@ -180,7 +187,7 @@ class GenerationServer:
     async def _stream(self, message: Generate, reply: Reply, progress: _Progress) -> Output:
         """Send every engine output but the last; return the final one (or the deadline's)."""
         steps = self._generate(message.request)
-        frames = _Frames(reply)
+        frames = _Frames(reply, self._frame_interval)
         try:
             async with asyncio.timeout(message.deadline_ms / 1000 - time.time()) as scope:
                 async for step in steps:
@@ -201,6 +208,9 @@ class GenerationServer:
                 await steps.aclose()
         # An engine that ends without a reason: the stream still needs its final message.
         return await frames.last(self._output(message.request_id, [], "stop", progress))
+
+    def _frame_interval(self) -> float:
+        return frame_interval(len(self._running))
 
     def _cancelled(self, request_id: str, progress: _Progress) -> Output | ErrorReply | None:
         running = self._running.get(request_id)
@@ -225,13 +235,19 @@ class GenerationServer:
         )
 
 
+def frame_interval(in_flight: int) -> float:
+    """How long a stream's frames wait for company: longer when many streams are in flight."""
+    return min(MAX_COALESCE_S, max(COALESCE_S, in_flight * COALESCE_PER_STREAM_S))
+
+
 class _Frames:
-    """One stream's frames: a step goes out at once unless the last frame left less than
-    ``COALESCE_S`` ago; then it waits, with any later ones, for one frame at that time. Frames
+    """One stream's frames: a step goes out at once unless the last frame left less than the frame
+    interval ago; then it waits, with any later ones, for one frame at that time. Frames
     leave in order: nothing is sent directly while one is waiting or being sent."""
 
-    def __init__(self, reply: Reply) -> None:
+    def __init__(self, reply: Reply, interval_s: Callable[[], float] = lambda: COALESCE_S) -> None:
         self._reply = reply
+        self._interval_s = interval_s
         self._loop = asyncio.get_running_loop()
         self._waiting: list[Output] = []
         self._next_at = 0.0
@@ -241,7 +257,7 @@ class _Frames:
     async def add(self, output: Output) -> None:
         now = self._loop.time()
         if self._sending is None and not self._waiting and now >= self._next_at:
-            self._next_at = now + COALESCE_S
+            self._next_at = now + self._interval_s()
             await self._reply(output)
             return
         self._waiting.append(output)
@@ -264,7 +280,7 @@ class _Frames:
     def _flush(self) -> None:
         self._timer = None
         waiting, self._waiting = self._waiting, []
-        self._next_at = self._loop.time() + COALESCE_S
+        self._next_at = self._loop.time() + self._interval_s()
         self._sending = asyncio.ensure_future(self._send(merged(waiting)))
 
     async def _send(self, output: Output) -> None:
