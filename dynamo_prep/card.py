@@ -55,6 +55,15 @@ class FileRef(msgspec.Struct, frozen=True, gc=False):
     size: int
 
 
+# Figures a component computes with, bounded where the card is decoded (a bad card is refused at the
+# edge, never a component failure): a context of 1 token to 2**40, a KV block of 1 to 65,536
+# tokens, counts that fit a machine.
+_Tokens = Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+_BlockSize = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+_Moves = Annotated[int, msgspec.Meta(ge=0, le=1024)]
+
+
 class ModelRuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """What one running worker reports about its engine.
 
@@ -67,10 +76,10 @@ class ModelRuntimeConfig(msgspec.Struct, kw_only=True, omit_defaults=True, gc=Fa
     declaration wins; a later instance that declares another token is logged as a conflict.
     """
 
-    context_length: int | None = None
-    total_kv_blocks: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
+    context_length: _Tokens | None = None
+    total_kv_blocks: _Count | None = None
+    max_num_seqs: _Count | None = None
+    max_num_batched_tokens: _Count | None = None
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     data_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=4096)] = 1
@@ -91,9 +100,9 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, gc=False):
     slug: _Name
     model_type: _Name | None
     model_input: str = "tokens"
-    context_length: int
-    kv_cache_block_size: int = 16
-    migration_limit: int = 0
+    context_length: _Tokens
+    kv_cache_block_size: _BlockSize = 16
+    migration_limit: _Moves = 0
     files: _Files
     runtime_config: ModelRuntimeConfig = msgspec.field(default_factory=ModelRuntimeConfig)
     user_data: dict[str, Any] | None = None

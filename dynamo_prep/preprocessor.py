@@ -52,6 +52,7 @@ ANNOTATIONS = frozenset({"formatted_prompt", "token_ids"})
 # --max-stop-sequences, but looser than OpenAI's 4 (self-hosted clients send a few more).
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class PreprocessError(ValueError):
@@ -149,8 +150,18 @@ class OpenAIPreprocessor:
         """``preprocess``, and the prompt it sent (where it left the model: ``rendered.open_channel``)."""
         chat = _parse(request)
         validate_sampling(chat)
+        self._check_stop_ids(chat)
         prompt = self.tokenize(chat)
         return self._preprocessed(chat, prompt), prompt
+
+    def _check_stop_ids(self, chat: ChatCompletionRequest) -> None:
+        """Stop ids are this model's ids: an engine would silently never meet any other."""
+        bad, size = self.tokenizer.first_unknown_id(chat.stop_token_ids or []), self.tokenizer.n_vocab
+        if bad is not None:
+            raise PreprocessError(
+                f"stop_token_ids: token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})",
+                param="stop_token_ids",
+            )
 
     def _preprocessed(self, chat: ChatCompletionRequest, prompt: TokenizedPrompt) -> PreprocessedRequest:
         max_tokens = self._max_tokens(chat, len(prompt.token_ids))
@@ -291,6 +302,18 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
     if chat.logprobs or chat.top_logprobs:
         param = "logprobs" if chat.logprobs else "top_logprobs"
         raise PreprocessError("logprobs are not supported by this frontend", param=param)
+    if chat.logit_bias:
+        raise PreprocessError(
+            "logit_bias is not supported by this frontend (it would be ignored): remove it",
+            param="logit_bias",
+        )
+    stop_ids = chat.stop_token_ids or []
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+        raise PreprocessError(
+            f"Invalid 'stop_token_ids': array too long. Expected an array with maximum length "
+            f"{MAX_STOP_TOKEN_IDS}, but got an array with length {len(stop_ids)} instead.",
+            param="stop_token_ids",
+        )
     limit = chat.requested_max_tokens
     if chat.min_tokens is not None and limit is not None and chat.min_tokens > limit:
         raise PreprocessError(f"min_tokens {chat.min_tokens} exceeds max_tokens {limit}", param="min_tokens")

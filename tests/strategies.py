@@ -787,12 +787,16 @@ card_values = json_values(
     ),
     max_leaves=6,
 )
+# The card's bounded figures (card.py): a context of 1 to 2**40 tokens, a KV block of 1 to 65,536
+# tokens, counts of 0 to 2**40, 0 to 1,024 moves. Payload fuzzing sends any int there too.
+card_tokens = st.integers(1, 1 << 40)
+card_counts = st.integers(0, 1 << 40)
 runtime_configs = st.builds(
     ModelRuntimeConfig,
-    context_length=st.one_of(st.none(), card_ints),
-    total_kv_blocks=st.one_of(st.none(), card_ints),
-    max_num_seqs=st.one_of(st.none(), card_ints),
-    max_num_batched_tokens=st.one_of(st.none(), card_ints),
+    context_length=st.one_of(st.none(), card_tokens),
+    total_kv_blocks=st.one_of(st.none(), card_counts),
+    max_num_seqs=st.one_of(st.none(), card_counts),
+    max_num_batched_tokens=st.one_of(st.none(), card_counts),
     tool_call_parser=st.one_of(st.none(), card_texts),
     reasoning_parser=st.one_of(st.none(), card_texts),
     data_parallel_size=st.integers(1, 4096),
@@ -810,9 +814,9 @@ cards = st.builds(
     slug=card_names,
     model_type=st.one_of(st.none(), st.sampled_from(["kimi_k3", "qwen2_vl"]), card_names),
     model_input=st.one_of(st.just("tokens"), card_texts),
-    context_length=card_ints,
-    kv_cache_block_size=card_ints,
-    migration_limit=card_ints,
+    context_length=card_tokens,
+    kv_cache_block_size=st.integers(1, 1 << 16),
+    migration_limit=st.integers(0, 1024),
     files=st.dictionaries(card_texts, st.builds(FileRef, card_texts, card_ints), max_size=4),
     runtime_config=runtime_configs,
     user_data=st.one_of(st.none(), st.dictionaries(card_texts, card_values, max_size=3)),

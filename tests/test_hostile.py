@@ -204,3 +204,31 @@ def test_junk_instances_cannot_fill_the_table_against_a_real_worker(target: Targ
     instance_id = second.wait_event("worker_started")["instance_id"]
     target.frontend.wait_event("instance_added", instance_id=instance_id, timeout=20)
     assert target.chat().status_code == 200
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"kv_cache_block_size": 0},  # issue 20: the frontend exited in 0.5 s (a component's ValueError)
+        {"kv_cache_block_size": 1 << 20},
+        {"context_length": 0},
+        {"migration_limit": -1},
+        {"runtime_config": {"total_kv_blocks": -5}},
+        {"runtime_config": {"max_num_seqs": -1}},
+    ],
+)
+def test_a_card_with_figures_no_engine_has_is_refused_at_the_edge(
+    target: Target, changes: dict[str, Any]
+) -> None:
+    """Every figure a component computes with is bounded where the card is decoded: a bad card is
+    refused and logged, the frontend and the healthy model keep serving."""
+    assert target.frontend is not None
+    field_name = next(iter(changes))
+    bad = target.announce("bad-card", seq=1, endpoint="tcp://127.0.0.1:9", card=k3_card(**changes))
+    target.flood([bad], lambda: target.frontend.find("card_rejected"), "card_rejected")  # type: ignore[union-attr]
+    rejected = target.frontend.find("card_rejected")[0]
+    assert field_name in rejected["detail"]
+    assert not target.frontend.find("instance_added", instance_id="bad-card")
+    assert target.frontend.process.poll() is None
+    assert target.chat().status_code == 200
+    assert target.live_s() < LIVE_S

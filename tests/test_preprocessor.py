@@ -491,3 +491,26 @@ def test_cli_jinja_tokenization_modes(tmp_path: Path) -> None:
         assert result.returncode == 0, result.stderr
         counts[mode] = json.loads(result.stdout)["token_ids"].count(im_end)
     assert counts == {"segmented": 2, "hf": 3}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "words"),
+    [
+        ({"logit_bias": {"42": 5}}, "logit_bias", "logit_bias is not supported"),
+        ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "maximum length 1024"),
+        ({"stop_token_ids": [7, 8448]}, "stop_token_ids", "token id 8448 is outside the vocabulary of 8448"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids", "token id -1 is outside"),
+    ],
+)
+def test_request_fields_an_engine_would_ignore_are_400s_naming_them(
+    fields: dict[str, Any], param: str, words: str
+) -> None:
+    """issue 20: logit_bias and out-of-vocabulary or endless stop ids were silently forwarded."""
+    card = ModelDeploymentCard.from_model_dir("kimi-k3-demo")
+    preprocessor = OpenAIPreprocessor.new(card, "kimi-k3-demo")
+    request = {"model": "kimi-k3-demo", "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(PreprocessError) as refused:
+        preprocessor.preprocess(request)
+    assert refused.value.param == param
+    assert words in str(refused.value)
+    preprocessor.preprocess({**request, **dict.fromkeys(fields)})  # without them: fine

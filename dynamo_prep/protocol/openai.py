@@ -75,6 +75,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
+    logit_bias: dict[str, Any] | None = None
     ignore_eos: bool = False
     n: Int = 1
     stream: bool = False
