@@ -99,6 +99,32 @@ def test_temperature_does_not_apply_to_the_balance_rule() -> None:
     assert picks == {"w1"}
 
 
+def test_a_bigger_engine_takes_a_bigger_share_of_the_load() -> None:
+    """Capacities from the cards (total_kv_blocks): the load terms are weighed by size."""
+    active = {"w0": 100, "w1": 100}
+    assert choose(["w0", "w1"], {}, 4, active, {}, capacity={"w0": 1000, "w1": 500}).instance_id == "w0"
+    assert choose(["w0", "w1"], {}, 4, active, {}, capacity={"w0": 500, "w1": 1000}).instance_id == "w1"
+    # Twice the size at 150 blocks is less loaded than half the size at 100 (150 < 100 * 2).
+    busier = {"w0": 150, "w1": 100}
+    assert choose(["w0", "w1"], {}, 4, busier, {}, capacity={"w0": 1000, "w1": 500}).instance_id == "w0"
+    assert choose(["w0", "w1"], {}, 4, busier, {}).instance_id == "w1"  # without figures: alike
+    # An instance whose card says nothing counts as the largest.
+    assert choose(["w0", "w1"], {}, 4, active, {}, capacity={"w1": 500}).instance_id == "w0"
+
+
+def test_an_instance_without_room_for_the_prompt_is_passed_over_while_another_has_room() -> None:
+    # w0 holds 90 of the 100 prompt blocks and prefill weighs 20x: it wins by cost (200 + 950 against
+    # 2000 + 10) unless its cache, full with running requests, has no room for the prompt.
+    full = {"w0": 950, "w1": 10}
+    pick = {"overlaps": {"w0": 90}, "prompt_blocks": 100, "blocks_held": {}, "overlap_score_weight": 20.0}
+    sizes = {"w0": 1000, "w1": 1000}
+    assert choose(["w0", "w1"], active_blocks=full, **pick).instance_id == "w0"  # no figures
+    assert choose(["w0", "w1"], active_blocks=full, capacity=sizes, **pick).instance_id == "w1"
+    # Nobody has room: the choice is made among all (the engines queue).
+    crowded = {"w0": 950, "w1": 990}
+    assert choose(["w0", "w1"], active_blocks=crowded, capacity=sizes, **pick).instance_id == "w0"
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError, match="no candidate"):
         choose([], {}, 1, {}, {})

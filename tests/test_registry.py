@@ -91,6 +91,18 @@ def test_second_instance_only_adds_instance(k3_card: ModelDeploymentCard) -> Non
     assert events == [InstanceAdded("kimi-k3-demo", instance("b"), k3_card.mdcsum())]
 
 
+def test_each_instance_record_carries_its_own_card_s_kv_capacity(k3_card: ModelDeploymentCard) -> None:
+    """Per instance, not per model: the KV router weighs each engine's load against its own size."""
+    registry = DiscoveryRegistry()
+    registry.apply(announce("a", 1, card_bytes(k3_card, total_kv_blocks=4096)), now=0.0)
+    events = registry.apply(announce("b", 1, card_bytes(k3_card, total_kv_blocks=1024)), now=0.1)
+    assert [event.instance for event in events if isinstance(event, InstanceAdded)] == [
+        instance("b", total_kv_blocks=1024)
+    ]
+    snapshot = registry.model("kimi-k3-demo")
+    assert snapshot is not None and snapshot.instances["a"] == instance("a", total_kv_blocks=4096)
+
+
 def test_heartbeat_is_silent_and_refreshes_deadline(k3_card: ModelDeploymentCard) -> None:
     registry = DiscoveryRegistry()
     raw = card_bytes(k3_card)

@@ -581,11 +581,17 @@ class DiscoveryRegistry:
 def _record(instance: _Instance) -> Instance:
     """The instance as every later layer sees it: from its last accepted announce and card."""
     decoded = instance.decoded
+    if decoded is None:
+        return Instance(
+            instance_id=instance.instance_id, endpoint=instance.endpoint, kv_events=instance.kv_events
+        )
+    runtime = decoded.card.runtime_config
     return Instance(
         instance_id=instance.instance_id,
         endpoint=instance.endpoint,
-        declared_token=decoded.card.runtime_config.image_placeholder_token if decoded is not None else None,
+        declared_token=runtime.image_placeholder_token,
         kv_events=instance.kv_events,
+        total_kv_blocks=runtime.total_kv_blocks or None,  # 0 says nothing: no capacity is known
     )
 
 

@@ -138,6 +138,7 @@ class KvRouting:
             overlaps,
             count_blocks(len(first.request.token_ids), block_size),
             {instance.instance_id: hashes[instance.declared_token] for instance in candidates},
+            {i.instance_id: i.total_kv_blocks for i in candidates if i.total_kv_blocks is not None},
         )
         self.metrics.decided(decision, time.perf_counter() - started)
         return decision

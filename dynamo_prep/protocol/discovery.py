@@ -93,13 +93,15 @@ class Instance(msgspec.Struct, kw_only=True, frozen=True, gc=False):
 
     ``declared_token`` is what the worker declared in its card (``image_placeholder_token``;
     None means it renders the checkpoint default). It is never the token a formatter writes:
-    that is the formatter's ``rendered_token``.
+    that is the formatter's ``rendered_token``. ``total_kv_blocks`` is its engine's KV capacity
+    (its card's ``runtime_config``; None: not said), which the KV router weighs load against.
     """
 
     instance_id: str
     endpoint: str
     declared_token: str | None = None
     kv_events: KvEventsEndpoint | None = None
+    total_kv_blocks: int | None = None
 
 
 class _Header(msgspec.Struct):

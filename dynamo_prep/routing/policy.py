@@ -13,6 +13,12 @@ and prefilling blocks, then fewest blocks held) whatever the temperature. A new 
 is room instead of piling onto whichever instance holds a shared preamble (a system prompt, tool
 declarations), which would otherwise win every new conversation by a few blocks.
 
+Capacity (each instance's ``total_kv_blocks``, its engine's own figure from its card): an instance
+whose active and prefilling blocks leave no room for this prompt is passed over while another has
+room, and among instances of different sizes the load terms are weighed by size (the largest
+counts its blocks as they are; one half as large counts each block twice), so a bigger engine
+takes a proportionally bigger share. Without capacities every instance counts alike.
+
 Ties (equal cost, or equal load in the balance rule) go to the instance holding fewer blocks,
 then to a round-robin turn over the candidates in id order: with equal figures (a cold start,
 all idle) consecutive requests still spread instead of always landing on the lowest id.
@@ -81,36 +87,66 @@ def choose(
     rng: random.Random | None = None,
     turn: int = 0,
     prefilling: Mapping[str, int] | None = None,
+    capacity: Mapping[str, int] | None = None,
 ) -> Decision:
     """The instance for a request of ``prompt_blocks`` blocks (see the module docstring).
 
     ``prefilling``: blocks each instance still has to prefill for requests it was sent (they delay
-    this one's first token there, as its own prefill does). Missing entries in the mappings count
-    as 0. ``rng`` is only drawn from when ``temperature > 0`` and the cost rule applies; ``turn``
+    this one's first token there, as its own prefill does). ``capacity``: each instance's KV blocks
+    (missing: unbounded, weighed as the largest). Missing entries in the other mappings count as
+    0. ``rng`` is only drawn from when ``temperature > 0`` and the cost rule applies; ``turn``
     rotates the final tie-break.
     """
     if not candidates:
         raise ValueError("no candidate instance")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    ordered = sorted(set(candidates))
     queued = prefilling or {}
+    sizes = capacity or {}
+    ordered = _with_room(sorted(set(candidates)), prompt_blocks, active_blocks, queued, sizes)
+    weight = _weights(ordered, sizes)
     best_overlap = max([overlaps.get(instance_id, 0) for instance_id in ordered])
     balance = not best_overlap or 2 * best_overlap < prompt_blocks
     costs = [
         overlap_score_weight * (prompt_blocks - overlaps.get(instance_id, 0) + queued.get(instance_id, 0))
-        + active_blocks.get(instance_id, 0)
+        + active_blocks.get(instance_id, 0) * weight[instance_id]
         for instance_id in ordered
     ]
     if not balance and temperature > 0:
         index = _sample(costs, temperature, rng or random.Random())
     else:
-        load = [active_blocks.get(i, 0) + queued.get(i, 0) for i in ordered]
+        load = [(active_blocks.get(i, 0) + queued.get(i, 0)) * weight[i] for i in ordered]
         primary = load if balance else costs
         index = _least(primary, ordered, blocks_held, turn)
     chosen = ordered[index]
     reason: Reason = "balance" if balance else "overlap"
     return Decision(chosen, overlaps.get(chosen, 0), prompt_blocks, costs[index], reason)
+
+
+def _with_room(
+    ordered: list[str],
+    prompt_blocks: int,
+    active: Mapping[str, int],
+    queued: Mapping[str, int],
+    capacity: Mapping[str, int],
+) -> list[str]:
+    """The instances with room for the prompt in their KV cache, or all when none has (the engines
+    queue it)."""
+    if not capacity:
+        return ordered
+    roomy = [
+        i
+        for i in ordered
+        if i not in capacity or active.get(i, 0) + queued.get(i, 0) + prompt_blocks <= capacity[i]
+    ]
+    return roomy or ordered
+
+
+def _weights(ordered: list[str], capacity: Mapping[str, int]) -> dict[str, float]:
+    """Each instance's weight on its load: the largest capacity over its own (1 without figures)."""
+    known = [capacity[i] for i in ordered if capacity.get(i)]
+    largest = max(known, default=0)
+    return {i: largest / capacity[i] if capacity.get(i) else 1.0 for i in ordered}
 
 
 def _least(primary: Sequence[float], ordered: list[str], blocks_held: Mapping[str, int], turn: int) -> int:
@@ -286,10 +322,15 @@ class KvRouter:
         return self.choose(self.index.match(hashes), blocks, dict.fromkeys(candidates, hashes))
 
     def choose(
-        self, overlaps: Mapping[str, int], prompt_blocks: int, block_hashes: Mapping[str, Sequence[int]]
+        self,
+        overlaps: Mapping[str, int],
+        prompt_blocks: int,
+        block_hashes: Mapping[str, Sequence[int]],
+        capacity: Mapping[str, int] | None = None,
     ) -> Decision:
         """``choose`` among the instances of ``block_hashes`` (each one's hashes of the prompt, as
-        rendered for it) with this router's load, index and settings."""
+        rendered for it) with this router's load, index and settings, and the instances' KV
+        ``capacity`` when their cards say it."""
         decision = choose(
             list(block_hashes),
             overlaps,
@@ -301,6 +342,7 @@ class KvRouter:
             rng=self._rng,
             turn=self._turn,
             prefilling=self.load.prefilling(),
+            capacity=capacity,
         )
         self._turn += 1
         return replace(decision, block_hashes=block_hashes[decision.instance_id])

@@ -39,11 +39,13 @@ def mock_engine(config: WorkerConfig) -> MockContinuation:
 
 
 def mock_card(config: WorkerConfig, declared_token: str | None) -> ModelDeploymentCard:
+    """The model's card; with ``--kv-events`` it says the mock cache's capacity, as an engine does."""
+    capacity = config.kv_blocks if config.kv_events else None
     return ModelDeploymentCard.from_model_dir(
         config.model_dir,
         served_name=config.served_name,
         migration_limit=config.migration_limit,
-        runtime_config=ModelRuntimeConfig(image_placeholder_token=declared_token),
+        runtime_config=ModelRuntimeConfig(image_placeholder_token=declared_token, total_kv_blocks=capacity),
     )
 
 
