@@ -174,6 +174,18 @@ def vllm_config(**kv_events: Any) -> SimpleNamespace:
     )
 
 
+class Replies:
+    """A request plane ``reply``: what the worker sent, and an event set by each message."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+        self.arrived = asyncio.Event()
+
+    async def __call__(self, message: Any) -> None:
+        self.sent.append(message)
+        self.arrived.set()
+
+
 def runtime(engine: FakeAsyncLLM) -> VllmRuntime:
     return VllmRuntime(engine, FAKE_API, ImageFetcher())
 
@@ -307,13 +319,8 @@ async def test_a_cancel_on_the_request_plane_aborts_the_right_request_once() -> 
     engine = FakeAsyncLLM([out([11])], hold=True)
     rt = runtime(engine)
     server = GenerationServer(rt.generate, check=rt.check)
-    sent: list[Any] = []
-    first = asyncio.Event()
-
-    async def reply(message: Any) -> None:
-        sent.append(message)
-        first.set()
-
+    reply = Replies()
+    sent, first = reply.sent, reply.arrived
     other = FakeAsyncLLM([out([11])], hold=True)
     bystander = GenerationServer(runtime(other).generate)
     await bystander.on_generate(
@@ -368,13 +375,8 @@ async def test_engine_errors_become_the_worker_s_statuses(
 async def test_an_engine_refusal_reaches_the_frontend_as_a_400_with_its_message() -> None:
     rt = runtime(FakeAsyncLLM(ClientError("min_p must be in [0, 1], got 2.")))
     server = GenerationServer(rt.generate, check=rt.check)
-    sent: list[Any] = []
-    done = asyncio.Event()
-
-    async def reply(message: Any) -> None:
-        sent.append(message)
-        done.set()
-
+    reply = Replies()
+    sent, done = reply.sent, reply.arrived
     await server.on_generate(
         Generate(request_id="r", request=request(), deadline_ms=now_ms() + 60_000), reply
     )

@@ -40,3 +40,29 @@ def test_broker_and_keys_load_no_formatter_stack() -> None:
     """The broker runs until signalled, so its handler's module is imported and its help printed."""
     assert loaded_after(["broker", "--help"], ("dynamo_prep.discovery.broker",)) == []
     assert loaded_after(["keys", "--help"], ("dynamo_prep.discovery.trust",)) == []
+
+
+ENGINES = ("vllm", "sglang", "torch")
+
+
+def test_no_module_imports_an_engine_at_import_time() -> None:
+    """The frontend, the worker and ``import dynamo_prep`` never load vLLM, SGLang or torch: only a
+    worker started with ``--engine vllm|sglang`` imports its engine, inside the bridge's functions
+    (``tests/engines/test_imports.py`` checks the same with the engines installed)."""
+    import ast  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    package = Path(__file__).resolve().parent.parent / "dynamo_prep"
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:  # module level only: imports inside functions are lazy
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            found += [f"{path.name}: {name}" for name in names if name.split(".")[0] in ENGINES]
+    assert found == []

@@ -93,21 +93,21 @@ async def _serve_engine(config: WorkerConfig) -> int:
         except Exception as exc:  # the engine could not load: nothing was announced
             log.exception("worker_start_failed", model_path=str(config.model_dir), error=repr(exc))
             return EXIT_FAILED
-    try:
-        if stopping.is_set():  # stopped while the engine was loading: nothing to announce
-            return EXIT_OK
-        card = engine_card(config, runtime, declared_token(config, runtime.declared_image_token))
-        # Installed again after the engine started: it may have put its own handlers in place.
-        with on_stop_signals_in_loop(lambda _signum: stopping.set()):
-            return await _serve_signalled(
-                lambda context: engine_worker(config, card, runtime, context), stopping, runtime
-            )
-    except (ModelCardError, OSError, ValueError) as exc:
-        log.error("worker_start_failed", model_path=str(config.model_dir), error=str(exc))
-        return EXIT_FAILED
-    finally:
-        await runtime.shutdown()
-        log.info("engine_stopped", engine=config.engine)
+        try:
+            if stopping.is_set():  # stopped while the engine was loading: nothing to announce
+                return EXIT_OK
+            card = engine_card(config, runtime, declared_token(config, runtime.declared_image_token))
+            # Installed again now: the engine may have put its own handlers in place while starting.
+            with on_stop_signals_in_loop(lambda _signum: stopping.set()):
+                return await _serve_signalled(
+                    lambda context: engine_worker(config, card, runtime, context), stopping, runtime
+                )
+        except (ModelCardError, OSError, ValueError) as exc:
+            log.error("worker_start_failed", model_path=str(config.model_dir), error=str(exc))
+            return EXIT_FAILED
+        finally:
+            await runtime.shutdown()
+            log.info("engine_stopped", engine=config.engine)
 
 
 async def _serve_signalled(
