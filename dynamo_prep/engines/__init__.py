@@ -1,6 +1,8 @@
 """Engines as the worker sees them: the contract, the bridges to real engines, and a mock.
 
-* ``base``: the engine contract (``EngineContractError``, ``EngineOutput``, ``Flavor``).
+* ``base``: the engine contract (``EngineOutput``, ``EngineError`` and its statuses,
+  ``EngineFacts``, ``EngineRuntime``, ``Flavor``); ``steps``: what every real bridge shares (the
+  step it yields, stop ids, sampling values); ``images``: the bounded image fetcher.
 * ``declare``: the declared token for an engine of either flavor.
 * ``vllm`` / ``sglang``: one bridge per real engine, in two parts: pure translation (request ->
   engine call, engine output -> ``EngineOutput``; no engine import) and a thin runtime adapter
