@@ -156,12 +156,9 @@ class OpenAIPreprocessor:
 
     def _check_stop_ids(self, chat: ChatCompletionRequest) -> None:
         """Stop ids are this model's ids: an engine would silently never meet any other."""
-        bad, size = self.tokenizer.first_unknown_id(chat.stop_token_ids or []), self.tokenizer.n_vocab
-        if bad is not None:
-            raise PreprocessError(
-                f"stop_token_ids: token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})",
-                param="stop_token_ids",
-            )
+        unknown = self.tokenizer.unknown_id_error(chat.stop_token_ids or [])
+        if unknown is not None:
+            raise PreprocessError(f"stop_token_ids: {unknown}", param="stop_token_ids")
 
     def _preprocessed(self, chat: ChatCompletionRequest, prompt: TokenizedPrompt) -> PreprocessedRequest:
         max_tokens = self._max_tokens(chat, len(prompt.token_ids))

@@ -262,6 +262,13 @@ class Tokenizer:
             return None
         return next(token_id for token_id in ids if not 0 <= token_id < self.n_vocab)
 
+    def unknown_id_error(self, ids: Sequence[int]) -> str | None:
+        """What is wrong with ``ids`` for this vocabulary, worded for a client, or None."""
+        bad, size = self.first_unknown_id(ids), self.n_vocab
+        if bad is None:
+            return None
+        return f"token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})"
+
     def token_to_id(self, text: str) -> int | None:
         """The id of a registered special, or of text that is exactly one base-vocabulary token."""
         special_id = self._specials.get(text)

@@ -5,7 +5,8 @@ Pure: engine outputs are read by attribute or key, engine classes are never impo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 import msgspec
@@ -13,7 +14,15 @@ import msgspec
 from dynamo_prep.engines.base import EngineContractError
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 
-__all__ = ["SAMPLING_KEYS", "EngineStep", "StepCounter", "check_n", "sampling_values", "stop_ids"]
+__all__ = [
+    "SAMPLING_KEYS",
+    "EngineStep",
+    "StepCounter",
+    "check_n",
+    "model_argv",
+    "sampling_values",
+    "stop_ids",
+]
 
 # The sampling knobs a request may leave to the model's generation_config (our names).
 SAMPLING_KEYS: Final = (
@@ -35,6 +44,15 @@ class EngineStep(msgspec.Struct, frozen=True, gc=False):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+
+
+def model_argv(model_flag: str, model_dir: str | Path, rest: Sequence[str]) -> list[str]:
+    """An engine's own command line: the engine flags, with ``model_flag model_dir`` in front unless
+    they name a model themselves (``--model``: vLLM's flag, and SGLang's alias of its
+    ``--model-path``, which is the worker's own)."""
+    if any(arg == "--model" or arg.startswith("--model=") for arg in rest):
+        return list(rest)
+    return [model_flag, str(model_dir), *rest]
 
 
 def check_n(request: PreprocessedRequest) -> None:

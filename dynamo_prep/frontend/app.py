@@ -247,11 +247,9 @@ def _check_ids(ids: list[int], context_length: int, tokenizer: Tokenizer) -> Non
         raise OpenAIError(
             400, f"{len(ids)} tokens exceed the model's context length of {context_length}", param="tokens"
         )
-    bad, size = tokenizer.first_unknown_id(ids), tokenizer.n_vocab
-    if bad is not None:
-        raise OpenAIError(
-            400, f"token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})", param="tokens"
-        )
+    unknown = tokenizer.unknown_id_error(ids)
+    if unknown is not None:
+        raise OpenAIError(400, unknown, param="tokens")
 
 
 _NO_CACHE = {"cache-control": "no-cache"}

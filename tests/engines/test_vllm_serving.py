@@ -133,13 +133,24 @@ def test_a_cancelled_stream_leaves_the_engine_with_nothing_unfinished(vllm_clust
     )
 
 
+def preprocessed(model_dir: Path, text: str, **fields: Any) -> PreprocessedRequest:
+    """The request the frontend would send for a one-message chat (built here, for the request plane)."""
+    card = ModelDeploymentCard.from_model_dir(model_dir)
+    return OpenAIPreprocessor.new(card, model_dir).preprocess(
+        {"model": MODEL, "messages": chat(text), **fields}
+    )
+
+
+def first_endpoint(cluster: Cluster) -> str:
+    """The first worker's request-plane endpoint."""
+    endpoint: str = cluster.workers[0].process.find("worker_started")[0]["endpoint"]
+    return endpoint
+
+
 async def _greedy_ids(cluster: Cluster, model_dir: Path, text: str, max_tokens: int) -> list[int]:
     """The ids a worker's engine generates greedily, read on the request plane (a worker's endpoint)."""
-    card = ModelDeploymentCard.from_model_dir(model_dir)
-    request = OpenAIPreprocessor.new(card, model_dir).preprocess(
-        {"model": MODEL, "messages": chat(text), "max_tokens": max_tokens, "temperature": 0}
-    )
-    endpoint = cluster.workers[0].process.find("worker_started")[0]["endpoint"]
+    request = preprocessed(model_dir, text, max_tokens=max_tokens, temperature=0)
+    endpoint = first_endpoint(cluster)
     plane = RequestPlaneClient()
     try:
         outputs: list[Output] = [
@@ -216,10 +227,7 @@ async def test_an_engine_validation_error_is_a_400_with_the_engine_s_message(
 ) -> None:
     """A request vLLM refuses (here a top_k it does not accept, sent on the request plane past the
     frontend's own checks) comes back as a 400 carrying vLLM's words; the engine keeps serving."""
-    card = ModelDeploymentCard.from_model_dir(engine_model)
-    good: PreprocessedRequest = OpenAIPreprocessor.new(card, engine_model).preprocess(
-        {"model": MODEL, "messages": chat("Hi"), "max_tokens": 2}
-    )
+    good = preprocessed(engine_model, "Hi", max_tokens=2)
     bad = PreprocessedRequest(
         model=good.model,
         token_ids=good.token_ids,
@@ -227,7 +235,7 @@ async def test_an_engine_validation_error_is_a_400_with_the_engine_s_message(
         sampling_options=SamplingOptions(top_k=-5),
         eos_token_ids=good.eos_token_ids,
     )
-    endpoint = vllm_cluster.workers[0].process.find("worker_started")[0]["endpoint"]
+    endpoint = first_endpoint(vllm_cluster)
     plane = RequestPlaneClient()
     try:
         with pytest.raises(WorkerError) as refused:

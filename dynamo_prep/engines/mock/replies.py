@@ -82,7 +82,7 @@ def _reply(line: str, number: int, tokenizer: Tokenizer) -> MockReply:
         token_ids = tokenizer.encode(entry.text, allow_special=True)
     else:
         token_ids = list(entry.token_ids) if not isinstance(entry.token_ids, msgspec.UnsetType) else []
-        outside = [token_id for token_id in token_ids if not 0 <= token_id < tokenizer.n_vocab]
-        if outside:
-            raise ValueError(f"token id {outside[0]} is outside the vocabulary [0, {tokenizer.n_vocab})")
+        outside = tokenizer.first_unknown_id(token_ids)
+        if outside is not None:
+            raise ValueError(f"token id {outside} is outside the vocabulary [0, {tokenizer.n_vocab})")
     return MockReply(when=entry.when, token_ids=tuple(token_ids), line=number)

@@ -15,13 +15,11 @@ from pathlib import Path
 from typing import Any, Final
 
 from dynamo_prep.engines.base import EngineAbortedError, EngineContractError, EngineFacts, EngineFailedError
-from dynamo_prep.engines.steps import EngineStep, StepCounter, sampling_values, stop_ids
+from dynamo_prep.engines.steps import EngineStep, StepCounter, model_argv, sampling_values, stop_ids
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 
-__all__ = ["MODEL_FLAGS", "ChunkReader", "engine_argv", "engine_facts", "generate_kwargs", "sampling_params"]
+__all__ = ["ChunkReader", "engine_argv", "engine_facts", "generate_kwargs", "sampling_params"]
 
-# SGLang's model flags: --model-path is the worker's own, so the engine's alias names another model.
-MODEL_FLAGS: Final = ("--model",)
 _TOP_K_OFF: Final = -1
 _FINISHED: Final = {"stop": "stop", "length": "length"}
 _BAD_REQUEST: Final = 400
@@ -29,9 +27,7 @@ _BAD_REQUEST: Final = 400
 
 def engine_argv(model_dir: str | Path, rest: Sequence[str]) -> list[str]:
     """SGLang's own command line: the engine flags, and ``--model-path`` unless they name a model."""
-    if any(arg == flag or arg.startswith(f"{flag}=") for arg in rest for flag in MODEL_FLAGS):
-        return list(rest)
-    return ["--model-path", str(model_dir), *rest]
+    return model_argv("--model-path", model_dir, rest)
 
 
 def sampling_params(request: PreprocessedRequest, defaults: Mapping[str, Any]) -> dict[str, Any]:

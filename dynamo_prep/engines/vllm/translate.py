@@ -14,11 +14,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from dynamo_prep.engines.base import EngineAbortedError, EngineFacts, EngineFailedError
-from dynamo_prep.engines.steps import EngineStep, StepCounter, sampling_values, stop_ids
+from dynamo_prep.engines.steps import EngineStep, StepCounter, model_argv, sampling_values, stop_ids
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 
 __all__ = [
-    "MODEL_FLAGS",
     "OutputReader",
     "engine_argv",
     "engine_facts",
@@ -26,17 +25,13 @@ __all__ = [
     "sampling_fields",
 ]
 
-# The engine flags that name the model; without one, the worker's --model-path is the model.
-MODEL_FLAGS: Final = ("--model",)
 # vLLM's finish reasons that end a stream normally, as the request plane names them.
 _FINISHED: Final = {"stop": "stop", "length": "length", "repetition": "stop"}
 
 
 def engine_argv(model_dir: str | Path, rest: Sequence[str]) -> list[str]:
     """vLLM's own command line: the operator's engine flags, and ``--model`` unless they name one."""
-    if any(arg == flag or arg.startswith(f"{flag}=") for arg in rest for flag in MODEL_FLAGS):
-        return list(rest)
-    return ["--model", str(model_dir), *rest]
+    return model_argv("--model", model_dir, rest)
 
 
 def sampling_fields(request: PreprocessedRequest, defaults: Mapping[str, Any]) -> dict[str, Any]:
