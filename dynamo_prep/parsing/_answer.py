@@ -121,20 +121,42 @@ def new_call_id() -> str:
 CallIds = Callable[[], str]
 
 
-class DeltaList(list[AnswerDelta]):
-    """Deltas of one ``feed``/``finish`` call; adjacent text of one kind is merged into one delta."""
+class DeltaList:
+    """The deltas of one ``feed``/``finish`` call, built in order; adjacent text of one kind becomes one
+    delta. Text is kept in pieces and joined once, by ``done``, so building costs O(the text)."""
+
+    __slots__ = ("_deltas", "_kind", "_parts")
+
+    def __init__(self) -> None:
+        self._deltas: list[AnswerDelta] = []
+        self._kind: type[ReasoningDelta] | type[ContentDelta] | None = None
+        self._parts: list[str] = []
 
     def text(self, kind: type[ReasoningDelta] | type[ContentDelta], text: str) -> None:
         if not text:
             return
-        last = self[-1] if self else None
-        if isinstance(last, kind):
-            self[-1] = kind(last.text + text)
-        else:
-            self.append(kind(text))
+        if kind is not self._kind:
+            self._seal()
+            self._kind = kind
+        self._parts.append(text)
 
     def reasoning(self, text: str) -> None:
         self.text(ReasoningDelta, text)
 
     def content(self, text: str) -> None:
         self.text(ContentDelta, text)
+
+    def append(self, call: ToolCallDelta) -> None:
+        self._seal()
+        self._deltas.append(call)
+
+    def done(self) -> list[AnswerDelta]:
+        """The deltas built so far (the list is the builder's own: call once, at the end)."""
+        self._seal()
+        return self._deltas
+
+    def _seal(self) -> None:
+        if self._kind is not None:
+            self._deltas.append(self._kind("".join(self._parts)))
+            self._parts.clear()
+            self._kind = None

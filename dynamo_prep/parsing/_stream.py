@@ -55,7 +55,7 @@ class IdStreamParser(Generic[Tag]):
                 self._recoveries.add(kind)
         if run:
             self._text_run(run, out)
-        return out
+        return out.done()
 
     def _text_run(self, run: list[int], out: DeltaList) -> None:
         if self._in_reasoning():

@@ -57,7 +57,8 @@ class HermesAnswerParser(IdStreamParser[str]):
         self._call_ids = call_ids or new_call_id
         self._state = _REASONING if think_tags and start_in_reasoning else _CONTENT
         self._start = think_tags  # nothing but whitespace yet: a <think> may still open the answer
-        self._pending = ""  # decoded text not yet released (whitespace at the start, a partial tag)
+        self._pending = ""  # decoded text not yet released (a partial tag, whitespace just in)
+        self._held = bytearray()  # whitespace before _pending (UTF-8), held at the start or after a call
         self._body: list[str] = []
         self._after_call = False  # a call just ended: whitespace alone is not content
         self._calls = 0
@@ -68,6 +69,7 @@ class HermesAnswerParser(IdStreamParser[str]):
         self._pending += self._utf8.flush(cut=cut)
         if cut:  # held text may be the start of a tag the cut interrupted: it is not released
             self._pending = ""
+            self._drop_held()
             self._body = []
         elif self._state == _CALL:
             self._body.append(self._pending)
@@ -78,7 +80,7 @@ class HermesAnswerParser(IdStreamParser[str]):
             if self._state == _REASONING:
                 self._recoveries.add(kinds.MISSING_THINK_CLOSE)
         self._state = _CONTENT
-        return out
+        return out.done()
 
     # ------------------------------------------------------------------ text
 
@@ -93,6 +95,7 @@ class HermesAnswerParser(IdStreamParser[str]):
         self._pending += self._utf8.flush()
         if tag == THINK_OPEN and self._start:
             self._pending = ""  # whitespace before the opening tag
+            self._drop_held()
         else:
             self._scan(out, final=True)
         self._tag(tag, out)
@@ -101,46 +104,72 @@ class HermesAnswerParser(IdStreamParser[str]):
         """Releases pending text up to each text tag it holds, holding back what may still become one.
 
         After a call, text that is only whitespace (the newlines between calls) is held and dropped
-        unless more text follows it.
+        unless more text follows it. Held whitespace is set aside (``_held``) and pending text is
+        read from a cursor, so every character is scanned a bounded number of times.
         """
+        if self._start and not self._starts(final):
+            return
+        pending, at = self._pending, 0
         while True:
-            if self._start and not self._starts(final):
-                return
-            found = self._next_tag()
-            pending = self._pending
+            found = self._next_tag(pending, at)
             end = (
-                found[0] if found is not None else len(pending) - (0 if final else self._partial_tag(pending))
+                found[0]
+                if found is not None
+                else len(pending) - (0 if final else self._partial_tag(pending, at))
             )
-            released = pending[:end]
+            released = pending[at:end]
             if self._after_call:
                 if released.strip():
                     self._after_call = False
+                    released = self._unhold() + released
                 elif found is None and not final:
+                    self._held += released.encode()
+                    self._pending = pending[end:]
                     return
                 else:
+                    self._drop_held()
                     released = ""
             self._release(released, out)
             if found is None:
                 self._pending = pending[end:]
                 return
-            self._pending = pending[end + len(found[1]) :]
+            at = end + len(found[1])
             self._tag(found[1], out)
 
     def _starts(self, final: bool) -> bool:
         """At the start: False to keep holding; True once the answer has begun (``<think>`` or text)."""
-        stripped = self._pending.lstrip()
+        pending = self._pending
+        stripped = pending.lstrip()
         if THINK_OPEN in self._text_tags and self._state != _CALL:
             if stripped.startswith(THINK_OPEN):
                 self._pending = stripped[len(THINK_OPEN) :]
+                self._drop_held()
                 self._start = False
                 self._state = _REASONING
                 return True
             if not final and THINK_OPEN.startswith(stripped):
+                self._hold_blank(pending, stripped)
                 return False
         elif not final and not stripped:
+            self._hold_blank(pending, stripped)
             return False
         self._start = False
+        self._pending = self._unhold() + pending
         return True
+
+    def _hold_blank(self, pending: str, stripped: str) -> None:
+        """Sets the whitespace in front of ``pending`` aside, so that it is not scanned again."""
+        if blank := len(pending) - len(stripped):
+            self._held += pending[:blank].encode()
+            self._pending = stripped
+
+    def _unhold(self) -> str:
+        held = self._held.decode()
+        self._drop_held()
+        return held
+
+    def _drop_held(self) -> None:
+        self._held = bytearray()
 
     def _looking_for(self) -> tuple[str, ...]:
         if self._state == _REASONING:
@@ -151,15 +180,15 @@ class HermesAnswerParser(IdStreamParser[str]):
             wanted = (CALL_CLOSE,)
         return tuple(tag for tag in wanted if tag in self._text_tags)
 
-    def _next_tag(self) -> tuple[int, str] | None:
-        hits = [(at, tag) for tag in self._looking_for() if (at := self._pending.find(tag)) >= 0]
+    def _next_tag(self, text: str, start: int) -> tuple[int, str] | None:
+        hits = [(at, tag) for tag in self._looking_for() if (at := text.find(tag, start)) >= 0]
         return min(hits) if hits else None
 
-    def _partial_tag(self, text: str) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a tag looked for."""
+    def _partial_tag(self, text: str, start: int) -> int:
+        """Length of the longest tail of ``text[start:]`` that is a proper prefix of a tag looked for."""
         best = 0
         for tag in self._looking_for():
-            for length in range(min(len(tag) - 1, len(text)), best, -1):
+            for length in range(min(len(tag) - 1, len(text) - start), best, -1):
                 if text.endswith(tag[:length]):
                     best = length
                     break

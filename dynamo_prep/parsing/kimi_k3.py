@@ -100,7 +100,6 @@ class KimiK3AnswerParser(IdStreamParser[int]):
         self._header: list[int] | None = None
         self._header_kind = _OPEN
         self._sink: type[ReasoningDelta] | type[ContentDelta] | None = None  # what the decoder feeds
-        self._held = bytearray()  # message-level whitespace, dropped unless text follows
         self._outside = False  # this stretch of message-level text flows as content
         self._garbage = False  # this stretch of misplaced text is already counted
         self._call: _Call | None = None
@@ -111,7 +110,7 @@ class KimiK3AnswerParser(IdStreamParser[int]):
     def finish(self, finish_reason: str) -> list[AnswerDelta]:
         out = DeltaList()
         if self._closed:
-            return out
+            return out.done()
         cut = finish_reason == "length"
         if self._header is not None:
             if cut:
@@ -126,7 +125,7 @@ class KimiK3AnswerParser(IdStreamParser[int]):
             self._end_message(out)
         self._end_stretch(out)
         self._recoveries.muted = False
-        return out
+        return out.done()
 
     # ------------------------------------------------------------------ ids in
 
@@ -178,13 +177,12 @@ class KimiK3AnswerParser(IdStreamParser[int]):
             self._recoveries.add(kinds.GARBAGE)
 
     def _message_text(self, data: bytes, out: DeltaList) -> None:
-        """Text outside any channel is content; a stretch of only whitespace is dropped."""
+        """Text outside any channel is content; a stretch of only whitespace is dropped (whitespace
+        before a stretch's first other byte is not kept: it is dropped either way)."""
         if not self._outside:
-            self._held += data
-            if is_blank(self._held):
+            if is_blank(data):
                 return
-            data = bytes(self._held).lstrip()
-            self._held.clear()
+            data = data.lstrip()
             self._outside = True
             self._recoveries.add(kinds.TEXT_OUTSIDE_CHANNEL)
         self._sink = ContentDelta
@@ -195,7 +193,6 @@ class KimiK3AnswerParser(IdStreamParser[int]):
         if self._sink is not None:
             out.text(self._sink, tail)
         self._sink = None
-        self._held.clear()
         self._outside = self._garbage = False
 
     # ------------------------------------------------------------------ tags

@@ -18,7 +18,7 @@ class PlainAnswerParser(IdStreamParser[None]):
     def finish(self, finish_reason: str) -> list[AnswerDelta]:
         out = DeltaList()
         out.content(self._utf8.flush(cut=finish_reason == "length"))
-        return out
+        return out.done()
 
     def _on_text(self, token_ids: list[int], out: DeltaList) -> None:
         out.content(self._utf8.push(self._vocab.bytes_of(token_ids)))

@@ -1,0 +1,203 @@
+"""Answer parsers: cost per output token at 1k, 10k and 100k tokens (linear means a flat cost).
+
+``python -m benchmarks.parsing [--sizes 1000 10000 100000] [--only NAME ...]``
+
+Each parser family (K3 in the reference form after its think channel, K3 hosted, Hermes on the
+qwen-vl-demo vocabulary where the tags are text, plain) parses three kinds of output of each size:
+
+* ``whitespace``: message-level whitespace ids (a degenerate but ordinary output: K3 after the
+  think channel closed, K3 hosted before any channel, Hermes before a possible ``<think>``, and
+  after a tool call);
+* ``text``: ordinary words in a text channel;
+* ``markers``: structure all along (K3 tool calls with an argument each, Hermes ``<tool_call>``
+  blocks, plain text with stray special ids between words).
+
+Both ways the frontend uses a parser: ``streamed`` (one id per ``feed``, the worst chunking) and
+``whole`` (``parse_answer`` on every id at once). Each size is run over about the same number of
+tokens (1k 100 times, 10k 10 times, 100k once); the figure is the ratio of the per-token cost at
+the largest size to that at the smallest, target <= 2x (a quadratic parser is ~100x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from benchmarks._report import Suite
+from dynamo_prep.parsing import (
+    AnswerParser,
+    HermesAnswerParser,
+    KimiK3AnswerParser,
+    PlainAnswerParser,
+    parse_answer,
+)
+from dynamo_prep.parsing._tokens import Vocab, vocab_of
+from dynamo_prep.tokenizer import Tokenizer
+
+SIZES = (1_000, 10_000, 100_000)
+TARGET_RATIO = 2.0
+K3_MODEL = "kimi-k3-demo"
+QWEN_MODEL = "qwen-vl-demo"
+
+
+class Workload(NamedTuple):
+    name: str
+    make: Callable[[], AnswerParser]
+    prefix: list[int]
+    body: list[int]
+    """Repeated (and cut) to the size; the prefix does not count."""
+
+
+def segments(tokenizer: Tokenizer, *parts: tuple[str, bool]) -> list[int]:
+    return tokenizer.encode_segments(list(parts))
+
+
+def k3_tag(tag: str, attrs: str = "", *, close: bool = False) -> list[tuple[str, bool]]:
+    return [("<|close|>" if close else "<|open|>", True), (tag + attrs, False), ("<|sep|>", True)]
+
+
+def k3_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    vocab = vocab_of(tokenizer)
+    blank = tokenizer.encode(" ") + tokenizer.encode("\n")
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    call = segments(
+        tokenizer,
+        *k3_tag("call", ' tool="f"'),
+        *k3_tag("argument", ' key="a" type="integer"'),
+        ("1", False),
+        *k3_tag("argument", close=True),
+        *k3_tag("call", close=True),
+    )
+
+    def reference() -> AnswerParser:
+        return KimiK3AnswerParser(vocab, thinking=True)
+
+    def hosted() -> AnswerParser:
+        return KimiK3AnswerParser(vocab, thinking=False, prompt_form="hosted")
+
+    think_closed = segments(tokenizer, ("hm", False), *k3_tag("think", close=True))
+    tools = segments(tokenizer, *k3_tag("tools"))
+    response = segments(tokenizer, *k3_tag("response"))
+    return [
+        Workload("k3 after think, whitespace", reference, think_closed, blank),
+        Workload("k3 after think, text", reference, [], words),
+        Workload("k3 after think, markers", reference, think_closed + tools, call),
+        Workload("k3 hosted, whitespace", hosted, [], blank),
+        Workload("k3 hosted, text", hosted, response, words),
+        Workload("k3 hosted, markers", hosted, tools, call),
+    ]
+
+
+def hermes_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    vocab = vocab_of(tokenizer)
+    blank = tokenizer.encode(" ") + tokenizer.encode("\n")
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    call = tokenizer.encode('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n')
+
+    def make() -> AnswerParser:
+        return HermesAnswerParser(vocab, think_tags=True, start_in_reasoning=False, tool_calls=True)
+
+    return [
+        Workload("hermes, whitespace", make, [], blank),
+        Workload("hermes after a call, whitespace", make, call, blank),
+        Workload("hermes, text", make, [], words),
+        Workload("hermes, markers", make, [], call),
+    ]
+
+
+def plain_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    vocab: Vocab = vocab_of(tokenizer)
+    blank = tokenizer.encode(" ") + tokenizer.encode("\n")
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    stray = tokenizer.special_tokens["<|im_start|>"]
+
+    def make() -> AnswerParser:
+        return PlainAnswerParser(vocab)
+
+    return [
+        Workload("plain, whitespace", make, [], blank),
+        Workload("plain, text", make, [], words),
+        Workload(
+            "plain, markers",
+            make,
+            [],
+            [word for pair in zip(words, itertools.repeat(stray)) for word in pair],
+        ),
+    ]
+
+
+def ids_of(workload: Workload, size: int) -> list[int]:
+    return workload.prefix + list(itertools.islice(itertools.cycle(workload.body), size))
+
+
+def streamed(make: Callable[[], AnswerParser], ids: Sequence[int]) -> None:
+    parser = make()
+    for token_id in ids:
+        parser.feed((token_id,))
+    parser.finish("stop")
+
+
+def whole(make: Callable[[], AnswerParser], ids: Sequence[int]) -> None:
+    parse_answer(make(), ids, "stop")
+
+
+MODES: dict[str, Callable[[Callable[[], AnswerParser], Sequence[int]], None]] = {
+    "streamed": streamed,
+    "whole": whole,
+}
+
+
+def per_token_us(workload: Workload, mode: str, size: int, budget: int) -> float:
+    """Microseconds per token of ``size``-token outputs, over about ``budget`` tokens in all."""
+    ids = ids_of(workload, size)
+    run = MODES[mode]
+    repeats = max(1, budget // size)
+    run(workload.make, ids[: min(len(ids), 200)])  # warm up
+    started = time.perf_counter()
+    for _ in range(repeats):
+        run(workload.make, ids)
+    return (time.perf_counter() - started) / (repeats * size) * 1e6
+
+
+def bench(suite: Suite, workloads: list[Workload], sizes: Sequence[int]) -> None:
+    budget = max(sizes)
+    for workload in workloads:
+        for mode in MODES:
+            costs = {size: per_token_us(workload, mode, size, budget) for size in sizes}
+            ratio = costs[max(sizes)] / costs[min(sizes)]
+            suite.details[f"{workload.name}, {mode}"] = {
+                str(size): round(us, 3) for size, us in costs.items()
+            }
+            note = ", ".join(f"{us:.2f} us/token at {size:,}" for size, us in costs.items())
+            suite.record(
+                f"{workload.name}, {mode}: per-token cost {max(sizes):,} / {min(sizes):,}",
+                ratio,
+                "x",
+                target=f"<= {TARGET_RATIO:g}x",
+                met=ratio <= TARGET_RATIO,
+                note=note,
+            )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="output sizes in tokens")
+    parser.add_argument("--only", nargs="*", default=[], help="workloads whose name contains one of these")
+    args = parser.parse_args(argv)
+    k3, qwen = Tokenizer.from_model_dir(K3_MODEL), Tokenizer.from_model_dir(QWEN_MODEL)
+    workloads = k3_workloads(k3) + hermes_workloads(qwen) + plain_workloads(qwen)
+    if args.only:
+        workloads = [w for w in workloads if any(part in w.name for part in args.only)]
+    suite = Suite("parsing")
+    bench(suite, workloads, sorted(args.sizes))
+    if sorted(args.sizes) == list(SIZES) and not args.only:
+        print(f"wrote {suite.write()}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

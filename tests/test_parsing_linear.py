@@ -1,0 +1,151 @@
+"""Answer parsers stay linear in the output (issue 20, row 9): streaming any amount of whitespace, text
+or structure, a parser keeps a bounded state and makes no copy that grows with the answer.
+
+Structural, not timed: ``tracemalloc`` measures what the parser keeps between feeds (its retained
+state may not grow with the number of ids streamed) and the largest allocation alive during any one
+feed (no copy of a buffer that grows with the answer). Per-token work beyond O(the token) needs one
+or the other: a rescan of held text needs the text held; a re-join needs the copy.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import tracemalloc
+from collections.abc import Callable
+
+import pytest
+from test_parsing_streams import K3, QWEN, all_ways, counting_ids, tokenizer
+
+from dynamo_prep.parsing import AnswerParser, HermesAnswerParser, KimiK3AnswerParser, PlainAnswerParser
+from dynamo_prep.parsing._tokens import vocab_of
+
+WARM_IDS = 10_000
+"""Streamed before the measure: the allocator's free lists and the tokenizer's caches fill up."""
+STREAMED_IDS = 40_000
+STATE_SLACK = 16_384
+"""Bytes the retained state may vary by (allocator free lists); the old K3 parser kept ~60 KB more here."""
+HELD_BYTES_PER_CHAR = 2
+"""What Hermes may keep per whitespace character it holds (it is released if text follows)."""
+FEED_SLACK = 8_192
+"""Bytes one feed of one id may allocate at its peak above what the parser held before it, plus half
+of what its state grew by (a buffer that must grow reallocates now and then); the old Hermes parser
+copied all it held, on every feed."""
+
+
+def k3_ids(*parts: tuple[str, bool]) -> list[int]:
+    return tokenizer(K3).encode_segments(list(parts))
+
+
+def k3_tag(tag: str, attrs: str = "", *, close: bool = False) -> list[tuple[str, bool]]:
+    return [("<|close|>" if close else "<|open|>", True), (tag + attrs, False), ("<|sep|>", True)]
+
+
+def k3(form: str) -> Callable[[], AnswerParser]:
+    vocab = vocab_of(tokenizer(K3))
+    if form == "hosted":
+        return lambda: KimiK3AnswerParser(
+            vocab, thinking=False, prompt_form="hosted", call_ids=counting_ids()
+        )
+    return lambda: KimiK3AnswerParser(vocab, thinking=True, call_ids=counting_ids())
+
+
+def hermes() -> AnswerParser:
+    vocab = vocab_of(tokenizer(QWEN))
+    return HermesAnswerParser(
+        vocab, think_tags=True, start_in_reasoning=False, tool_calls=True, call_ids=counting_ids()
+    )
+
+
+def plain() -> AnswerParser:
+    return PlainAnswerParser(vocab_of(tokenizer(QWEN)))
+
+
+def blank(model: str) -> list[int]:
+    return tokenizer(model).encode(" ") + tokenizer(model).encode("\n")
+
+
+def words(model: str) -> list[int]:
+    return tokenizer(model).encode("the quick brown fox jumps over the lazy dog. ")
+
+
+K3_CALL = k3_ids(
+    *k3_tag("call", ' tool="f"'),
+    *k3_tag("argument", ' key="a" type="integer"'),
+    ("1", False),
+    *k3_tag("argument", close=True),
+    *k3_tag("call", close=True),
+)
+HERMES_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+THINK_CLOSED = k3_ids(("hm", False), *k3_tag("think", close=True))
+
+CASES = {
+    # (parser, ids before the stream, ids streamed over and over, whether it holds the whitespace)
+    "k3 after think, whitespace": (k3("reference"), THINK_CLOSED, blank(K3), False),
+    "k3 hosted, whitespace": (k3("hosted"), [], blank(K3), False),
+    "k3 hosted, text outside a channel": (k3("hosted"), words(K3), blank(K3) + words(K3), False),
+    "k3, text": (k3("reference"), [], words(K3), False),
+    "k3, tool calls": (k3("hosted"), k3_ids(*k3_tag("tools")), K3_CALL, False),
+    "hermes, whitespace at the start": (hermes, [], blank(QWEN), True),
+    "hermes, whitespace after a call": (hermes, tokenizer(QWEN).encode(HERMES_CALL), blank(QWEN), True),
+    "hermes, a partial tag then whitespace": (
+        hermes,
+        tokenizer(QWEN).encode(HERMES_CALL + "<"),
+        blank(QWEN),
+        False,
+    ),
+    "hermes, text": (hermes, [], words(QWEN), False),
+    "hermes, tool calls": (hermes, [], tokenizer(QWEN).encode(HERMES_CALL), False),
+    "plain, whitespace": (plain, [], blank(QWEN), False),
+}
+
+
+class Streamer:
+    """One parser fed ``body`` over and over, one id per feed, under ``tracemalloc``."""
+
+    def __init__(self, make: Callable[[], AnswerParser], prefix: list[int], body: list[int]) -> None:
+        self.parser = make()
+        self.parser.feed(prefix)
+        self.ids = itertools.cycle(body)
+
+    def run(self, count: int) -> int:
+        """Feeds ``count`` ids; returns the most any one feed allocated above what was held before it."""
+        worst = 0
+        for _ in range(count):
+            token_id = next(self.ids)
+            held = tracemalloc.get_traced_memory()[0]
+            tracemalloc.reset_peak()
+            self.parser.feed((token_id,))
+            worst = max(worst, tracemalloc.get_traced_memory()[1] - held)
+        return worst
+
+
+def retained() -> int:
+    gc.collect()
+    return tracemalloc.get_traced_memory()[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_streaming_keeps_a_bounded_state_and_makes_no_growing_copy(case: str) -> None:
+    make, prefix, body, holds = CASES[case]
+    allowed = STATE_SLACK + (HELD_BYTES_PER_CHAR * STREAMED_IDS if holds else 0)  # one char per id
+    tracemalloc.start()
+    try:
+        streamer = Streamer(make, prefix, body)
+        streamer.run(WARM_IDS)
+        before = retained()
+        worst = streamer.run(STREAMED_IDS)
+        grown = retained() - before
+    finally:
+        tracemalloc.stop()
+    assert grown <= allowed, f"the parser's state grew by {grown} bytes"
+    assert worst <= FEED_SLACK + max(grown, 0) // 2, f"a feed of one id allocated {worst} bytes at its peak"
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_long_runs_parse_the_same_whole_and_streamed(case: str) -> None:
+    """Held whitespace is released, or dropped, exactly as before it was set aside."""
+    make, prefix, body, _ = CASES[case]
+    model = K3 if "k3" in case else QWEN
+    ids = prefix + body * (2_000 // len(body) + 1) + words(model)
+    all_ways(make, ids)
