@@ -340,7 +340,15 @@ def _add_http(command: Any) -> None:
         ("--http-body-timeout", "DYN_HTTP_BODY_TIMEOUT", float, d.DEFAULT_BODY_TIMEOUT_S,
          "seconds for a request's body to arrive, else 408"),
         ("--http-max-connections", "DYN_HTTP_MAX_CONNECTIONS", int, d.DEFAULT_MAX_CONNECTIONS,
-         "open connections per HTTP process; past it requests get 503"),
+         "open connections per HTTP process; at it the longest idle one is closed, else 503"),
+        ("--http-max-client-connections", "DYN_HTTP_MAX_CLIENT_CONNECTIONS", int,
+         d.DEFAULT_MAX_CLIENT_CONNECTIONS, "open connections per client address (raise it behind a proxy)"),
+        ("--http-max-url-bytes", "DYN_HTTP_MAX_URL_BYTES", int, d.DEFAULT_MAX_URL_BYTES,
+         "longer request URLs get 414"),
+        ("--http-max-header-bytes", "DYN_HTTP_MAX_HEADER_BYTES", int, d.DEFAULT_MAX_HEADER_BYTES,
+         "larger request heads (request line and headers) get 431"),
+        ("--http-max-headers", "DYN_HTTP_MAX_HEADERS", int, d.DEFAULT_MAX_HEADERS,
+         "requests with more headers get 431"),
     ):  # fmt: skip
         _env_option(command, flag, env=env, kind=kind, default=default, help=text)
 
@@ -543,6 +551,10 @@ def _frontend(args: argparse.Namespace) -> int:
         header_timeout_s=args.http_header_timeout,
         body_timeout_s=args.http_body_timeout,
         max_connections=args.http_max_connections,
+        max_client_connections=args.http_max_client_connections,
+        max_url_bytes=args.http_max_url_bytes,
+        max_header_bytes=args.http_max_header_bytes,
+        max_headers=args.http_max_headers,
         router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature,

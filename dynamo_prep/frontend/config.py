@@ -23,7 +23,11 @@ __all__ = [
     "DEFAULT_HTTP_WORKERS",
     "DEFAULT_KV_OVERLAP_SCORE_WEIGHT",
     "DEFAULT_MAX_BODY_BYTES",
+    "DEFAULT_MAX_CLIENT_CONNECTIONS",
     "DEFAULT_MAX_CONNECTIONS",
+    "DEFAULT_MAX_HEADERS",
+    "DEFAULT_MAX_HEADER_BYTES",
+    "DEFAULT_MAX_URL_BYTES",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "DEFAULT_ROUTER_MODE",
     "DEFAULT_ROUTER_TEMPERATURE",
@@ -41,8 +45,15 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # A client gets this long for a request's headers, and again for its body; slower ones get 408.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
-# Open connections per HTTP process; past it new requests get 503 at once (well below the fd limit).
+# Open connections per HTTP process (well below the fd limit); at the cap a newcomer closes the
+# longest idle connection, else gets 503 at once (docs/operations.md, "HTTP limits").
 DEFAULT_MAX_CONNECTIONS = 4096
+# Open connections per client address: one client cannot take every slot (raise it behind a proxy).
+DEFAULT_MAX_CLIENT_CONNECTIONS = 512
+# A request's head: longer URLs get 414, more header bytes (request line included) or headers 431.
+DEFAULT_MAX_URL_BYTES = 8 << 10
+DEFAULT_MAX_HEADER_BYTES = 64 << 10
+DEFAULT_MAX_HEADERS = 100
 DEFAULT_HTTP_WORKERS = 1
 RouterMode = Literal["round-robin", "kv"]
 ROUTER_MODES: tuple[RouterMode, ...] = get_args(RouterMode)
@@ -55,13 +66,18 @@ DEFAULT_ROUTER_TEMPERATURE = 0.0
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
     """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``, ``--http-header-timeout``,
-    ``--http-body-timeout``, ``--http-max-connections``)."""
+    ``--http-body-timeout``, ``--http-max-connections``, ``--http-max-client-connections``,
+    ``--http-max-url-bytes``, ``--http-max-header-bytes``, ``--http-max-headers``)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_client_connections: int = DEFAULT_MAX_CLIENT_CONNECTIONS
+    max_url_bytes: int = DEFAULT_MAX_URL_BYTES
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    max_headers: int = DEFAULT_MAX_HEADERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +125,10 @@ class FrontendConfig:
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        max_client_connections: int = DEFAULT_MAX_CLIENT_CONNECTIONS,
+        max_url_bytes: int = DEFAULT_MAX_URL_BYTES,
+        max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+        max_headers: int = DEFAULT_MAX_HEADERS,
         router_mode: str = DEFAULT_ROUTER_MODE,
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
@@ -142,6 +162,11 @@ class FrontendConfig:
             raise ValueError(
                 "--http-header-timeout, --http-body-timeout, --http-max-connections must be positive"
             )
+        if min(max_client_connections, max_url_bytes, max_header_bytes, max_headers) < 1:
+            raise ValueError(
+                "--http-max-client-connections, --http-max-url-bytes, --http-max-header-bytes, "
+                "--http-max-headers must be positive"
+            )
         if http_workers < 1:
             raise ValueError(f"--http-workers must be at least 1, got {http_workers}")
         if http_workers > 1 and curve is not None:
@@ -169,6 +194,10 @@ class FrontendConfig:
                 header_timeout_s=header_timeout_s,
                 body_timeout_s=body_timeout_s,
                 max_connections=max_connections,
+                max_client_connections=max_client_connections,
+                max_url_bytes=max_url_bytes,
+                max_header_bytes=max_header_bytes,
+                max_headers=max_headers,
             ),
             router=RouterSettings(
                 mode=router_mode,

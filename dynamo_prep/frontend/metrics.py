@@ -98,6 +98,18 @@ class FrontendMetrics:
             ["model", "kind"],
             registry=reg,
         )
+        self.http_refused = Counter(
+            f"{PREFIX}http_refused",
+            "Connections and requests the HTTP server refused at its limits, by reason (docs/operations.md)",
+            ["reason"],
+            registry=reg,
+        )
+        self.http_idle_closed = Counter(
+            f"{PREFIX}http_idle_closed",
+            "Idle connections closed to make room for a newcomer, by the limit reached",
+            ["reason"],
+            registry=reg,
+        )
         self._models: dict[str, ModelMetrics] = {}
 
     def of(self, model: str) -> ModelMetrics:

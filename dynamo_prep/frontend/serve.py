@@ -91,7 +91,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         metrics=metrics,
         on_answered=watcher.model_answered,
     )
-    http = HttpServer(app, sock, config.http)
+    http = HttpServer(app, sock, config.http, metrics)
     _settle_heap()
     log.info(
         "frontend_started",

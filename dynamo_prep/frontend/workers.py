@@ -12,19 +12,27 @@ children. The parent starts no event loop and serves nothing:
   restarted child converges at once, like a late frontend behind a broker);
 * metrics use prometheus_client's multiprocess mode (a private directory of per-process files):
   any child's ``/metrics`` sums counters and histograms over every process that ever served, the
-  in-flight gauge over the live ones; other gauges are shown per process (a ``pid`` label);
+  in-flight gauge over the live ones; other gauges are shown per live process (a ``pid`` label: a
+  dead child's gauge files are deleted when it is reaped);
 * it restarts a child that exits while nobody asked it to, forwards SIGTERM / SIGINT to the
   children and exits 0 when all have stopped. A child that exits with ``EXIT_CONFIG``, or dies
   within ``QUICK_EXIT_S`` of its start ``MAX_QUICK_EXITS`` times in a row, stops them all (exit 1).
+
+Children die with their supervisor, however it ends (``kill -9`` included), so that none keeps
+the port serving a stale view: Linux's parent-death signal (SIGTERM, a graceful stop), elsewhere a
+thread that watches the parent's pid.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -53,6 +61,8 @@ QUICK_EXIT_S = 5.0
 MAX_QUICK_EXITS = 5
 POLL_S = 0.2
 STOP_TIMEOUT_S = GRACE_S + 5.0
+PARENT_POLL_S = 0.5  # the parent watch where there is no parent-death signal
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def run_workers(config: FrontendConfig) -> int:
@@ -154,7 +164,9 @@ class _Supervisor:
 
     def _start(self, index: int) -> None:
         child = self._spawn.Process(
-            target=_child, args=(self.config, index, logging_options()), name=f"frontend-http-{index}"
+            target=_child,
+            args=(self.config, index, logging_options(), os.getpid()),
+            name=f"frontend-http-{index}",
         )
         child.start()
         self.children[index] = child
@@ -166,7 +178,7 @@ class _Supervisor:
         child = self.children.pop(index)
         child.join()
         assert child.pid is not None
-        multiprocess.mark_process_dead(child.pid, str(self.metrics_dir))  # type: ignore[no-untyped-call]
+        _forget_metrics(child.pid, self.metrics_dir)
         quick = time.monotonic() - self._started_at[index] < QUICK_EXIT_S
         self._quick_exits = self._quick_exits + 1 if quick else 0
         log.warning("http_worker_exited", http_worker=index, pid=child.pid, exit_code=child.exitcode)
@@ -189,7 +201,40 @@ class _Supervisor:
                 child.join()
 
 
-def _child(config: FrontendConfig, index: int, logging: dict[str, Any]) -> None:
-    """One HTTP worker process: the whole frontend on its own loop."""
+def _forget_metrics(pid: int, directory: Path) -> None:
+    """A dead child's gauges leave ``/metrics``; its counters and histograms stay in the sums."""
+    multiprocess.mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+    for path in directory.glob(f"gauge_*_{pid}.db"):
+        path.unlink(missing_ok=True)
+
+
+def _child(config: FrontendConfig, index: int, logging: dict[str, Any], parent: int) -> None:
+    """One HTTP worker process: the whole frontend on its own loop, for as long as ``parent`` lives."""
+    _die_with(parent)
     configure_logging(**logging, http_worker=index)
     raise SystemExit(run_in_loop(serve_frontend(config)))
+
+
+def _die_with(parent: int) -> None:
+    """SIGTERM this process when ``parent`` ends, or end now if it already has."""
+    if not _parent_death_signal(signal.SIGTERM):
+        threading.Thread(target=_watch_parent, args=(parent,), name="parent-watch", daemon=True).start()
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        raise SystemExit(EXIT_FAILED)
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Linux's prctl(PR_SET_PDEATHSIG): the kernel sends ``signum`` when the parent ends."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return bool(libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os.kill(os.getpid(), signal.SIGTERM)
