@@ -17,6 +17,7 @@ import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, read_json
 from dynamo_prep.formatter import (
+    IMAGE_PART_TYPES,
     PromptFormatter,
     PromptRenderError,
     RenderedPrompt,
@@ -35,6 +36,7 @@ from dynamo_prep.protocol.preprocessed import (
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = [
+    "MAX_IMAGES_PER_REQUEST",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "OpenAIPreprocessor",
@@ -53,6 +55,9 @@ ANNOTATIONS = frozenset({"formatted_prompt", "token_ids"})
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+# vLLM V1's default --limit-mm-per-prompt (999 per modality): no prompt an engine takes by default
+# is refused, and every per-image cost (identity hashes, routing extras) stays bounded per request.
+MAX_IMAGES_PER_REQUEST = 999
 
 
 class PreprocessError(ValueError):
@@ -119,6 +124,7 @@ class OpenAIPreprocessor:
     def tokenize(self, request: ChatCompletionRequest | dict[str, Any] | bytes) -> TokenizedPrompt:
         """Render and tokenize a request (segment by segment when the formatter segments)."""
         chat = _parse(request)
+        validate_image_count(chat.messages)
         try:
             images = collect_images(chat.messages)
         except PromptRenderError as exc:
@@ -319,6 +325,23 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
     if unknown:
         raise PreprocessError(
             f"unknown annotation(s) {sorted(unknown)}; known: {sorted(ANNOTATIONS)}", param="nvext"
+        )
+
+
+def validate_image_count(messages: list[dict[str, Any]]) -> None:
+    """At most ``MAX_IMAGES_PER_REQUEST`` image parts in all, counted before any image is read."""
+    count = sum(
+        1
+        for message in messages
+        if isinstance(content := message.get("content"), list)
+        for part in content
+        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+    )
+    if count > MAX_IMAGES_PER_REQUEST:
+        raise PreprocessError(
+            f"Invalid 'messages': too many images. Expected at most {MAX_IMAGES_PER_REQUEST} images "
+            f"per request, but got {count} instead.",
+            param="messages",
         )
 
 

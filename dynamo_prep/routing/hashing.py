@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any, Final
 
@@ -105,20 +106,39 @@ def extra_key_id(entry: Any) -> int | None:
 
 
 def _image_extras(images: Sequence[ImageSpan], block_size: int, token_count: int) -> dict[int, int]:
-    """Block index -> extra of every full block that overlaps an image."""
+    """Block index -> extra of every full block that overlaps an image.
+
+    Spans in prompt order (starts and ends never decreasing, as ``image_spans`` finds them) are
+    swept once: the images a block can overlap are a window that only moves forward, so the cost is
+    O(images + blocks they cover). Spans out of that order fall back to testing every image.
+    """
     if not images:
         return {}
     blocks = token_count // block_size
+    ordered = all(
+        a.start <= b.start and a.start + a.length <= b.start + b.length for a, b in itertools.pairwise(images)
+    )
     extras: dict[int, int] = {}
+    low = high = 0
     for span in images:
         # Every block the overlap rule can select (mm_extra_keys decides which really overlap).
         first = max(span.start // block_size, 0)
         last = min((span.start + span.length - 1) // block_size, blocks - 1)
         for index in range(first, last + 1):
-            if index not in extras:
-                extra = extra_key_id(mm_extra_keys(images, index * block_size, block_size))
-                if extra is not None:
-                    extras[index] = extra
+            if index in extras:
+                continue
+            block_start = index * block_size
+            window: Sequence[ImageSpan] = images
+            if ordered:
+                while low < len(images) and images[low].start + images[low].length <= block_start:
+                    low += 1
+                high = max(high, low)
+                while high < len(images) and images[high].start < block_start + block_size:
+                    high += 1
+                window = images[low:high]
+            extra = extra_key_id(mm_extra_keys(window, block_start, block_size))
+            if extra is not None:
+                extras[index] = extra
     return extras
 
 
