@@ -1,5 +1,6 @@
 """Answer parsers stay linear in the output (issue 20, row 9): streaming any amount of whitespace, text
-or structure, a parser keeps a bounded state and makes no copy that grows with the answer.
+or structure, a parser keeps a bounded state (Hermes also the whitespace it must release if text
+follows, compactly) and makes no copy that grows with the answer.
 
 Structural, not timed: ``tracemalloc`` measures what the parser keeps between feeds (its retained
 state may not grow with the number of ids streamed) and the largest allocation alive during any one
@@ -24,7 +25,7 @@ WARM_IDS = 10_000
 """Streamed before the measure: the allocator's free lists and the tokenizer's caches fill up."""
 STREAMED_IDS = 40_000
 STATE_SLACK = 16_384
-"""Bytes the retained state may vary by (allocator free lists); the old K3 parser kept ~60 KB more here."""
+"""Bytes the retained state may vary by (allocator free lists); the old K3 parser kept ~42 KB more here."""
 HELD_BYTES_PER_CHAR = 2
 """What Hermes may keep per whitespace character it holds (it is released if text follows)."""
 FEED_SLACK = 8_192
