@@ -399,6 +399,174 @@ def leaving_mid_upload(stack: Stack, clients: int = 50) -> Outcome:
     )
 
 
+# ------------------------------------------------------------------ HTTP heads, connections (issue 20)
+
+ATTACKER_HOST = "127.0.0.2"  # another client address on loopback: the per-client cap tells it apart
+FLOOD_S = 10.0
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def huge_head(prefix: bytes, filler: bytes, total: int, expected: int) -> Callable[[Stack], Outcome]:
+    """One connection sends ``prefix`` then ``filler`` up to ``total`` bytes, never ending the head,
+    while it reads: the answer, the bytes it had sent by then, the frontend's peak RSS."""
+
+    def attack(stack: Stack) -> Outcome:
+        pid, sent, peak, done = stack.procs[0].pid, [0], [rss_mb(stack.procs[0].pid)], threading.Event()
+        sock = socket.create_connection(("127.0.0.1", stack.port), timeout=60)
+
+        def send() -> None:
+            chunk = filler * max(1, (1 << 16) // len(filler))
+            with contextlib.suppress(OSError):
+                sock.sendall(prefix)
+                while sent[0] < total:
+                    sock.sendall(chunk)
+                    sent[0] += len(chunk)
+            done.set()
+
+        def sample() -> None:
+            while not done.wait(0.02):  # a sampling period, not a synchronisation
+                peak[0] = max(peak[0], rss_mb(pid))
+
+        threads = [threading.Thread(target=send, daemon=True), threading.Thread(target=sample, daemon=True)]
+        for thread in threads:
+            thread.start()
+        try:
+            status = _read_response(sock)
+        except OSError as exc:
+            status = 0
+            sock_error = type(exc).__name__
+        else:
+            sock_error = ""
+        at_answer = sent[0]
+        sock.close()
+        for thread in threads:
+            thread.join(120)
+        healthy = stack.chat()
+        ok = status == expected and healthy.status_code == 200
+        return Outcome(
+            ok,
+            f"answer {status or sock_error} after {at_answer / 1e6:.1f} MB sent (expected {expected}); "
+            f"frontend peak RSS {peak[0]:.0f} MB; healthy chat {healthy.status_code}",
+        )
+
+    return attack
+
+
+def idle_flood(stack: Stack, connections: int = 4200) -> Outcome:
+    """4,200 keep-alive connections from another address, idle after one /live each and reopened
+    when closed, for FLOOD_S; meanwhile a legitimate client chats and opens new /live connections."""
+    stop, opened, results = threading.Event(), [0], []
+    request = b"GET /live HTTP/1.1\r\nhost: flood\r\n\r\n"
+
+    def open_one() -> socket.socket | None:
+        try:
+            sock = socket.socket()
+            sock.bind((ATTACKER_HOST, 0))
+            sock.settimeout(5)
+            sock.connect(("127.0.0.1", stack.port))
+            sock.sendall(request)
+            sock.setblocking(False)
+            opened[0] += 1
+            return sock
+        except OSError:
+            return None
+
+    def flood() -> None:
+        socks = [open_one() for _ in range(connections)]
+        while not stop.wait(1.0):  # reopen what the server closed, once a second
+            for index, sock in enumerate(socks):
+                if sock is None or _closed(sock):
+                    if sock is not None:
+                        sock.close()
+                    socks[index] = open_one()
+        for sock in socks:
+            if sock is not None:
+                sock.close()
+
+    attacker = threading.Thread(target=flood, daemon=True)
+    attacker.start()
+    wait_for(lambda: opened[0] >= connections, 120, message="the flood's connections")
+    deadline = time.monotonic() + FLOOD_S
+    while time.monotonic() < deadline:
+        for path in ("/live", "/v1/chat/completions"):
+            try:
+                with httpx.Client(trust_env=False, timeout=TIMEOUT_S) as http:
+                    if path == "/live":
+                        results.append(http.get(f"{stack.url}/live").status_code)
+                    else:
+                        results.append(stack.chat().status_code)
+            except httpx.HTTPError as exc:
+                results.append(type(exc).__name__)
+    stop.set()
+    attacker.join(60)
+    seen: dict[str, int] = {}
+    for result in results:
+        seen[str(result)] = seen.get(str(result), 0) + 1
+    ok = all(result == 200 for result in results)
+    return Outcome(ok, f"{opened[0]} flood connections opened; legitimate: {seen}")
+
+
+def supervisor_killed(stack: Stack) -> Outcome:
+    """``--http-workers 2`` (its own port and plane), supervisor killed -9: how long its children
+    outlive it, and how many requests on its port they answer meanwhile (at most FLOOD_S)."""
+    port = free_port()
+    supervisor = FileProcess(
+        ["--log-level", "info", "frontend", "--http-workers", "2", "--discovery-bind", tcp_endpoint(),
+         "--http-host", "127.0.0.1", "--http-port", str(port), "--cache-dir", str(stack.tmp / "wcache")],
+        stack.tmp / "workers.log",
+    )  # fmt: skip
+    pids: list[int] = []
+    try:
+        wait_for(lambda: len(supervisor.find("frontend_started")) >= 2, 60, message="both children serving")
+        pids = [event["pid"] for event in supervisor.find("http_worker_started")]
+        supervisor.process.kill()
+        supervisor.process.wait()
+        killed, answered = time.monotonic(), 0
+        while any(_running(pid) for pid in pids) and time.monotonic() < killed + FLOOD_S:
+            with contextlib.suppress(httpx.HTTPError), httpx.Client(trust_env=False, timeout=5) as http:
+                http.get(f"http://127.0.0.1:{port}/health")
+                answered += 1
+        left = [pid for pid in pids if _running(pid)]
+        outlived = time.monotonic() - killed
+    finally:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    ok = not left
+    return Outcome(
+        ok,
+        f"{len(pids) - len(left)}/{len(pids)} children gone {outlived:.1f} s after the kill; "
+        f"{answered} requests answered on the port meanwhile",
+    )
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Drain what the server sent; True once it closed (or reset) the connection."""
+    try:
+        while sock.recv(65536):
+            pass
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
 # ----------------------------------------------------------------------------- chat templates
 
 
@@ -657,6 +825,21 @@ ATTACKS = (
     Attack("40,000 stop strings", too_many_stops, "http"),
     Attack("140 slowloris connections", slowloris, "http"),
     Attack("50 clients leaving mid-upload", leaving_mid_upload, "http"),
+    Attack(
+        "200 MB header value",
+        huge_head(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-big: ", b"a", 200 << 20, 431),
+        "http",
+    ),
+    Attack("200 MB URL", huge_head(b"GET /v1/models?q=", b"a", 200 << 20, 414), "http"),
+    Attack(
+        "100 MB of many headers",
+        huge_head(
+            b"GET /v1/models HTTP/1.1\r\nhost: x\r\n", b"x-many: " + b"a" * 90 + b"\r\n", 100 << 20, 431
+        ),
+        "http",
+    ),
+    Attack("4,200 idle keep-alive connections", idle_flood, "http"),
+    Attack("--http-workers 2, supervisor killed -9", supervisor_killed, "http"),
     Attack("hostile chat templates", hostile_templates, "templates", start_template_workers),
     Attack("9 black-hole announces", with_attacker(black_holes), "holes"),
     Attack(
