@@ -372,6 +372,14 @@ def _add_routing(command: Any) -> None:
          "kv mode: 0 picks the cheapest instance; higher samples among them"),
     ):  # fmt: skip
         _env_option(command, flag, env=env, kind=float, default=default, help=text)
+    _env_option(
+        command,
+        "--kv-endpoint-hosts",
+        env="DYN_KV_ENDPOINT_HOSTS",
+        default="",
+        help="kv mode: comma-separated hosts a worker's KV-event endpoint may be on besides the host "
+        "of its own endpoint ('*': any)",
+    )
 
 
 def _add_up(commands: Any) -> None:
@@ -558,6 +566,7 @@ def _frontend(args: argparse.Namespace) -> int:
         router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature,
+        kv_endpoint_hosts=_addresses(args.kv_endpoint_hosts),
     )
 
 

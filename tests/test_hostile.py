@@ -187,7 +187,7 @@ def test_hostile_request_fields_are_400s_and_never_flood_the_log(target: Target)
 
 
 def test_junk_instances_cannot_fill_the_table_against_a_real_worker(target: Target) -> None:
-    """The table is bounded (10,000); junk evicts junk, and a new real worker still gets in."""
+    """The table is bounded (16,384); junk evicts junk, and a new real worker still gets in."""
     assert target.frontend is not None
     junk = [
         target.announce(

@@ -497,6 +497,6 @@ async def test_add_rules(raw: Callable[..., RawKvPublisher], start: Start, logs:
     assert subscriber.add(instance("w0", other.kv_events)), "new addresses: followed anew"
     assert sink.history("w0") == ["reset"]
     await other.wait_subscribed()
-    assert not subscriber.add(instance("w1", KvEventsEndpoint(endpoint="nonsense://x")))
+    assert not subscriber.add(instance("w1", KvEventsEndpoint(endpoint="tcp://127.0.0.1:x")))
     assert find(logs, "kv_events_connect_failed", instance_id="w1")
     assert subscriber.instance_ids == frozenset({"w0"})

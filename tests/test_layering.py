@@ -15,6 +15,7 @@ FLOORS: dict[str, int] = {
     "dynamo_prep.models": 0,
     "dynamo_prep.logging": 0,
     "dynamo_prep.lifecycle": 0,
+    "dynamo_prep.limits": 0,
     "dynamo_prep.threads": 0,
     "dynamo_prep.protocol": 0,
     "dynamo_prep.card": 1,

@@ -68,6 +68,11 @@ class DiscoveryMetrics:
             "Preprocessors built for a declared image token that is not a special token",
             registry=reg,
         )
+        self.listener_failures = Counter(
+            f"{PREFIX}discovery_listener_failures",
+            "Instance changes a listener (the KV router) failed to take; the watcher went on",
+            registry=reg,
+        )
         self.runtime_config_conflicts = Counter(
             f"{PREFIX}runtime_config_conflicts",
             "runtime_config fields of a later instance that differ from the model's first card",

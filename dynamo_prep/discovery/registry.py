@@ -67,12 +67,14 @@ __all__ = [
     "RuntimeConfigConflict",
 ]
 
-DEFAULT_MAX_INSTANCES = 10_000
+# A 10,000-instance fleet with room to replace most of it at once (new instances of a rolling
+# restart announce before the old ones expire) without evicting or refusing anyone.
+DEFAULT_MAX_INSTANCES = 16_384
 # Far beyond what message loss explains (a day of 1 s heartbeats), far below a forged 2**64 - 1.
 MAX_SEQ_JUMP = 100_000
 
 # Room for the largest fleets of one model (benchmarks/scale.py runs 5,000), while junk announcing a
-# served model name (its instances are never evicted) still leaves a fifth of the table to others.
+# served model name (its instances are never evicted) still leaves half the table to others.
 DEFAULT_MAX_INSTANCES_PER_MODEL = 8_192
 # Distinct card bytes remembered per answered model (its workers' cards: one per deployment).
 CARDS_NOTED_PER_MODEL = 8

@@ -27,7 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import structlog
@@ -60,6 +60,7 @@ from dynamo_prep.discovery.trust import (
     authenticated_key,
     start_authenticator,
 )
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.discovery import (
     DEFAULT_NAMESPACE,
     Announce,
@@ -71,6 +72,7 @@ from dynamo_prep.protocol.discovery import (
 )
 
 __all__ = ["DiscoveryWatcher", "InstanceListener"]
+_T = TypeVar("_T")
 MAX_DRAIN_PER_WAKE = 512
 # A drain also stops after this long: under a flood of new instances (~0.1 ms each: registry, log
 # line, metrics) 512 messages would hold the event loop for 50 ms and more, /live and streams with it.
@@ -182,6 +184,7 @@ class DiscoveryWatcher:
         self._probed: dict[str, float] = {}  # instance_id -> when, oldest first
         self._compositions: dict[str, tuple[str, ...]] = {}  # sorted labels (no GC-tracked set per model)
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
+        self._limiter = RateLimiter()
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -396,7 +399,7 @@ class DiscoveryWatcher:
             case InstanceRemoved():
                 self.catalog.remove_instance(event.model, event.instance.instance_id)
                 for listener in self._listeners:
-                    listener.instance_removed(event.model, event.instance)
+                    self._tell(listener.instance_removed, event.model, event.instance)
                 self._log.instance_removed(event)
                 if event.reason == "expired" and self._on_endpoint_lost is not None:
                     self._on_endpoint_lost(event.instance.endpoint)  # it died: fail its streams now
@@ -438,11 +441,23 @@ class DiscoveryWatcher:
         card = self.registry.model_card(event.model)
         if card is not None:
             for listener in self._listeners:
-                listener.instance_added(card, event.instance)
+                self._tell(listener.instance_added, card, event.instance)
         self._log.instance_added(event, instances=max(self.registry.instance_count(event.model), 1))
         label = declared_label(event.instance.declared_token)
         if known or label not in self._compositions.get(event.model, ()):
             self._note_composition(event.model)  # one more of a known declaration changes nothing
+
+    def _tell(self, method: Callable[[_T, Instance], None], subject: _T, instance: Instance) -> None:
+        """A listener's failure (a bug, or a resource it lacks) is logged and counted: the plane and
+        the other listeners go on."""
+        try:
+            method(subject, instance)
+        except Exception as exc:
+            self.metrics.listener_failures.inc()
+            if self._limiter.allow("listener_failed", time.monotonic()) is not None:
+                self._pool_log.error(
+                    "instance_listener_failed", instance_id=instance.instance_id, error=repr(exc)[:200]
+                )
 
     def _note_composition(self, model: str) -> None:
         """Log ``pool_composition_changed`` when the set of declarations serving ``model`` changes."""

@@ -35,7 +35,10 @@ import msgspec
 import structlog
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter
 
+from dynamo_prep.limits import is_exhausted
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
@@ -43,6 +46,7 @@ from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
+    "NoSocketLeft",
     "RequestPlaneClient",
     "WorkerError",
     "WorkerLost",
@@ -79,6 +83,14 @@ class WorkerLost(Exception):  # noqa: N818 - the name the frontend codes against
         super().__init__(f"worker {endpoint} {reason}")
         self.endpoint = endpoint
         self.reason = reason
+
+
+class NoSocketLeft(WorkerLost):
+    """No channel could be opened to the worker: the frontend is at its socket or file limit (the
+    request never left; a 503)."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(endpoint, "socket_limit")
 
 
 class _Deadline:
@@ -300,6 +312,7 @@ class RequestPlaneClient:
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         idle_close_s: float = DEFAULT_IDLE_CLOSE_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        refused: Counter | None = None,
     ) -> None:
         if min(stall_timeout_s, idle_close_s, connect_timeout_s) <= 0:
             raise ValueError(
@@ -311,6 +324,8 @@ class RequestPlaneClient:
         self.connect_timeout_s = connect_timeout_s
         self._channels: dict[str, _Channel] = {}
         self._unreachable: dict[str, float] = {}  # endpoint -> until (loop time)
+        self._refused = refused  # requests refused for want of a socket
+        self._refusal_log = RateLimiter()
 
     async def generate(
         self, endpoint: str, request: PreprocessedRequest, *, request_id: str, timeout_s: float
@@ -413,7 +428,13 @@ class RequestPlaneClient:
         channel = self._channels.get(endpoint)
         if channel is not None:
             return channel
-        socket = self._context.socket(zmq.DEALER)
+        try:
+            socket = self._context.socket(zmq.DEALER)
+        except zmq.ZMQError as exc:
+            if not is_exhausted(exc):
+                raise
+            self._no_socket(endpoint, exc)
+            raise NoSocketLeft(endpoint) from None
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(endpoint)
         channel = _Channel(endpoint, socket, self)
@@ -425,3 +446,18 @@ class RequestPlaneClient:
         ]
         self._channels[endpoint] = channel
         return channel
+
+    def _no_socket(self, endpoint: str, exc: zmq.ZMQError) -> None:
+        """Count a request refused at the socket limit; its log line at most once a second."""
+        if self._refused is not None:
+            self._refused.inc()
+        suppressed = self._refusal_log.allow("socket_limit", asyncio.get_running_loop().time())
+        if suppressed is not None:
+            log.warning(
+                "request_plane_refused",
+                endpoint=endpoint,
+                reason="socket_limit",
+                error=str(exc),
+                channels=len(self._channels),
+                suppressed=suppressed,
+            )

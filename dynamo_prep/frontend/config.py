@@ -83,11 +83,13 @@ class HttpSettings:
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     """What the routing flags mean (``--router-mode``, ``--kv-overlap-score-weight``,
-    ``--router-temperature``)."""
+    ``--router-temperature``, ``--kv-endpoint-hosts``: hosts a KV endpoint may be on besides its
+    worker's own, ``*`` for any)."""
 
     mode: RouterMode = DEFAULT_ROUTER_MODE
     kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT
     temperature: float = DEFAULT_ROUTER_TEMPERATURE
+    kv_endpoint_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,7 @@ class FrontendConfig:
         router_mode: str = DEFAULT_ROUTER_MODE,
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
+        kv_endpoint_hosts: Sequence[str] = (),
     ) -> FrontendConfig:
         """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options.
 
@@ -203,5 +206,6 @@ class FrontendConfig:
                 mode=router_mode,
                 kv_overlap_score_weight=kv_overlap_score_weight,
                 temperature=router_temperature,
+                kv_endpoint_hosts=tuple(kv_endpoint_hosts),
             ),
         )

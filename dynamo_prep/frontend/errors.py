@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from dynamo_prep.frontend.client import WorkerError, WorkerLost
+from dynamo_prep.frontend.client import NoSocketLeft, WorkerError, WorkerLost
 from dynamo_prep.preprocessor import PreprocessError
 from dynamo_prep.protocol.openai import ErrorBody, ErrorDetail, RequestError
 from dynamo_prep.tokenizer import TokenizerError
@@ -66,6 +66,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
             return OpenAIError(exc.code, f"the worker could not serve the request: {exc.message}")
         case WorkerError():
             return OpenAIError(502, f"the worker failed ({exc.code}): {exc.message}")
+        case NoSocketLeft():
+            return OpenAIError(503, "the frontend is at its open-socket limit; try again later")
         case WorkerLost():
             return OpenAIError(
                 503,

@@ -20,6 +20,7 @@ from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.kv_events import KVEvent, image_spans
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.routing.endpoints import KvEndpointRules
 from dynamo_prep.routing.hashing import request_block_hashes
 from dynamo_prep.routing.index import KvIndex
 from dynamo_prep.routing.metrics import KvMetrics
@@ -57,13 +58,15 @@ class KvRouting:
         metrics: KvMetrics | None = None,
         context: zmq.asyncio.Context | None = None,
         seed: int | None = None,
+        kv_endpoint_hosts: Sequence[str] = (),
     ) -> None:
         if temperature < 0:
             raise ValueError(f"the router temperature must be >= 0, got {temperature}")
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
         self.metrics = metrics if metrics is not None else KvMetrics()
-        self.subscriber = KvEventSubscriber(self, metrics=self.metrics, context=context)
+        rules = KvEndpointRules(kv_endpoint_hosts)
+        self.subscriber = KvEventSubscriber(self, metrics=self.metrics, context=context, rules=rules)
         self._models: dict[str, KvRouter] = {}
         self._model_of: dict[str, str] = {}  # instance_id -> model
         self._seed = seed

@@ -70,6 +70,11 @@ class FrontendMetrics:
             ["model", "status"],
             registry=reg,
         )
+        self.request_plane_refused = Counter(
+            f"{PREFIX}request_plane_refused",
+            "Requests not sent to a worker: the frontend had no socket left for a channel to it",
+            registry=reg,
+        )
         self.inflight = Gauge(
             f"{PREFIX}inflight_requests",
             "Requests being served",

@@ -33,6 +33,7 @@ from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
+from dynamo_prep.limits import raise_limits
 from dynamo_prep.routing.metrics import KvMetrics
 
 __all__ = ["GIL_SWITCH_INTERVAL_S", "run_in_loop", "serve_frontend"]
@@ -65,10 +66,11 @@ async def serve_frontend(config: FrontendConfig, *, stop: asyncio.Event | None =
 
 async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     context = zmq.asyncio.Context.instance()
+    raise_limits(context)  # before the first socket: libzmq sizes its socket table then
     catalog = ModelCatalog()
     store = ModelFileStore(config.cache_dir)
-    client = RequestPlaneClient(context)
     metrics = FrontendMetrics()  # this frontend's own registry, handed to every component
+    client = RequestPlaneClient(context, refused=metrics.request_plane_refused)
     kv = _kv_routing(config, context, metrics)
     watcher = _watcher(config, catalog, store, context, client, metrics, kv)
     try:
@@ -123,6 +125,7 @@ def _kv_routing(
         temperature=config.router.temperature,
         metrics=KvMetrics(metrics.registry),
         context=context,
+        kv_endpoint_hosts=config.router.kv_endpoint_hosts,
     )
 
 

@@ -69,6 +69,12 @@ class KvMetrics:
         self.instances = Gauge(
             f"{PREFIX}kv_instances_followed", "Instances whose KV events are followed", registry=reg
         )
+        self.refused = Counter(
+            f"{PREFIX}kv_follow_refused",
+            "Instances (or replays) not followed, by reason (socket_limit, endpoint_in_use, foreign_host)",
+            ["reason"],
+            registry=reg,
+        )
         # Bound once: the apply path runs per batch.
         self.stored_events = self.events_applied.labels(kind="stored")
         self.removed_events = self.events_applied.labels(kind="removed")

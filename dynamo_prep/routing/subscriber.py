@@ -1,9 +1,13 @@
 """Frontend side of the KV-event plane: follow the publisher of every live instance into one sink.
 
-Per instance: a SUB connected to ``kv_events.endpoint`` (subscribed to its topic) and, when the
-instance has a ``replay_endpoint``, a DEALER to it. Each instance is served by its own task, so a
-slow or hostile publisher can only delay or reset its own blocks. Rules (``follower.py`` has the
-details, docs/kv-events.md the reasons):
+Per instance: a SUB connected to ``kv_events.endpoint`` (subscribed to its topic) and, while a
+replay is outstanding, a DEALER to its ``replay_endpoint`` (opened for the replay, closed after it).
+Each instance is served by its own task, so a slow or hostile publisher can only delay or reset its
+own blocks. Rules (``follower.py`` has the details, docs/kv-events.md the reasons):
+
+* An instance is followed only at addresses no other followed instance claims and on its own host
+  (``endpoints.py``), and only while the process has a socket to spare: otherwise it is refused
+  (logged, counted) and tried again ``RETRY_S`` later, never a failure of the caller.
 
 * On ``add``, catch up first: subscribe, replay everything from seq 0, apply the replayed batches
   in order, then the live ones buffered meanwhile with a higher seq. Without a replay endpoint,
@@ -16,8 +20,9 @@ details, docs/kv-events.md the reasons):
 * Garbage never crashes, blocks, or touches another instance: frames above ``MAX_FRAME_BYTES``
   are refused by libzmq, everything else is decoded once, counted by reason and logged at most
   once per (instance, reason) per second. libzmq drops such a peer for good (a protocol error is
-  never retried), so the SUB reconnects itself ``RECONNECT_DELAY_S`` after any disconnect; what
-  was lost meanwhile is a gap like any other.
+  never retried), so the SUB reconnects itself after any disconnect, backing off from
+  ``RECONNECT_DELAY_S`` to ``RECONNECT_MAX_S`` while the connections keep dropping; what was lost
+  meanwhile is a gap like any other.
 * Transport cost: each task wakes on one ``await poll()`` and drains up to ``max_drain`` messages
   per socket through shadow synchronous sockets (``zmq.asyncio`` allocates a Future per ``recv``).
 
@@ -35,11 +40,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import structlog
 import zmq
 import zmq.asyncio
 
+from dynamo_prep.limits import is_exhausted
+from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.discovery import Instance, KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import MAX_BATCH_BYTES, replay_request
+from dynamo_prep.routing.endpoints import KvEndpointRules
 from dynamo_prep.routing.eventlog import KvLog
 from dynamo_prep.routing.follower import REPLAY_TIMEOUT_S, InstanceFollower, KvEventSink
 from dynamo_prep.routing.metrics import KvMetrics
@@ -52,28 +61,49 @@ MAX_DRAIN_PER_WAKE = 256
 MAX_FRAME_BYTES = 2 * MAX_BATCH_BYTES
 LIVE_RCVHWM = 100_000  # vLLM's send HWM: a burst the loop has not drained yet is not dropped
 REPLAY_RCVHWM = 100_000  # above the publisher's buffer (10,000): a whole replay fits in the pipe
+# Our reconnect after a dropped connection: the first after this, each next one twice as late while
+# connections keep dropping, up to RECONNECT_MAX_S (a connection that lived that long starts over).
 RECONNECT_DELAY_S = 0.2
+RECONNECT_MAX_S = 30.0
+# libzmq's own retries of a refused connection back off the same way (its interval doubles).
+RECONNECT_IVL_MAX_MS = int(RECONNECT_MAX_S * 1000)
+# A replay DEALER lives one replay deadline: its reconnects are spaced this far apart.
+REPLAY_RECONNECT_IVL_MS = 1000
+# Instances refused for want of a socket, or for an endpoint another one claims, are retried this often.
+RETRY_S = 1.0
+# Sockets a followed instance holds between replays: its SUB, the SUB's monitor and the PAIR reading it.
+SOCKETS_PER_INSTANCE = 3
+# KV following takes at most this share of the context's MAX_SOCKETS: the rest stays for the request
+# plane (a DEALER per worker), discovery and file transfers, whatever the number of KV publishers.
+KV_SOCKET_SHARE = 0.75
 ERROR_BACKOFF_S = 1.0
 _monitor_ids = itertools.count()
+log = structlog.get_logger("dynamo_prep.routing")
 
 
 class _DealerChannel:
-    """The ``ReplayChannel`` of one instance: a DEALER, replaced whenever a replay is given up."""
+    """The ``ReplayChannel`` of one instance: a DEALER while a replay is outstanding (and a new one
+    for each replay), closed by its owner after the replay."""
 
-    def __init__(self, context: zmq.asyncio.Context, address: str) -> None:
+    def __init__(
+        self, context: zmq.asyncio.Context, address: str, on_exhausted: Callable[[str], None]
+    ) -> None:
         self.address = address
         self.socket: zmq.asyncio.Socket | None = None
         self.shadow: zmq.Socket[Any] | None = None
         self._context = context
+        self._on_exhausted = on_exhausted
 
     def open(self) -> None:
-        """Create and connect the DEALER (raises ``zmq.ZMQError`` on a bad address)."""
+        """Create and connect the DEALER (raises ``zmq.ZMQError`` on a bad address or no socket left)."""
         if self.socket is not None:
             return
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, REPLAY_RCVHWM)
         socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+        socket.setsockopt(zmq.RECONNECT_IVL, REPLAY_RECONNECT_IVL_MS)
+        socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
         try:
             socket.connect(self.address)
         except zmq.ZMQError:
@@ -87,8 +117,9 @@ class _DealerChannel:
             self.open()
             assert self.shadow is not None
             self.shadow.send_multipart(replay_request(start_seq), zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # no answer will come: the follower's deadline resets the instance
+        except zmq.ZMQError as exc:  # no answer will come: the follower's deadline resets the instance
+            if is_exhausted(exc):
+                self._on_exhausted(str(exc))
 
     def cancel(self) -> None:
         self.close()
@@ -117,6 +148,8 @@ class _Followed:
     log: KvLog
     task: asyncio.Task[None] | None = None
     reconnect_at: float | None = None
+    connected_at: float = field(default_factory=time.monotonic)
+    drops: int = 0  # connections dropped in a row, each lasting less than RECONNECT_MAX_S
     closed: bool = field(default=False)
 
     def close_sockets(self) -> None:
@@ -131,21 +164,36 @@ class _Followed:
             self.channel.close()
 
     def monitor_disconnects(self) -> None:
-        """Note a disconnect of the SUB (events drained from the monitor), to reconnect it soon."""
+        """On a disconnect of the SUB (events drained from the monitor): stop libzmq's own retries
+        (every 100 ms, forever) and reconnect later, twice as late as last time if the connection
+        that dropped was short-lived."""
+        disconnected = False
         while True:
             try:
                 self.monitor_shadow.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            if self.reconnect_at is None:
-                self.reconnect_at = time.monotonic() + RECONNECT_DELAY_S
+                break
+            disconnected = True
+        if not disconnected or self.reconnect_at is not None:
+            return
+        with contextlib.suppress(zmq.ZMQError):  # libzmq may have forgotten the endpoint already
+            self.socket.disconnect(self.kv.endpoint)
+        now = time.monotonic()
+        self.drops = 0 if now - self.connected_at >= RECONNECT_MAX_S else self.drops + 1
+        self.reconnect_at = now + reconnect_delay(self.drops)
 
     def reconnect(self) -> None:
         self.reconnect_at = None
         with contextlib.suppress(zmq.ZMQError):  # libzmq may have forgotten the endpoint already
             self.socket.disconnect(self.kv.endpoint)
         self.socket.connect(self.kv.endpoint)
+        self.connected_at = time.monotonic()
         self.log.reconnected(self.kv.endpoint)
+
+
+def reconnect_delay(drops: int) -> float:
+    """How long after the ``drops``-th short-lived connection in a row the SUB reconnects."""
+    return min(RECONNECT_MAX_S, RECONNECT_DELAY_S * (1 << min(max(drops - 1, 0), 16)))
 
 
 class KvEventSubscriber:
@@ -160,20 +208,30 @@ class KvEventSubscriber:
         clock: Callable[[], float] = time.monotonic,
         replay_timeout_s: float = REPLAY_TIMEOUT_S,
         max_drain: int = MAX_DRAIN_PER_WAKE,
+        rules: KvEndpointRules | None = None,
     ) -> None:
         self.sink = sink
         self.metrics = metrics if metrics is not None else KvMetrics()
+        self.rules = rules if rules is not None else KvEndpointRules()
         self._context = context or zmq.asyncio.Context.instance()
+        self.max_instances = int(self._context.get(zmq.MAX_SOCKETS) * KV_SOCKET_SHARE) // SOCKETS_PER_INSTANCE
         self._clock = clock
         self._timeout_s = replay_timeout_s
         self._max_drain = max_drain
         self._followed: dict[str, _Followed] = {}
+        self._waiting: dict[str, Instance] = {}  # refused for now (socket limit, endpoint in use)
+        self._limiter = RateLimiter()
         self._running = False
         self._stop = asyncio.Event()
 
     @property
     def instance_ids(self) -> frozenset[str]:
         return frozenset(self._followed)
+
+    @property
+    def waiting_ids(self) -> frozenset[str]:
+        """Instances refused for now, tried again every ``RETRY_S``."""
+        return frozenset(self._waiting)
 
     def follower(self, instance_id: str) -> InstanceFollower | None:
         """The ordering state of one instance (diagnostics, tests)."""
@@ -183,7 +241,8 @@ class KvEventSubscriber:
     # -- membership ----------------------------------------------------------------------------
 
     def add(self, instance: Instance) -> bool:
-        """Follow ``instance``'s KV events (True), or not when it advertises none or cannot be reached.
+        """Follow ``instance``'s KV events (True), or not: it advertises none, its addresses cannot
+        be reached or are refused (another instance's, another host's), or no socket is left.
 
         Adding an instance already followed at the same addresses changes nothing; at other
         addresses it is followed anew (its old blocks are reset).
@@ -193,25 +252,47 @@ class KvEventSubscriber:
             if current.kv == instance.kv_events:
                 return True
             self.remove(instance.instance_id, reason="kv_events_changed")
+        self._waiting.pop(instance.instance_id, None)
+        return self._follow(instance, retry=False) is None
+
+    def _follow(self, instance: Instance, *, retry: bool) -> str | None:
+        """``add`` past its checks: None when followed, else why not. A refusal is logged and
+        counted once, not on each retry."""
         kv = instance.kv_events
         if kv is None:
-            return False
-        followed = self._open(instance.instance_id, kv)
+            return "no_kv_events"
+        refusal = self.rules.refusal(instance)
+        if refusal is not None:
+            reason, detail = refusal
+            if reason == "endpoint_in_use":  # followed once the claiming instance is gone
+                self._waiting[instance.instance_id] = instance
+            if not retry:
+                self._refused(instance.instance_id, reason, detail)
+            return reason
+        if len(self._followed) >= self.max_instances:
+            return self._no_socket(instance, f"{self.max_instances} instances followed already", retry=retry)
+        try:
+            followed = self._open(instance.instance_id, kv)
+        except zmq.ZMQError as exc:
+            return self._no_socket(instance, str(exc), retry=retry)
         if followed is None:
-            return False
+            return "unreachable"
+        self.rules.claim(instance)
         self._followed[instance.instance_id] = followed
         self.metrics.instances.set(len(self._followed))
         followed.log.subscribed(kv)
         followed.follower.start()
         if self._running:
             self._start(instance.instance_id, followed)
-        return True
+        return None
 
     def remove(self, instance_id: str, *, reason: str = "removed") -> None:
         """Stop following an instance (expired, withdrawn): close its sockets, reset its blocks."""
+        self._waiting.pop(instance_id, None)
         followed = self._followed.pop(instance_id, None)
         if followed is None:
             return
+        self.rules.release(instance_id)
         followed.follower.close()
         if followed.task is not None and followed.task is not asyncio.current_task():
             followed.task.cancel()  # its ``finally`` closes the sockets, off any pending poll
@@ -232,7 +313,10 @@ class KvEventSubscriber:
         for instance_id, followed in self._followed.items():
             self._start(instance_id, followed)
         try:
-            await self._stop.wait()
+            while not self._stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), RETRY_S)
+                self._retry_waiting()
         finally:
             self._running = False
             tasks = [f.task for f in self._followed.values() if f.task is not None]
@@ -242,41 +326,65 @@ class KvEventSubscriber:
             for followed in self._followed.values():
                 followed.close_sockets()
             self._followed.clear()
+            self._waiting.clear()
             self.metrics.instances.set(0)
 
     def close(self) -> None:
         """Stop ``run()`` (the index is not reset: the frontend is going away with it)."""
         self._stop.set()
 
+    def _no_socket(self, instance: Instance, detail: str, *, retry: bool) -> str:
+        """No socket left for ``instance``: it waits for a later retry."""
+        self._waiting[instance.instance_id] = instance
+        if not retry:
+            self._refused(instance.instance_id, "socket_limit", detail)
+        return "socket_limit"
+
+    def _retry_waiting(self) -> None:
+        """Try the refused instances again, in turn; a pass ends at the first with no socket left."""
+        for instance_id, instance in list(self._waiting.items()):
+            if self._waiting.pop(instance_id, None) is None:
+                continue  # removed meanwhile
+            if self._follow(instance, retry=True) == "socket_limit":  # the rest would wait too
+                return
+
+    def _refused(self, instance_id: str, reason: str, detail: str) -> None:
+        """Count a refusal; its log line at most once per reason per second."""
+        self.metrics.refused.labels(reason=reason).inc()
+        suppressed = self._limiter.allow(reason, time.monotonic())
+        if suppressed is not None:
+            log.warning(
+                "kv_events_refused",
+                instance_id=instance_id,
+                reason=reason,
+                detail=detail[:200],
+                suppressed=suppressed,
+                waiting=len(self._waiting),
+            )
+
     # -- per instance --------------------------------------------------------------------------
 
     def _open(self, instance_id: str, kv: KvEventsEndpoint) -> _Followed | None:
+        """The sockets of one instance (None: an address libzmq refuses); raises ``zmq.ZMQError``
+        when the process has no socket left (every socket made is closed first)."""
         log = KvLog(instance_id)
-        socket = self._context.socket(zmq.SUB)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.RCVHWM, LIVE_RCVHWM)
-        socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
         topic = kv.topic.encode()
-        socket.setsockopt(zmq.SUBSCRIBE, topic)
-        address = f"inproc://kv-events-monitor-{next(_monitor_ids)}"
-        socket.monitor(address, zmq.EVENT_DISCONNECTED)
-        monitor = self._context.socket(zmq.PAIR)
-        monitor.setsockopt(zmq.LINGER, 0)
-        monitor.connect(address)
+        socket, monitor = self._sub(topic)
         try:
             socket.connect(kv.endpoint)
         except zmq.ZMQError as exc:
-            socket.monitor(None, 0)
-            monitor.close(linger=0)
-            socket.close(linger=0)
+            _close_sub(socket, monitor)
             log.connect_failed(kv.endpoint, str(exc), replay=False)
             return None
         channel = None
         if kv.replay_endpoint is not None:
-            channel = _DealerChannel(self._context, kv.replay_endpoint)
+            channel = _DealerChannel(self._context, kv.replay_endpoint, self._replay_exhausted(instance_id))
             try:
-                channel.open()
+                channel.open()  # for the catch-up replay at once
             except zmq.ZMQError as exc:  # follow live only: a gap then resets instead of replaying
+                if is_exhausted(exc):
+                    _close_sub(socket, monitor)
+                    raise
                 log.connect_failed(kv.replay_endpoint, str(exc), replay=True)
                 channel = None
         follower = InstanceFollower(
@@ -292,6 +400,33 @@ class KvEventSubscriber:
         shadow: zmq.Socket[Any] = zmq.Socket.shadow(socket.underlying)
         monitor_shadow: zmq.Socket[Any] = zmq.Socket.shadow(monitor.underlying)
         return _Followed(kv, follower, socket, shadow, monitor, monitor_shadow, channel, log)
+
+    def _sub(self, topic: bytes) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """A SUB subscribed to ``topic`` and the PAIR its disconnects are reported to."""
+        socket = self._context.socket(zmq.SUB)
+        try:
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.setsockopt(zmq.RCVHWM, LIVE_RCVHWM)
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
+            socket.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+            socket.setsockopt(zmq.SUBSCRIBE, topic)
+            address = f"inproc://kv-events-monitor-{next(_monitor_ids)}"
+            socket.monitor(address, zmq.EVENT_DISCONNECTED)
+            monitor = self._context.socket(zmq.PAIR)
+        except zmq.ZMQError:
+            with contextlib.suppress(zmq.ZMQError):
+                socket.monitor(None, 0)
+            socket.close(linger=0)
+            raise
+        monitor.setsockopt(zmq.LINGER, 0)
+        monitor.connect(address)
+        return socket, monitor
+
+    def _replay_exhausted(self, instance_id: str) -> Callable[[str], None]:
+        def refused(error: str) -> None:
+            self._refused(instance_id, "replay_socket_limit", error)
+
+        return refused
 
     def _start(self, instance_id: str, followed: _Followed) -> None:
         followed.task = asyncio.get_running_loop().create_task(
@@ -323,6 +458,8 @@ class KvEventSubscriber:
             drained = max(drained, self._drain(followed, channel.shadow, follower.on_replay, channel))
         if followed.closed:
             return
+        if channel is not None and channel.socket is not None and not follower.replaying:
+            channel.close()  # between replays an instance holds no DEALER
         follower.expire()
         followed.monitor_disconnects()
         if followed.reconnect_at is not None and time.monotonic() >= followed.reconnect_at:
@@ -360,3 +497,10 @@ class KvEventSubscriber:
             received += 1
             handle(frames)
         return received
+
+
+def _close_sub(socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        socket.monitor(None, 0)
+    monitor.close(linger=0)
+    socket.close(linger=0)

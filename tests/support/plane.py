@@ -195,8 +195,10 @@ def start_dynamo(
     env: Mapping[str, str] | None = None,
     log_level: str = "debug",
     cwd: Path | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> DynamoProcess:
-    """Start ``python -m dynamo_prep.cli --log-level LEVEL ARGS...`` with JSON logs on stdout."""
+    """Start ``python -m dynamo_prep.cli --log-level LEVEL ARGS...`` with JSON logs on stdout
+    (``preexec_fn`` runs in the child before it starts: resource limits, say)."""
     command = [
         sys.executable,
         "-m",
@@ -215,6 +217,7 @@ def start_dynamo(
         bufsize=1,
         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         cwd=cwd,
+        preexec_fn=preexec_fn,  # noqa: PLW1509 - only setrlimit, no threads involved
     )
     proc = DynamoProcess(args=command, process=process)
     for target in (proc._read_stdout, proc._read_stderr):

@@ -1,0 +1,64 @@
+"""The process's file and socket budget: raised at start, and the error that says it is spent.
+
+docs/discovery.md ("Sockets and files") has the budget per instance and why.
+"""
+
+from __future__ import annotations
+
+import errno
+import resource
+from typing import Any
+
+import structlog
+import zmq
+
+__all__ = ["FDS_PER_SOCKET", "is_exhausted", "raise_limits", "raise_open_files", "socket_budget"]
+
+log = structlog.get_logger("dynamo_prep.limits")
+
+# A connecting socket holds its mailbox and one connection; the budget assumes the worst of it.
+FDS_PER_SOCKET = 2
+# Descriptors kept for everything that is not a ZeroMQ socket: HTTP connections, files, the runtime.
+RESERVED_FDS = 64
+RESERVED_SHARE = 16  # and 1/16 of the limit on top
+
+
+def raise_open_files() -> tuple[int, int]:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit (never above it); (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard in (resource.RLIM_INFINITY, soft):
+        return soft, soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError) as exc:  # e.g. macOS caps the soft limit below an "unlimited" hard one
+        log.warning("open_files_limit_kept", soft=soft, hard=hard, error=str(exc))
+        return soft, soft
+    return soft, hard
+
+
+def socket_budget(open_files: int, socket_limit: int) -> int:
+    """The ZeroMQ sockets ``open_files`` descriptors carry once the reserve is set aside (at least
+    1, at most libzmq's own ``socket_limit``)."""
+    spare = open_files - RESERVED_FDS - open_files // RESERVED_SHARE
+    return max(1, min(spare // FDS_PER_SOCKET, socket_limit))
+
+
+def raise_limits(context: zmq.Context[Any]) -> None:
+    """At a process's start: the open-file limit raised to the hard limit, then ``context``'s
+    MAX_SOCKETS fitted to it (libzmq reads it when the context makes its first socket), logged."""
+    files_before, files_after = raise_open_files()
+    sockets_before = context.get(zmq.MAX_SOCKETS)
+    sockets_after = socket_budget(files_after, context.get(zmq.SOCKET_LIMIT))
+    context.set(zmq.MAX_SOCKETS, sockets_after)
+    log.info(
+        "process_limits_set",
+        open_files_before=files_before,
+        open_files=files_after,
+        zmq_max_sockets_before=sockets_before,
+        zmq_max_sockets=sockets_after,
+    )
+
+
+def is_exhausted(exc: zmq.ZMQError) -> bool:
+    """Whether ``exc`` says the process (or the context's MAX_SOCKETS) has no socket left."""
+    return exc.errno in (errno.EMFILE, errno.ENFILE)
