@@ -340,8 +340,11 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._head = 0
-        if not self._refused:
-            super().on_message_complete()
+        if self._refused:
+            return
+        super().on_message_complete()
+        if self.cycle is not None and self.cycle.response_complete and not self.pipeline:  # answered early
+            self.guard.table.idle(self)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
