@@ -308,6 +308,15 @@ def tokenize_1mb(stack: Stack) -> Outcome:
     return Outcome(ok, f"{statuses(answers)} (expected 4x 200); tokens {counts}")
 
 
+def many_images(stack: Stack, images: int = 64_000) -> Outcome:
+    """One chat of ``images`` tiny data-URL images (4.8 MB, inside the body limit), twice."""
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    content = [*[part] * images, {"type": "text", "text": "describe"}]
+    answers = [stack.chat(content) for _ in range(2)]  # type: ignore[arg-type]
+    ok = all(r.status_code == 400 and "images" in r.json()["error"]["message"] for r in answers)
+    return Outcome(ok, f"{statuses(answers)} (expected 2x 400 naming the image limit)")
+
+
 def largest_stop_list(stack: Stack) -> Outcome:
     """Streamed answers of 2,000 tokens with the largest accepted stop list, 4 in parallel, twice."""
     return streams(
@@ -823,6 +832,7 @@ ATTACKS = (
     Attack(f"{MAX_STOP_STRINGS} stops x {MAX_STOP_CHARS} chars, streamed", largest_stop_list, "http"),
     Attack("the same streams without stop strings (control)", lambda stack: streams(stack, []), "http"),
     Attack("40,000 stop strings", too_many_stops, "http"),
+    Attack("64,000 images in one chat", many_images, "http"),
     Attack("140 slowloris connections", slowloris, "http"),
     Attack("50 clients leaving mid-upload", leaving_mid_upload, "http"),
     Attack(

@@ -46,6 +46,7 @@ from dynamo_prep.frontend.router import Router
 from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
+    ChatCompletionRequest,
     DetokenizeRequest,
     DetokenizeResponse,
     ModelEntry,
@@ -53,6 +54,7 @@ from dynamo_prep.protocol.openai import (
     RequestError,
     TokenizeRequest,
     TokenizeResponse,
+    decode_chat_shell,
     parse_chat_request,
 )
 from dynamo_prep.protocol.wire import Output
@@ -131,7 +133,7 @@ class _Handlers:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await _read_body(request, self.settings)
-        chat = parse_chat_request(body)
+        chat = await _parse_chat(body)
         record: RequestRecord = request.state.record
         if self.catalog.status(chat.model) != "unknown":
             record.name_model(chat.model)
@@ -276,6 +278,13 @@ async def _read_body(request: Request, settings: HttpSettings) -> bytes:
     except ClientDisconnect:
         raise OpenAIError(CLIENT_GONE, "client disconnected during the upload") from None
     return b"".join(chunks)
+
+
+async def _parse_chat(body: bytes) -> ChatCompletionRequest:
+    """The chat request; a large body's messages are decoded in a thread, a part at a time."""
+    if len(body) <= THREAD_ABOVE_BYTES:
+        return parse_chat_request(body)
+    return await asyncio.to_thread(decode_chat_shell(body).finish)
 
 
 async def _off_loop(size: int, work: Callable[[], _T]) -> _T:
