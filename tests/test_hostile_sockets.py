@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import math
 import resource
 import selectors
@@ -26,11 +27,18 @@ import httpx
 import pytest
 import zmq
 import zmq.asyncio
+from support.logs import Logs, find
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint
 from test_hostile import K3, Target, k3_card
+from test_watcher import LOOPBACK, Peer, announce, wait_log
 from zmq.utils.monitor import parse_monitor_message
 
+from dynamo_prep.card import ModelDeploymentCard, encode_card
+from dynamo_prep.discovery.builder import PreprocessorBuilder
+from dynamo_prep.discovery.files import ModelFileStore
+from dynamo_prep.discovery.watcher import DiscoveryWatcher
 from dynamo_prep.limits import socket_budget
+from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance, KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import END_SEQ, KVEvent
@@ -264,6 +272,48 @@ async def test_the_replay_dealer_lives_only_while_a_replay_is_outstanding() -> N
         for sock in (publisher, router):
             sock.close(linger=0)
         context.term()
+
+
+class _FailingListener:
+    """A KV router that cannot take an instance (no socket left, say): it raises."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+
+    def instance_added(self, card: ModelDeploymentCard, instance: Instance) -> None:
+        self.added.append(instance.instance_id)
+        raise zmq.ZMQError(errno.EMFILE)
+
+    def instance_removed(self, model: str, instance: Instance) -> None:
+        raise zmq.ZMQError(errno.EMFILE)
+
+
+async def test_the_discovery_watcher_outlives_a_failing_listener(tmp_path: Path, logs: Logs) -> None:
+    """Issue 20 row 2: the KV router's ZMQError('Too many open files') ended the watcher (and the
+    frontend). A listener's failure is now logged and counted; the plane goes on."""
+    context = zmq.asyncio.Context()
+    store = ModelFileStore(tmp_path / "cache")
+    builder = PreprocessorBuilder(store, local_model_path=resolve_model_dir(K3), fetch_timeout_s=1.0)
+    listener = _FailingListener()
+    watcher = DiscoveryWatcher(builder=builder, bind=[LOOPBACK], context=context, listeners=[listener])
+    watcher.open()
+    task = asyncio.get_running_loop().create_task(watcher.run())
+    peer = Peer(context, watcher.addresses[0])
+    try:
+        await peer.subscribed()
+        raw = encode_card(ModelDeploymentCard.from_model_dir(K3))
+        for index in range(3):
+            await peer.publish(announce(f"w{index}", 1, raw))
+        await wait_log(logs, "instance_added", instance_id="w2")
+        assert listener.added == ["w0", "w1", "w2"]
+        assert not task.done()
+        assert watcher.metrics.listener_failures._value.get() == 3
+        assert len(find(logs, "instance_listener_failed")) == 1  # once a second
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        peer.close()
+        context.destroy(linger=0)
 
 
 # -- limits at start -----------------------------------------------------------------------------
