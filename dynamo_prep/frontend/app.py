@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
 
-Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``GET /v1/models``,
-``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /health`` (readiness: 503 until
-a model is live), ``GET /live`` and ``GET /metrics`` (Prometheus). Every response carries
+Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``POST /v1/responses``
+(translated to a chat request: ``responses.py``), ``GET /v1/models``, ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's shapes), ``GET /health`` (readiness: 503 until a model is live),
+``GET /live`` and ``GET /metrics`` (Prometheus). Every response carries
 ``x-request-id`` (an incoming one is honoured); every error has OpenAI's body (``errors.py``);
 every request ends with one ``request_finished`` or ``request_failed`` line (``request_record.py``),
 which also updates the request metrics. A chat request's way through the pool (pick, render for the
@@ -42,6 +43,13 @@ from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
 from dynamo_prep.frontend.request_record import CLIENT_GONE, RequestRecord
+from dynamo_prep.frontend.responses import (
+    ResponseBuilder,
+    collect_response,
+    response_events,
+    responses_params,
+    to_chat,
+)
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.protocol.decode import decoding
@@ -57,6 +65,7 @@ from dynamo_prep.protocol.openai import (
     decode_chat_shell,
     parse_chat_request,
 )
+from dynamo_prep.protocol.responses import parse_responses_request
 from dynamo_prep.protocol.wire import Output
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -104,6 +113,7 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+            Route("/v1/responses", handlers.responses, methods=["POST"]),
             Route("/v1/models", handlers.models, methods=["GET"]),
             Route("/tokenize", handlers.tokenize, methods=["POST"]),
             Route("/detokenize", handlers.detokenize, methods=["POST"]),
@@ -135,6 +145,38 @@ class _Handlers:
         body = await _read_body(request, self.settings)
         chat = await _parse_chat(body)
         record: RequestRecord = request.state.record
+        completion, first, outputs = await self._start(request, body, chat, "chatcmpl-")
+        if chat.stream:
+            include_usage = bool((chat.stream_options or {}).get("include_usage"))
+            return _EventStream(
+                sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
+            )
+        async with contextlib.aclosing(outputs):
+            deltas = answer_deltas(_prepend(first, outputs), completion, record)
+            await _unless_disconnected(request.receive, _drain(deltas))
+        return Response(_encoder.encode(completion.response()), media_type=_JSON)
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API: the request as a chat request, served as one (``responses.py``)."""
+        body = await _read_body(request, self.settings)
+        asked = parse_responses_request(body)
+        record: RequestRecord = request.state.record
+        with responses_params():
+            completion, first, outputs = await self._start(request, body, to_chat(asked), "resp_")
+        builder = ResponseBuilder(completion, asked)
+        if asked.stream:
+            return _EventStream(response_events(_prepend(first, outputs), builder, record))
+        async with contextlib.aclosing(outputs):
+            built = collect_response(_prepend(first, outputs), builder, record)
+            answer = await _unless_disconnected(request.receive, built)
+        return Response(_encoder.encode(answer), media_type=_JSON)
+
+    async def _start(
+        self, request: Request, body: bytes, chat: ChatCompletionRequest, id_prefix: str
+    ) -> tuple[Completion, Output, AsyncGenerator[Output, None]]:
+        """The chat request begun on the pool: its completion in the making, its first output (a
+        failure up to there keeps its HTTP status) and the outputs after it."""
+        record: RequestRecord = request.state.record
         if self.catalog.status(chat.model) != "unknown":
             record.name_model(chat.model)
         model = self._live_model(chat.model)
@@ -158,18 +200,9 @@ class _Handlers:
             lambda: answer_stream_for(model.card, tokenizer, chat, rendered),
         )
         completion = Completion(
-            id=f"chatcmpl-{request_id}", model=chat.model, created=int(time.time()), answer=answer
+            id=f"{id_prefix}{request_id}", model=chat.model, created=int(time.time()), answer=answer
         )
-        first = await _first(outputs)  # errors before the first token keep their HTTP status
-        if chat.stream:
-            include_usage = bool((chat.stream_options or {}).get("include_usage"))
-            return _EventStream(
-                sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
-            )
-        async with contextlib.aclosing(outputs):
-            deltas = answer_deltas(_prepend(first, outputs), completion, record)
-            await _unless_disconnected(request.receive, _drain(deltas))
-        return Response(_encoder.encode(completion.response()), media_type=_JSON)
+        return completion, await _first(outputs), outputs
 
     # -- models, tokenize, detokenize, health ------------------------------------------------
 
