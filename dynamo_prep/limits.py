@@ -21,11 +21,14 @@ FDS_PER_SOCKET = 2
 # Descriptors kept for everything that is not a ZeroMQ socket: HTTP connections, files, the runtime.
 RESERVED_FDS = 64
 RESERVED_SHARE = 16  # and 1/16 of the limit on top
+UNLIMITED_FILES = 1 << 20  # what an unlimited soft limit counts as (Linux's default fs.nr_open)
 
 
 def raise_open_files() -> tuple[int, int]:
     """Raise RLIMIT_NOFILE's soft limit to the hard limit (never above it); (before, after)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return soft, UNLIMITED_FILES
     if hard in (resource.RLIM_INFINITY, soft):
         return soft, soft
     try:

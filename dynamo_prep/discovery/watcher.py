@@ -7,7 +7,8 @@ need. Every message goes through the pure ``DiscoveryRegistry``; its events beco
 catalog updates and model builds. Builds run in a thread, so the socket keeps being serviced (a
 bound SUB only sends its subscription to a new publisher when its owner touches it). Nothing a
 peer sends can stop the loop: bad messages are counted and logged at most once per reason per
-second.
+second; a listener that raises (the KV router with no socket left, a bug) is logged and counted,
+and the plane goes on.
 
 Each live instance reaches the catalog as the registry's ``Instance`` record (endpoint, declared
 token, KV-event address), unchanged. When the set of declarations in a model's pool changes the
