@@ -38,7 +38,16 @@ TOPIC = b"kv"
 END = (-1).to_bytes(8, "big", signed=True)
 # KvEventDecodeError's reasons, and the follower's own.
 DOCUMENTED_REASONS = frozenset(
-    {"frame_count", "bad_seq", "too_large", "undecodable", "too_deep", "invalid", "unknown_event"}
+    {
+        "frame_count",
+        "bad_seq",
+        "too_large",
+        "undecodable",
+        "too_deep",
+        "invalid",
+        "too_many_events",
+        "unknown_event",
+    }
     | {"other_topic", "unexpected_replay", "sink_error"}
 )
 LOG_EVENTS = frozenset(

@@ -77,12 +77,13 @@ class KvRouting:
         """Follow a new instance's KV events (or its changed record's); one index per model."""
         if card.display_name not in self._models:
             self._models[card.display_name] = KvRouter(
-                KvIndex(card.kv_cache_block_size),
+                KvIndex(card.kv_cache_block_size, on_refused=self.metrics.index_refused),
                 overlap_score_weight=self.overlap_score_weight,
                 temperature=self.temperature,
                 seed=self._seed,
             )
         self._model_of[instance.instance_id] = card.display_name
+        self._models[card.display_name].index.set_capacity(instance.instance_id, instance.total_kv_blocks)
         if instance.kv_events is not None:
             self.subscriber.add(instance)
         else:
@@ -95,6 +96,7 @@ class KvRouting:
         router = self._models.get(model_name)
         if router is not None:
             router.load.forget(instance.instance_id)
+            router.index.forget(instance.instance_id)
         self._model_of.pop(instance.instance_id, None)
         if model_name not in self._model_of.values():  # its last instance: a new card starts afresh
             self._models.pop(model_name, None)

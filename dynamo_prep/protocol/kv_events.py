@@ -15,13 +15,16 @@ Replay: a DEALER sends ``[b"", start_seq]`` to the publisher's ROUTER, which ans
 Everything is validated here, once: a consumer gets typed events whose block arithmetic holds
 (``len(token_ids) == len(block_hashes) * block_size``) or a ``KvEventDecodeError`` whose
 ``reason`` is a stable label for metrics and logs. An event of an unknown type is skipped and
-reported, not fatal to its batch.
+reported, not fatal to its batch. Decoding costs O(bytes): a batch claiming more events than its
+bytes can hold (``MIN_EVENT_BYTES`` each on average) is refused whole before any is looked at, and a
+skipped event is a count, not a kept object. ``open_batch`` and ``decode_event`` let a consumer
+decode a batch's events one at a time (the follower applies long batches in slices).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -39,12 +42,15 @@ __all__ = [
     "KVEvent",
     "KVEventBatch",
     "KvEventDecodeError",
+    "RawEventBatch",
     "ReplayFrame",
     "decode_batch",
+    "decode_event",
     "decode_seq",
     "encode_batch",
     "encode_seq",
     "mm_extra_keys",
+    "open_batch",
     "parse_live",
     "parse_replay",
     "replay_request",
@@ -53,6 +59,10 @@ __all__ = [
 BlockHash = int | bytes
 MAX_BATCH_BYTES: Final = 16 << 20
 MAX_HASH_BYTES: Final = 64
+# The smallest event of either form is 18 bytes (``["AllBlocksCleared"]``), a future map event at
+# least ``{"type": ...}`` with a name: a batch with fewer bytes per event than this is garbage.
+MIN_EVENT_BYTES: Final = 16
+EVENTS_SLACK: Final = 16  # ... beyond this many events, so a short batch is never refused for it
 SEQ_BYTES: Final = 8
 END_SEQ: Final = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 
@@ -61,8 +71,12 @@ class KvEventDecodeError(WireDecodeError):
     """A KV-event frame or payload that cannot be used; ``reason`` is a stable snake_case label.
 
     Reasons: ``frame_count``, ``bad_seq``, ``too_large``, ``undecodable``, ``too_deep``,
-    ``invalid``, ``unknown_event``.
+    ``invalid``, ``too_many_events``, ``unknown_event``.
     """
+
+
+# A block hash as the wire may carry it: checked while decoding, in C (not per hash in Python).
+_WireHash = int | Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
 
 
 class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
@@ -73,8 +87,8 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
     Field order is vLLM's (it is the positional order of the old array form).
     """
 
-    block_hashes: list[BlockHash]
-    parent_block_hash: BlockHash | None
+    block_hashes: list[_WireHash]
+    parent_block_hash: _WireHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
@@ -93,7 +107,7 @@ class BlockStored(msgspec.Struct, tag="BlockStored", tag_field="type"):
 class BlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type"):
     """Blocks left the engine's cache (evicted)."""
 
-    block_hashes: list[BlockHash]
+    block_hashes: list[_WireHash]
     medium: str | None = None
     group_idx: int | None = None
     locality: Any = None
@@ -116,10 +130,12 @@ class KVEventBatch(msgspec.Struct, array_like=True):
 
 
 class DecodedBatch(msgspec.Struct, frozen=True):
-    """A decoded batch and the events it skipped (one ``KvEventDecodeError`` per skipped event)."""
+    """A decoded batch and the events it skipped: how many per reason, and the first error of each
+    reason (never one object per skipped event)."""
 
     batch: KVEventBatch
     skipped: list[KvEventDecodeError]
+    skipped_counts: dict[str, int] = {}
 
 
 class ReplayFrame(msgspec.Struct, frozen=True):
@@ -130,15 +146,23 @@ class ReplayFrame(msgspec.Struct, frozen=True):
     end: bool = False
 
 
-class _RawBatch(msgspec.Struct, array_like=True):
+class RawEventBatch(msgspec.Struct):
+    """A batch whose events are still encoded (``decode_event`` each), as ``open_batch`` returns it."""
+
     ts: float
     events: list[msgspec.Raw]
     data_parallel_rank: int | None = None
 
 
+class _RawBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: msgspec.Raw
+    data_parallel_rank: int | None = None
+
+
 class _RawBatchMap(msgspec.Struct):
     ts: float
-    events: list[msgspec.Raw]
+    events: msgspec.Raw
     data_parallel_rank: int | None = None
 
 
@@ -154,6 +178,7 @@ _batch_decoder = msgspec.msgpack.Decoder(_RawBatch)
 _batch_map_decoder = msgspec.msgpack.Decoder(_RawBatchMap)
 _event_decoder = msgspec.msgpack.Decoder(KVEvent)
 _array_decoder = msgspec.msgpack.Decoder(list[Any])
+_events_decoder = msgspec.msgpack.Decoder(list[msgspec.Raw])
 _tag_decoder = msgspec.msgpack.Decoder(_Tag)
 
 
@@ -209,29 +234,47 @@ def encode_batch(batch: KVEventBatch, *, shape: Literal["map", "array"] = "map")
 
 
 def decode_batch(payload: bytes | memoryview) -> DecodedBatch:
-    """Typed, checked events of one batch; a bad batch raises, a bad event is skipped."""
-    if len(payload) > MAX_BATCH_BYTES:
-        raise KvEventDecodeError("too_large", f"{len(payload)} bytes > {MAX_BATCH_BYTES}")
-    raw = _decode_raw_batch(payload)
+    """Typed, checked events of one batch; a bad batch raises, a bad event is skipped (counted)."""
+    raw = open_batch(payload)
     events: list[KVEvent] = []
-    skipped: list[KvEventDecodeError] = []
+    first: dict[str, KvEventDecodeError] = {}
+    counts: dict[str, int] = {}
     for item in raw.events:
         try:
-            events.append(_decode_event(item))
+            events.append(decode_event(item))
         except KvEventDecodeError as exc:
-            skipped.append(exc)
+            counts[exc.reason] = counts.get(exc.reason, 0) + 1
+            first.setdefault(exc.reason, exc)
     batch = KVEventBatch(ts=raw.ts, events=events, data_parallel_rank=raw.data_parallel_rank)
-    return DecodedBatch(batch=batch, skipped=skipped)
+    return DecodedBatch(batch=batch, skipped=list(first.values()), skipped_counts=counts)
 
 
-def _decode_raw_batch(payload: bytes | memoryview) -> _RawBatch | _RawBatchMap:
+def open_batch(payload: bytes | memoryview) -> RawEventBatch:
+    """A batch with its events still encoded: O(1) objects per ``MIN_EVENT_BYTES`` of payload."""
+    if len(payload) > MAX_BATCH_BYTES:
+        raise KvEventDecodeError("too_large", f"{len(payload)} bytes > {MAX_BATCH_BYTES}")
     first = bytes(payload[:1])
     decoder = _batch_map_decoder if first and _is_map(first[0]) else _batch_decoder
-    batch: _RawBatch | _RawBatchMap = _guarded(decoder, payload)
-    return batch
+    raw: _RawBatch | _RawBatchMap = _guarded(decoder, payload)
+    count = _array_length(memoryview(raw.events))
+    if count > EVENTS_SLACK + len(raw.events) // MIN_EVENT_BYTES:
+        raise KvEventDecodeError("too_many_events", f"{count} events in {len(raw.events)} bytes")
+    events: list[msgspec.Raw] = _guarded(_events_decoder, raw.events)
+    return RawEventBatch(ts=raw.ts, events=events, data_parallel_rank=raw.data_parallel_rank)
 
 
-def _decode_event(raw: msgspec.Raw) -> KVEvent:
+def _array_length(data: memoryview) -> int:
+    """The length in a MessagePack array header (the events of a batch the decoder has read)."""
+    first = data[0] if data else -1
+    if 0x90 <= first <= 0x9F:
+        return first & 0x0F
+    if first in (0xDC, 0xDD):
+        return int.from_bytes(data[1 : 3 if first == 0xDC else 5], "big")
+    raise KvEventDecodeError("invalid", "a batch's events must be an array")
+
+
+def decode_event(raw: msgspec.Raw) -> KVEvent:
+    """One typed, checked event of a batch (``KvEventDecodeError`` when it must be skipped)."""
     data = memoryview(raw)
     if not data or not (_is_map(data[0]) or _is_array(data[0])):
         raise KvEventDecodeError("invalid", "an event must be a map or an array")
@@ -266,15 +309,9 @@ def _decode_array_event(raw: msgspec.Raw) -> KVEvent:
 
 
 def _check(event: KVEvent) -> None:
-    """Block arithmetic and hash sizes: what a typed decode cannot state."""
-    if isinstance(event, AllBlocksCleared):
-        return
-    for block_hash in event.block_hashes:
-        _check_hash(block_hash)
+    """Block arithmetic: what a typed decode cannot state (hash sizes are checked by the decoder)."""
     if not isinstance(event, BlockStored):
         return
-    if event.parent_block_hash is not None:
-        _check_hash(event.parent_block_hash)
     if event.block_size < 1:
         raise KvEventDecodeError("invalid", f"block_size {event.block_size} < 1")
     blocks = len(event.block_hashes)
@@ -288,11 +325,6 @@ def _check(event: KVEvent) -> None:
         raise KvEventDecodeError(
             "invalid", f"{len(event.extra_keys)} extra_keys entries for {blocks} block(s)"
         )
-
-
-def _check_hash(block_hash: BlockHash) -> None:
-    if isinstance(block_hash, bytes) and not 0 < len(block_hash) <= MAX_HASH_BYTES:
-        raise KvEventDecodeError("invalid", f"a block hash of {len(block_hash)} bytes")
 
 
 def _positional(event: KVEvent) -> list[Any]:

@@ -6,8 +6,14 @@ and calls the sink and a ``ReplayChannel``; the subscriber owns the sockets arou
 * Batches are applied in seq order, each at most once. ``last`` is the last applied seq (None: no
   base yet, the next batch is taken as it comes). A batch's seq is consumed even when its payload
   is unusable (counted, logged); bad events are skipped and the rest of the batch applies.
-* While a replay is outstanding, live batches are buffered (bounded) and applied after it, so a
-  replayed old batch is never applied after a newer live one. A seq <= ``last`` is a duplicate.
+* While a replay is outstanding, live batches are buffered and applied after it, so a replayed old
+  batch is never applied after a newer live one. A seq <= ``last`` is a duplicate. The buffer is
+  bounded per instance (batches, bytes) and, with every follower of a subscriber, by one shared
+  ``PendingBudget`` of bytes; past a bound the replay is given up (``pending_overflow``).
+* With ``slice_blocks``, a long batch is applied a slice at a time: ``last`` is the last accepted
+  seq, the accepted batches wait in order (their bytes held in the budget) and ``settle`` applies
+  about ``slice_blocks`` blocks per call; the owner yields to the event loop between calls and
+  reads no more input while ``backlogged``. A reset drops what waits (it would be reset anyway).
 * A live seq > ``last + 1`` is a gap: replay from ``last + 1``. Without a replay channel, or when
   the replay cannot fill it (its first batch is past ``last + 1``, it answers garbage, it brings
   nothing while a gap remains, the live buffer overflows, or it is silent for ``timeout_s``), the
@@ -21,8 +27,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Final, Protocol
+
+import msgspec
 
 from dynamo_prep.protocol.kv_events import (
     AllBlocksCleared,
@@ -30,7 +38,8 @@ from dynamo_prep.protocol.kv_events import (
     BlockStored,
     KVEvent,
     KvEventDecodeError,
-    decode_batch,
+    decode_event,
+    open_batch,
     parse_live,
     parse_replay,
 )
@@ -38,18 +47,43 @@ from dynamo_prep.routing.eventlog import KvLog
 from dynamo_prep.routing.metrics import KvMetrics
 
 __all__ = [
+    "APPLY_SLICE_BLOCKS",
     "MAX_PENDING_BATCHES",
     "MAX_PENDING_BYTES",
+    "MAX_PENDING_BYTES_TOTAL",
     "REPLAY_TIMEOUT_S",
     "InstanceFollower",
     "KvEventSink",
+    "PendingBudget",
     "ReplayChannel",
 ]
 
 REPLAY_TIMEOUT_S = 2.0
 # Live batches buffered during one replay; past either bound the replay is given up (reset).
 MAX_PENDING_BATCHES = 20_000
-MAX_PENDING_BYTES = 256 << 20
+MAX_PENDING_BYTES = 64 << 20
+# Bytes every follower of one subscriber holds together (buffered, or accepted and not yet applied).
+MAX_PENDING_BYTES_TOTAL = 256 << 20
+# Blocks (and events) applied between two yields to the event loop: about a millisecond of work.
+APPLY_SLICE_BLOCKS: Final = 2048
+
+
+class PendingBudget:
+    """Bytes of KV batches held by the followers sharing it, bounded by ``limit``."""
+
+    def __init__(self, limit: int = MAX_PENDING_BYTES_TOTAL) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self, size: int, *, force: bool = False) -> bool:
+        """Hold ``size`` more bytes; False (nothing held) past the limit unless ``force``."""
+        if not force and self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def give(self, size: int) -> None:
+        self.used -= size
 
 
 class KvEventSink(Protocol):
@@ -68,6 +102,20 @@ class ReplayChannel(Protocol):
 
     def cancel(self) -> None:
         """Forget the outstanding replay: its late replies must never be read (a new DEALER)."""
+
+
+@dataclass(slots=True)
+class _Work:
+    """An accepted batch being applied: its encoded events, and how far it got."""
+
+    seq: int
+    size: int  # payload bytes, held in the budget until it is done
+    events: list[msgspec.Raw]
+    position: int = 0  # events decoded
+    split: BlockStored | BlockRemoved | None = None  # a long event applied in pieces
+    offset: int = 0  # blocks of ``split`` applied
+    skipped: dict[str, int] = field(default_factory=dict)  # reason -> events skipped, not yet counted
+    detail: dict[str, str] = field(default_factory=dict)  # reason -> the first one's detail
 
 
 @dataclass(slots=True)
@@ -97,6 +145,8 @@ class InstanceFollower:
         timeout_s: float = REPLAY_TIMEOUT_S,
         max_pending: int = MAX_PENDING_BATCHES,
         log: KvLog | None = None,
+        budget: PendingBudget | None = None,
+        slice_blocks: int | None = None,
     ) -> None:
         self.instance_id = instance_id
         self.last: int | None = None
@@ -112,10 +162,20 @@ class InstanceFollower:
         self._timeout_s = timeout_s
         self._max_pending = max_pending
         self._log = log or KvLog(instance_id)
+        self._budget = budget if budget is not None else PendingBudget()
+        self._slice = slice_blocks
+        self._credit = slice_blocks or 0  # work left in this slice (unused without slices)
+        self._accepted: deque[tuple[int, bytes]] = deque()  # accepted, not yet decoded
+        self._work: _Work | None = None
 
     @property
     def replaying(self) -> bool:
         return self._replay is not None
+
+    @property
+    def backlogged(self) -> bool:
+        """Accepted batches wait to be applied (``settle``): read no more input meanwhile."""
+        return self._work is not None or bool(self._accepted)
 
     def deadline(self) -> float | None:
         """When the outstanding replay times out (None: no replay outstanding)."""
@@ -131,6 +191,21 @@ class InstanceFollower:
         if self._replay is not None:
             self._finish_replay("abandoned")
         self._clear_pending()
+        self._drop_work()
+
+    def refill(self) -> None:
+        """A new slice of work may be done (before reading input)."""
+        self._credit = self._slice or 0
+
+    def settle(self) -> bool:
+        """Apply the waiting batches, one slice; True while some still wait (yield, then call again).
+        An outstanding replay's deadline is for the publisher's silence, not for this work."""
+        self.refill()
+        self._run()
+        replay = self._replay
+        if replay is not None:
+            replay.deadline = max(replay.deadline, self._clock() + self._timeout_s)
+        return self.backlogged
 
     # -- input ---------------------------------------------------------------------------------
 
@@ -211,10 +286,19 @@ class InstanceFollower:
         self._buffer(seq, payload)
 
     def _buffer(self, seq: int, payload: bytes) -> None:
-        self.pending.append((seq, payload))
-        self._pending_bytes += len(payload)
-        if len(self.pending) > self._max_pending or self._pending_bytes > MAX_PENDING_BYTES:
+        size = len(payload)
+        if (
+            len(self.pending) >= self._max_pending
+            or self._pending_bytes + size > MAX_PENDING_BYTES
+            or not self._budget.take(size)
+        ):
+            self.pending.append((seq, payload))  # applied after the reset, with the rest
+            self._pending_bytes += size
+            self._budget.take(size, force=True)
             self._give_up("pending_overflow")
+            return
+        self.pending.append((seq, payload))
+        self._pending_bytes += size
 
     def _start_replay(self, start: int, reason: str) -> None:
         assert self._channel is not None
@@ -262,8 +346,11 @@ class InstanceFollower:
         self.pending = deque()
         self._pending_bytes = 0
         while pending and self._replay is None:
-            self._offer(*pending.popleft())
+            seq, payload = pending.popleft()
+            self._budget.give(len(payload))  # taken again if accepted
+            self._offer(seq, payload)
         for seq, payload in pending:
+            self._budget.give(len(payload))
             self._buffer(seq, payload)
 
     def _restart(self, seq: int) -> None:
@@ -277,47 +364,126 @@ class InstanceFollower:
             self._start_replay(0, "publisher_restart")
 
     def _clear_pending(self) -> None:
+        self._budget.give(self._pending_bytes)
         self.pending.clear()
         self._pending_bytes = 0
 
     # -- the sink ------------------------------------------------------------------------------
 
     def _apply(self, seq: int, payload: bytes) -> None:
+        """Accept a batch: it is applied now, or within the next slices after the ones before it."""
         self.last = seq
+        self._budget.take(len(payload), force=True)
+        self._accepted.append((seq, payload))
+        self._run()
+
+    def _run(self) -> None:
+        """Apply waiting batches in order while the slice has room (always, without slices)."""
+        while self._slice is None or self._credit > 0:
+            work = self._work or self._open()
+            if work is None:
+                return
+            self._step(work)
+            if work.split is None and work.position == len(work.events):
+                self._finish(work)
+
+    def _open(self) -> _Work | None:
+        """The next accepted batch with events (an unusable one is counted, its seq consumed)."""
+        while self._accepted:
+            seq, payload = self._accepted.popleft()
+            try:
+                events = open_batch(payload).events
+            except KvEventDecodeError as exc:
+                self._budget.give(len(payload))
+                self._reject(exc.reason, f"seq {seq}: {exc.detail}", "batch")
+                self._credit -= 1
+                continue
+            self._work = _Work(seq, len(payload), events)
+            return self._work
+        return None
+
+    def _step(self, work: _Work) -> None:
+        """Decode and apply ``work``'s events while the slice has room, in one sink call."""
+        ready: list[KVEvent] = []
+        unlimited = self._slice is None
+        while unlimited or self._credit > 0:
+            if work.split is None:
+                if work.position == len(work.events):
+                    break
+                event = self._decode(work)
+                if event is None:
+                    continue
+                self._count(event)
+                if isinstance(event, AllBlocksCleared) or len(event.block_hashes) < self._credit or unlimited:
+                    self._credit -= 1 if isinstance(event, AllBlocksCleared) else 1 + len(event.block_hashes)
+                    ready.append(event)
+                    continue
+                work.split, work.offset = event, 0
+            taken = min(len(work.split.block_hashes) - work.offset, max(1, self._credit))
+            ready.append(_piece(work.split, work.offset, taken))
+            self._credit -= taken
+            work.offset += taken
+            if work.offset >= len(work.split.block_hashes):
+                work.split = None
+        self._flush_skipped(work)
+        if ready:
+            self._sink_apply(ready)
+
+    def _decode(self, work: _Work) -> KVEvent | None:
+        raw = work.events[work.position]
+        work.position += 1
         try:
-            decoded = decode_batch(payload)
-        except KvEventDecodeError as exc:
-            self._reject(exc.reason, f"seq {seq}: {exc.detail}", "batch")
-            return
-        for skipped in decoded.skipped:
-            self._reject(skipped.reason, f"seq {seq}: {skipped.detail}", "event")
-        events = decoded.batch.events
-        if not events:
-            return
-        self._count(events)
+            return decode_event(raw)
+        except KvEventDecodeError as exc:  # counted, not kept: one count per reason, one detail
+            self._credit -= 1
+            work.skipped[exc.reason] = work.skipped.get(exc.reason, 0) + 1
+            work.detail.setdefault(exc.reason, exc.detail)
+            return None
+
+    def _flush_skipped(self, work: _Work) -> None:
+        for reason, count in work.skipped.items():
+            self._metrics.rejected.labels(reason=reason).inc(count)
+            detail = f"seq {work.seq}: {work.detail[reason]} ({count} event(s) like it)"
+            self._log.rejected(reason, detail, source="event", now=self._clock())
+        work.skipped.clear()
+        work.detail.clear()
+
+    def _finish(self, work: _Work) -> None:
+        self._work = None
+        self._budget.give(work.size)
+
+    def _drop_work(self) -> None:
+        """Forget what waits (before a reset: applying it first would change nothing)."""
+        if self._work is not None:
+            self._finish(self._work)
+        for _, payload in self._accepted:
+            self._budget.give(len(payload))
+        self._accepted.clear()
+
+    def _sink_apply(self, events: list[KVEvent]) -> None:
         try:
             self._sink.apply(self.instance_id, events)
         except Exception as exc:  # the index's bug must not stop this instance's stream
             self._metrics.rejected.labels(reason="sink_error").inc()
             self._log.sink_failed("apply", exc, now=self._clock())
 
-    def _count(self, events: list[KVEvent]) -> None:
+    def _count(self, event: KVEvent) -> None:
         metrics = self._metrics
-        for event in events:
-            if isinstance(event, BlockStored):
-                metrics.stored_events.inc()
-                metrics.stored_blocks.inc(len(event.block_hashes))
-            elif isinstance(event, BlockRemoved):
-                metrics.removed_events.inc()
-                metrics.removed_blocks.inc(len(event.block_hashes))
-            elif isinstance(event, AllBlocksCleared):
-                metrics.cleared_events.inc()
+        if isinstance(event, BlockStored):
+            metrics.stored_events.inc()
+            metrics.stored_blocks.inc(len(event.block_hashes))
+        elif isinstance(event, BlockRemoved):
+            metrics.removed_events.inc()
+            metrics.removed_blocks.inc(len(event.block_hashes))
+        elif isinstance(event, AllBlocksCleared):
+            metrics.cleared_events.inc()
 
     def _reset(self, reason: str) -> None:
         now = self._clock()
         self._metrics.resets.labels(reason=reason).inc()
         self._log.reset(reason, last_seq=self.last, now=now)
         self.last = None
+        self._drop_work()
         try:
             self._sink.reset(self.instance_id)
         except Exception as exc:
@@ -327,3 +493,19 @@ class InstanceFollower:
     def _reject(self, reason: str, detail: str, source: str) -> None:
         self._metrics.rejected.labels(reason=reason).inc()
         self._log.rejected(reason, detail, source=source, now=self._clock())
+
+
+def _piece(event: BlockStored | BlockRemoved, offset: int, count: int) -> KVEvent:
+    """Blocks ``offset`` to ``offset + count`` of a long event, as an event of their own: a stored
+    piece chains to the block before it, so the pieces in order apply as the whole would."""
+    end = offset + count
+    if isinstance(event, BlockRemoved):
+        return msgspec.structs.replace(event, block_hashes=event.block_hashes[offset:end])
+    size = event.block_size
+    return msgspec.structs.replace(
+        event,
+        block_hashes=event.block_hashes[offset:end],
+        parent_block_hash=event.parent_block_hash if offset == 0 else event.block_hashes[offset - 1],
+        token_ids=event.token_ids[offset * size : end * size],
+        extra_keys=None if event.extra_keys is None else event.extra_keys[offset:end],
+    )

@@ -8,7 +8,8 @@ Invariant: what an instance holds is closed under ancestors (it holds every bloc
 block it holds). Engines keep it themselves (vLLM frees a request's blocks tail first and evicts
 least recently used first; SGLang evicts radix-tree leaves), and the index enforces it: a store
 whose parent the instance does not hold is refused, and a block removed while its descendants
-are still held takes them along (counted as ``orphaned_blocks``). So along a request's hashes
+are still held takes them along (counted as ``orphaned_blocks``; each block knows its children, so
+this costs the blocks dropped, never a scan of the instance). So along a request's hashes
 each instance's holding is a run from the first block, and ``match`` finds where each run ends by
 bisection: a few dozen dict lookups instead of one per block (lookups in a table of 400k blocks
 miss the CPU cache; a walk over an 8k-token prompt would cost more than the whole budget).
@@ -16,14 +17,17 @@ miss the CPU cache; a walk over an 8k-token prompt would cost more than the whol
 Engine hashes are opaque ids, meaningful only inside their instance: each instance has its own
 map ``engine hash -> own hash`` (int and bytes hashes both work) for parent links and removals. An
 event that cannot be placed is counted, logged rate-limited and skipped; it never touches another
-instance's blocks.
+instance's blocks. Every event costs O(its own size) (plus the blocks it drops), and an instance
+holds at most its engine's own capacity (``set_capacity``, from its card) and never more than
+``MAX_INSTANCE_BLOCKS``: stores past that are refused (``over_capacity``).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final, TypeVar
 
 import structlog
 
@@ -31,9 +35,16 @@ from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from dynamo_prep.routing.hashing import ROOT_HASH, stored_block_hashes
 
-__all__ = ["IndexCounters", "KvIndex"]
+__all__ = ["MAX_INSTANCE_BLOCKS", "IndexCounters", "KvIndex"]
+
+# Blocks one instance may hold whatever its card says (about 400 bytes each in the index): above
+# any engine we know at the block sizes they use, and a bound on what one hostile card can claim.
+MAX_INSTANCE_BLOCKS: Final = 1 << 21
 
 log = structlog.get_logger("dynamo_prep.routing")
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
 @dataclass(slots=True)
@@ -43,6 +54,7 @@ class IndexCounters:
     ``unknown_parent_blocks``: blocks of stored events whose parent the instance does not hold
     (the whole event is skipped); ``unknown_removed_blocks``: removals of blocks the instance does
     not hold; ``orphaned_blocks``: blocks dropped because an ancestor was removed before them;
+    ``over_capacity_blocks``: blocks refused because the instance held its bound already;
     ``invalid_events``: events with another block size, token ids that are not whole blocks, or
     values that cannot be hashed; ``cleared``: ``AllBlocksCleared`` events; ``resets``: ``reset``
     calls (gap, expiry, withdraw).
@@ -55,19 +67,51 @@ class IndexCounters:
     unknown_parent_blocks: int = 0
     unknown_removed_blocks: int = 0
     orphaned_blocks: int = 0
+    over_capacity_blocks: int = 0
     invalid_events: int = 0
 
 
 @dataclass(slots=True)
 class _Holder:
-    """One instance: its bit, its blocks by engine hash, and the tree of the blocks it holds."""
+    """One instance: its bit, its bound, its blocks by engine hash, and the tree of the blocks it
+    holds. A value that is usually single is stored as is, and as a set only when there are several."""
 
     instance_id: str
     bit: int
+    capacity: int
     own_of: dict[BlockHash, int] = field(default_factory=dict)
-    refs: dict[int, int] = field(default_factory=dict)  # own hash -> engine hashes standing for it
+    engines: dict[int, BlockHash | set[BlockHash]] = field(default_factory=dict)  # own -> engine hash(es)
     parent: dict[int, int] = field(default_factory=dict)  # own hash -> its parent's (or ROOT_HASH)
-    children: dict[int, int] = field(default_factory=dict)  # own hash -> children held
+    children: dict[int, int | set[int]] = field(default_factory=dict)  # own hash -> child(ren) held
+
+
+def _add(table: dict[_K, _V | set[_V]], key: _K, value: _V) -> None:
+    """One more ``value`` under ``key``."""
+    current = table.get(key)
+    if current is None:
+        table[key] = value
+    elif isinstance(current, set):
+        current.add(value)
+    else:
+        table[key] = {current, value}
+
+
+def _discard(table: dict[_K, _V | set[_V]], key: _K, value: _V) -> bool:
+    """One ``value`` less under ``key``; True when none is left (the key is gone)."""
+    current = table[key]
+    if isinstance(current, set):
+        current.discard(value)
+        if len(current) > 1:
+            return False
+        if current:
+            table[key] = current.pop()
+            return False
+    del table[key]
+    return True
+
+
+def _values(value: _V | set[_V]) -> list[_V]:
+    return list(value) if isinstance(value, set) else [value]
 
 
 class _Held(Mapping[str, int]):
@@ -77,7 +121,7 @@ class _Held(Mapping[str, int]):
         self._instances = instances
 
     def __getitem__(self, instance_id: str) -> int:
-        return len(self._instances[instance_id].refs)
+        return len(self._instances[instance_id].engines)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._instances)
@@ -89,18 +133,27 @@ class _Held(Mapping[str, int]):
 class KvIndex:
     """The KV-event sink of one model (one block size): applies events, answers prefix matches.
 
-    Not thread-safe: one event loop applies events and matches requests.
+    Not thread-safe: one event loop applies events and matches requests. ``on_refused(reason,
+    blocks)`` is told of every refusal (the metrics).
     """
 
-    def __init__(self, block_size: int, *, limiter: RateLimiter | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        *,
+        limiter: RateLimiter | None = None,
+        on_refused: Callable[[str, int], None] | None = None,
+    ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.counters = IndexCounters()
         self._holders: dict[int, int] = {}  # own hash -> bit mask of the instances holding it
         self._instances: dict[str, _Holder] = {}
+        self._capacity: dict[str, int] = {}  # instance id -> its bound, when its card says one
         self._slots: list[str | None] = []  # bit index -> instance id
         self._limiter = limiter or RateLimiter()
+        self._on_refused = on_refused
 
     # -- KvEventSink ---------------------------------------------------------------------------
 
@@ -124,6 +177,29 @@ class KvIndex:
             return
         self._clear(holder)
         self._slots[holder.bit.bit_length() - 1] = None
+
+    # -- instances -----------------------------------------------------------------------------
+
+    def set_capacity(self, instance_id: str, blocks: int | None) -> None:
+        """The most blocks ``instance_id`` may hold: its engine's capacity (None or < 1: unknown),
+        at most ``MAX_INSTANCE_BLOCKS``. Kept across resets, until ``forget``."""
+        if blocks is None or blocks < 1:
+            self._capacity.pop(instance_id, None)
+        else:
+            self._capacity[instance_id] = min(blocks, MAX_INSTANCE_BLOCKS)
+        holder = self._instances.get(instance_id)
+        if holder is not None:
+            holder.capacity = self.capacity(instance_id)
+
+    def capacity(self, instance_id: str) -> int:
+        """The bound on the blocks ``instance_id`` may hold."""
+        return self._capacity.get(instance_id, MAX_INSTANCE_BLOCKS)
+
+    def forget(self, instance_id: str) -> None:
+        """An instance that left: its blocks (as ``reset``, if it holds any) and its capacity."""
+        self._capacity.pop(instance_id, None)
+        if instance_id in self._instances:
+            self.reset(instance_id)
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -160,7 +236,7 @@ class KvIndex:
     def blocks_held(self, instance_id: str) -> int:
         """Distinct blocks (own hashes) the instance holds."""
         holder = self._instances.get(instance_id)
-        return 0 if holder is None else len(holder.refs)
+        return 0 if holder is None else len(holder.engines)
 
     def held(self) -> Mapping[str, int]:
         """``blocks_held`` of every instance as a live read-only mapping (computed on access)."""
@@ -183,7 +259,8 @@ class KvIndex:
             slot = len(self._slots)
             self._slots.append(None)
         self._slots[slot] = instance_id
-        holder = self._instances[instance_id] = _Holder(instance_id, 1 << slot)
+        holder = _Holder(instance_id, 1 << slot, self.capacity(instance_id))
+        self._instances[instance_id] = holder
         return holder
 
     def _credit(self, mask: int, depth: int, found: dict[str, int]) -> None:
@@ -203,37 +280,49 @@ class KvIndex:
                 self.counters.unknown_parent_blocks += blocks
                 self._refused(instance_id, "unknown_parent", blocks)
                 return
-            if event.block_size != self.block_size or len(event.token_ids) != blocks * self.block_size:
-                raise ValueError("block size")
-            parent = ROOT_HASH if known is None else known
-            placed = self._place(holder, event.block_hashes, stored_block_hashes(parent, event), parent)
+            if len(holder.own_of) >= holder.capacity:  # refused before its hashes are computed
+                placed, full = 0, True
+            else:
+                if event.block_size != self.block_size or len(event.token_ids) != blocks * self.block_size:
+                    raise ValueError("block size")
+                parent = ROOT_HASH if known is None else known
+                owns = stored_block_hashes(parent, event)
+                placed, full = self._place(holder, event.block_hashes, owns, parent)
         except (TypeError, ValueError, RecursionError):
             self.counters.invalid_events += 1
             self._refused(instance_id, "invalid", blocks)
             return
         self.counters.stored_blocks += placed
-        if placed < blocks:
+        if placed < blocks and full:
+            self.counters.over_capacity_blocks += blocks - placed
+            self._refused(instance_id, "over_capacity", blocks - placed)
+        elif placed < blocks:
             self.counters.unknown_parent_blocks += blocks - placed
             self._refused(instance_id, "unknown_parent", blocks - placed)
 
-    def _place(self, holder: _Holder, engines: list[BlockHash], owns: list[int], parent: int) -> int:
+    def _place(
+        self, holder: _Holder, engines: list[BlockHash], owns: list[int], parent: int
+    ) -> tuple[int, bool]:
         """Link each engine hash to its own hash, chained from ``parent``; returns how many were
-        placed (fewer only if relinking a reused engine hash dropped the parent). The hot path of
-        ingestion: a new engine hash for a block the instance did not hold is handled inline."""
-        own_of, refs, holders, bit = holder.own_of, holder.refs, self._holders, holder.bit
-        parents, children = holder.parent, holder.children
+        placed and whether the instance's bound stopped it (else fewer only if relinking a reused
+        engine hash dropped the parent). The hot path of ingestion: a new engine hash for a block
+        the instance did not hold is handled inline."""
+        own_of, held, holders, bit = holder.own_of, holder.engines, self._holders, holder.bit
+        parents, children, limit = holder.parent, holder.children, holder.capacity
         for placed, (engine, own) in enumerate(zip(engines, owns, strict=True)):
-            if engine in own_of or own in refs:
+            if engine not in own_of and len(own_of) >= limit:
+                return placed, True
+            if engine in own_of or own in held:
                 if not self._link(holder, engine, own, parent):
-                    return placed
+                    return placed, False
             else:
                 own_of[engine] = own
-                refs[own] = 1
+                held[own] = engine
                 holders[own] = holders.get(own, 0) | bit
                 parents[own] = parent
-                children[parent] = children.get(parent, 0) + 1
+                _add(children, parent, own)
             parent = own
-        return len(owns)
+        return len(owns), False
 
     def _link(self, holder: _Holder, engine: BlockHash, own: int, parent: int) -> bool:
         """``engine`` now stands for ``own`` (child of ``parent``); False if the parent is gone."""
@@ -242,16 +331,17 @@ class KvIndex:
             return True
         if previous is not None:  # the engine reused a hash for other content: the old block is gone
             del holder.own_of[engine]
-            self._unlink(holder, previous)
-            if parent != ROOT_HASH and parent not in holder.refs:
+            self._unlink(holder, engine, previous)
+            if parent != ROOT_HASH and parent not in holder.engines:
                 return False
         holder.own_of[engine] = own
-        count = holder.refs.get(own, 0)
-        holder.refs[own] = count + 1
-        if not count:
-            self._holders[own] = self._holders.get(own, 0) | holder.bit
-            holder.parent[own] = parent
-            holder.children[parent] = holder.children.get(parent, 0) + 1
+        if own in holder.engines:  # another engine hash for a block already held
+            _add(holder.engines, own, engine)
+            return True
+        holder.engines[own] = engine
+        self._holders[own] = self._holders.get(own, 0) | holder.bit
+        holder.parent[own] = parent
+        _add(holder.children, parent, own)
         return True
 
     def _remove(self, instance_id: str, holder: _Holder, event: BlockRemoved) -> None:
@@ -262,7 +352,7 @@ class KvIndex:
                 if own is None:
                     unknown += 1
                 else:
-                    self._unlink(holder, own)
+                    self._unlink(holder, engine, own)
                     self.counters.removed_blocks += 1
         except TypeError:
             self.counters.invalid_events += 1
@@ -271,64 +361,59 @@ class KvIndex:
             self.counters.unknown_removed_blocks += unknown
             self._refused(instance_id, "unknown_block", unknown)
 
-    def _unlink(self, holder: _Holder, own: int) -> None:
-        """One engine hash for ``own`` is gone; the block goes when the last one does."""
-        count = holder.refs[own] - 1
-        if count:
-            holder.refs[own] = count
+    def _unlink(self, holder: _Holder, engine: BlockHash, own: int) -> None:
+        """``engine`` no longer stands for ``own``; the block goes when its last engine hash does."""
+        if not _discard(holder.engines, own, engine):
             return
-        if holder.children.get(own):
+        if own in holder.children:
             self._orphan_descendants(holder, own)
         self._drop(holder, own)
 
     def _drop(self, holder: _Holder, own: int) -> None:
-        del holder.refs[own]
+        """``own`` leaves the instance (its engine hashes are gone already; it has no children)."""
         mask = self._holders[own] & ~holder.bit
         if mask:
             self._holders[own] = mask
         else:
             del self._holders[own]
-        parent = holder.parent.pop(own)
-        left = holder.children[parent] - 1
-        if left:
-            holder.children[parent] = left
-        else:
-            del holder.children[parent]
+        _discard(holder.children, holder.parent.pop(own), own)
 
     def _orphan_descendants(self, holder: _Holder, own: int) -> None:
         """``own`` leaves before its descendants (no engine we know does this): drop them too, so
-        the instance's blocks stay closed under ancestors. Walks all its blocks; rare."""
-        below: dict[int, list[int]] = {}
-        for child, parent in holder.parent.items():
-            below.setdefault(parent, []).append(child)
+        the instance's blocks stay closed under ancestors. Costs the blocks dropped."""
         doomed: list[int] = []
-        frontier = list(below.get(own, ()))
+        frontier = [own]
         while frontier:
-            block = frontier.pop()
-            doomed.append(block)
-            frontier.extend(below.get(block, ()))
-        gone = set(doomed)
-        for engine in [engine for engine, value in holder.own_of.items() if value in gone]:
-            del holder.own_of[engine]
-        for block in reversed(doomed):  # deepest first: a block leaves after its children
+            below = holder.children.get(frontier.pop())
+            if below is not None:
+                found = _values(below)
+                doomed.extend(found)
+                frontier.extend(found)
+        own_of = holder.own_of
+        for block in reversed(doomed):  # a child is found after its parent: it leaves first
+            gone = holder.engines.pop(block)
+            for engine in gone if isinstance(gone, set) else (gone,):
+                del own_of[engine]
             self._drop(holder, block)
         self.counters.orphaned_blocks += len(doomed)
         self._warn("kv_blocks_orphaned", holder.instance_id, "removed_before_descendants", len(doomed))
 
     def _clear(self, holder: _Holder) -> None:
         holders, keep = self._holders, ~holder.bit
-        for own in holder.refs:
+        for own in holder.engines:
             mask = holders[own] & keep
             if mask:
                 holders[own] = mask
             else:
                 del holders[own]
-        holder.refs.clear()
+        holder.engines.clear()
         holder.own_of.clear()
         holder.parent.clear()
         holder.children.clear()
 
     def _refused(self, instance_id: str, reason: str, blocks: int) -> None:
+        if self._on_refused is not None:
+            self._on_refused(reason, blocks)
         self._warn("kv_event_refused", instance_id, reason, blocks)
 
     def _warn(self, event: str, instance_id: str, reason: str, blocks: int) -> None:

@@ -75,6 +75,13 @@ class KvMetrics:
             ["reason"],
             registry=reg,
         )
+        self.blocks_refused = Counter(
+            f"{PREFIX}kv_blocks_refused",
+            "Blocks of KV-cache events the index refused, by reason (unknown_parent, unknown_block, "
+            "over_capacity, invalid)",
+            ["reason"],
+            registry=reg,
+        )
         # Bound once: the apply path runs per batch.
         self.stored_events = self.events_applied.labels(kind="stored")
         self.removed_events = self.events_applied.labels(kind="removed")
@@ -100,6 +107,10 @@ class KvMetrics:
             buckets=_OVERLAP_RATIO,
             registry=reg,
         )
+
+    def index_refused(self, reason: str, blocks: int) -> None:
+        """The index refused ``blocks`` blocks of one event (``KvIndex``'s ``on_refused``)."""
+        self.blocks_refused.labels(reason=reason).inc(blocks)
 
     def decided(self, decision: Decision, seconds: float) -> None:
         """One routing decision: its reason, how long it took, how much of the prompt was cached."""

@@ -50,7 +50,13 @@ from dynamo_prep.protocol.discovery import Instance, KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import MAX_BATCH_BYTES, replay_request
 from dynamo_prep.routing.endpoints import KvEndpointRules
 from dynamo_prep.routing.eventlog import KvLog
-from dynamo_prep.routing.follower import REPLAY_TIMEOUT_S, InstanceFollower, KvEventSink
+from dynamo_prep.routing.follower import (
+    APPLY_SLICE_BLOCKS,
+    REPLAY_TIMEOUT_S,
+    InstanceFollower,
+    KvEventSink,
+    PendingBudget,
+)
 from dynamo_prep.routing.metrics import KvMetrics
 
 __all__ = ["MAX_DRAIN_PER_WAKE", "MAX_FRAME_BYTES", "KvEventSink", "KvEventSubscriber"]
@@ -220,6 +226,7 @@ class KvEventSubscriber:
         self._max_drain = max_drain
         self._followed: dict[str, _Followed] = {}
         self._waiting: dict[str, Instance] = {}  # refused for now (socket limit, endpoint in use)
+        self._budget = PendingBudget()  # the bytes every follower holds, together
         self._limiter = RateLimiter()
         self._running = False
         self._stop = asyncio.Event()
@@ -396,6 +403,8 @@ class KvEventSubscriber:
             clock=self._clock,
             timeout_s=self._timeout_s,
             log=log,
+            budget=self._budget,
+            slice_blocks=APPLY_SLICE_BLOCKS,
         )
         shadow: zmq.Socket[Any] = zmq.Socket.shadow(socket.underlying)
         monitor_shadow: zmq.Socket[Any] = zmq.Socket.shadow(monitor.underlying)
@@ -453,9 +462,13 @@ class KvEventSubscriber:
         if channel is not None and channel.socket is not None:
             poller.register(channel.socket, zmq.POLLIN)
         await poller.poll(self._timeout_ms(followed))
+        follower.refill()
         drained = self._drain(followed, followed.shadow, follower.on_live)
         if channel is not None:
             drained = max(drained, self._drain(followed, channel.shadow, follower.on_replay, channel))
+        while follower.backlogged and not followed.closed:  # a long batch, a slice at a time
+            await asyncio.sleep(0)
+            follower.settle()
         if followed.closed:
             return
         if channel is not None and channel.socket is not None and not follower.replaying:
@@ -488,6 +501,8 @@ class KvEventSubscriber:
         replay up mid-drain, which replaces ``channel``'s DEALER: the old one is not read again."""
         received = 0
         while shadow is not None and received < self._max_drain and not followed.closed:
+            if followed.follower.backlogged:  # applied first (``_wake``); the rest waits in the pipe
+                break
             if channel is not None and channel.shadow is not shadow:
                 break
             try:

@@ -1,0 +1,412 @@
+"""Hostile input on the KV plane's data path (issue 20, rows 4, 5 and 16): every event costs O(its own
+size), an instance holds at most its engine's capacity, long batches are applied in slices that
+yield to the loop, the buffers are bounded in bytes, and skipped events are counted, not kept.
+
+Costs are shown by work bounds (lines of the index executed, the most blocks applied between two
+yields, allocation peaks), never by timing. ``benchmarks/kv_hostile.py`` has the measured figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import tracemalloc
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+from support import kv_wire
+from support.kv_wire import RawKvPublisher, RecordingChannel, be8
+from support.logs import until
+from support.plane import DynamoProcess, start_dynamo
+from test_hostile import K3, Target, k3_card
+
+import dynamo_prep.routing.index as index_module
+from dynamo_prep.logging import RateLimiter
+from dynamo_prep.protocol.discovery import Instance
+from dynamo_prep.protocol.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventBatch,
+    KvEventDecodeError,
+    decode_batch,
+    encode_batch,
+)
+from dynamo_prep.routing.follower import InstanceFollower, PendingBudget
+from dynamo_prep.routing.hashing import request_block_hashes
+from dynamo_prep.routing.index import MAX_INSTANCE_BLOCKS, KvIndex
+from dynamo_prep.routing.metrics import KvMetrics
+from dynamo_prep.routing.subscriber import KvEventSubscriber
+
+context = kv_wire.context  # fixture
+BS = 4
+
+
+def stored(first: int, blocks: int, parent: int | None = None, *, block_size: int = BS) -> BlockStored:
+    """``blocks`` chained blocks with engine hashes ``first``, ``first + 1``, ... (tokens from them)."""
+    hashes = list(range(first, first + blocks))
+    tokens = [hashes[i // block_size] for i in range(blocks * block_size)]
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=block_size)
+
+
+def payload(events: Sequence[KVEvent]) -> bytes:
+    return encode_batch(KVEventBatch(ts=1.0, events=list(events)))
+
+
+def lines_run(call: Callable[[], object], module: Any = index_module) -> int:
+    """Lines of ``module`` executed by ``call``: its work, counted."""
+    filename = module.__file__
+    count = 0
+
+    def local(frame: FrameType, event: str, arg: object) -> Any:
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    def tracer(frame: FrameType, event: str, arg: object) -> Any:
+        return local if frame.f_code.co_filename == filename else None
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+# -- row 4: an event costs its own size, whatever the instance holds -------------------------------
+
+
+def held_chains(chains: int, length: int = 10) -> KvIndex:
+    index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+    for chain in range(chains):
+        index.apply("w", [stored(chain * 1000, length)])
+    return index
+
+
+def removals(heads: int) -> list[KVEvent]:
+    """Each removes the first block of a chain before its descendants (they go along)."""
+    return [BlockRemoved(block_hashes=[chain * 1000]) for chain in range(heads)]
+
+
+def test_a_removal_costs_the_blocks_it_drops_not_the_blocks_held() -> None:
+    """Issue 20 row 4: 500 such removals against 100k held blocks held the loop 10.1 s (each one
+    walked every block of the instance). The same removals cost the same against 10x more blocks."""
+    small, large = held_chains(100), held_chains(1000)
+    cost_small = lines_run(lambda: small.apply("w", removals(50)))
+    cost_large = lines_run(lambda: large.apply("w", removals(50)))
+    assert small.counters.orphaned_blocks == large.counters.orphaned_blocks == 50 * 9
+    assert len(small) == 500 and len(large) == 9500
+    assert cost_large == cost_small, "the cost does not depend on the blocks held"
+    never_stored = [BlockRemoved(block_hashes=[10**9 + n]) for n in range(50)]
+    assert lines_run(lambda: large.apply("w", never_stored)) < 20 * 50
+    assert large.counters.unknown_removed_blocks == 50
+
+
+def test_a_reused_engine_hash_costs_the_blocks_it_drops() -> None:
+    small, large = held_chains(100), held_chains(1000)
+    relinks = [stored(chain * 1000, 1) for chain in range(20)]  # same hash, other tokens: the chain goes
+    for event in relinks:
+        event.token_ids[0] += 1
+    assert lines_run(lambda: small.apply("w", relinks)) == lines_run(lambda: large.apply("w", relinks))
+    assert large.counters.orphaned_blocks == 20 * 9
+
+
+# -- the per-instance bound ---------------------------------------------------------------------
+
+
+def test_an_instance_holds_at_most_its_engines_capacity() -> None:
+    refused: list[tuple[str, int]] = []
+    index = KvIndex(BS, limiter=RateLimiter(interval_s=3600), on_refused=lambda r, b: refused.append((r, b)))
+    index.set_capacity("w", 100)
+    with capture_logs() as logs:
+        index.apply("w", [stored(0, 60), stored(60, 60, parent=59), stored(120, 10, parent=119)])
+    assert index.blocks_held("w") == 100 and index.counters.over_capacity_blocks == 20
+    assert refused == [("over_capacity", 20), ("unknown_parent", 10)]  # the rest chained to a refused block
+    assert [line["reason"] for line in logs] == ["over_capacity", "unknown_parent"], "once per reason"
+    index.apply("w", [BlockRemoved(block_hashes=list(range(90, 100)))])
+    index.apply("w", [stored(90, 10, parent=89)])  # room again: stored
+    assert index.blocks_held("w") == 100
+    index.reset("w")  # a gap keeps the bound ...
+    index.apply("w", [stored(0, 150)])
+    assert index.blocks_held("w") == 100
+    index.forget("w")  # ... an instance that left does not
+    assert index.capacity("w") == MAX_INSTANCE_BLOCKS and index.blocks_held("w") == 0
+    index.set_capacity("w", 10**12)
+    assert index.capacity("w") == MAX_INSTANCE_BLOCKS, "a card cannot claim more than the hard cap"
+    index.set_capacity("w", None)
+    assert index.capacity("w") == MAX_INSTANCE_BLOCKS
+
+
+def test_over_capacity_stores_cost_nothing_past_the_bound() -> None:
+    index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+    index.set_capacity("w", 10)
+    index.apply("w", [stored(0, 10), stored(50, 1)])  # full: refused, logged (later ones are not)
+    one = lines_run(lambda: index.apply("w", [stored(100, 1)]))
+    many = lines_run(lambda: index.apply("w", [stored(200, 1000)]))
+    assert one == many, "refused before its hashes are computed"
+    assert index.counters.over_capacity_blocks == 1002
+
+
+# -- row 5: long batches in slices --------------------------------------------------------------
+
+
+class SliceSink:
+    """A ``KvEventSink`` in front of a real index that records the blocks of each call."""
+
+    def __init__(self) -> None:
+        self.index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+        self.calls: list[int] = []
+        self.ticks_seen: list[int] = []
+        self.ticks = 0
+
+    def apply(self, instance_id: str, events: Sequence[KVEvent]) -> None:
+        self.calls.append(
+            sum(len(e.block_hashes) for e in events if isinstance(e, BlockStored | BlockRemoved))
+        )
+        self.ticks_seen.append(self.ticks)
+        self.index.apply(instance_id, events)
+
+    def reset(self, instance_id: str) -> None:
+        self.calls.append(-1)
+        self.index.reset(instance_id)
+
+
+def follower(sink: Any, *, slice_blocks: int | None = 64, budget: PendingBudget | None = None,
+             replay: bool = False, metrics: KvMetrics | None = None) -> InstanceFollower:  # fmt: skip
+    made = InstanceFollower(
+        "w",
+        sink,
+        topic=b"",
+        replay=RecordingChannel() if replay else None,
+        metrics=metrics or KvMetrics(CollectorRegistry()),
+        clock=lambda: 0.0,
+        slice_blocks=slice_blocks,
+        budget=budget,
+    )
+    made.start()
+    return made
+
+
+def test_a_long_batch_is_applied_in_slices_in_order_and_as_a_whole() -> None:
+    sink = SliceSink()
+    f = follower(sink)
+    f.on_live([b"", be8(0), payload([stored(0, 1000), BlockRemoved(block_hashes=[999])])])
+    assert f.backlogged and sum(sink.calls) <= 64
+    f.on_live([b"", be8(1), payload([stored(5000, 3)])])  # accepted, waits behind the first
+    assert f.last == 1
+    while f.settle():
+        pass
+    assert max(sink.calls) <= 64, "one slice: at most slice_blocks blocks per call"
+    assert sum(sink.calls) == 1000 + 1 + 3
+    whole = KvIndex(BS)
+    whole.apply("w", [stored(0, 1000), BlockRemoved(block_hashes=[999])])
+    whole.apply("w", [stored(5000, 3)])
+    prompt = stored(0, 1000).token_ids
+    assert (
+        sink.index.match(request_block_hashes(prompt, BS, []))
+        == whole.match(request_block_hashes(prompt, BS, []))
+        == {"w": 999}
+    )
+    assert sink.index.blocks_held("w") == whole.blocks_held("w") == 1002
+
+
+def test_a_reset_drops_what_waits() -> None:
+    sink = SliceSink()
+    f = follower(sink)
+    f.on_live([b"", be8(0), payload([stored(0, 1000)])])
+    f.on_live([b"", be8(5), payload([stored(7000, 1)])])  # a gap without replay: reset, then this one
+    while f.settle():
+        pass
+    assert -1 in sink.calls
+    assert sink.index.blocks_held("w") == 1, "nothing of the batch before the reset applied after it"
+
+
+async def test_the_subscriber_yields_between_slices(context: zmq.asyncio.Context) -> None:
+    """A batch of 100k blocks on a real socket: other tasks run while it is applied."""
+    publisher = RawKvPublisher(context, replay=False)
+    sink = SliceSink()
+    subscriber = KvEventSubscriber(sink, metrics=KvMetrics(CollectorRegistry()), context=context)
+    runner = asyncio.get_running_loop().create_task(subscriber.run())
+
+    async def tick() -> None:
+        while True:
+            sink.ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.get_running_loop().create_task(tick())
+    try:
+        subscriber.add(Instance(instance_id="w", endpoint="tcp://127.0.0.1:1", kv_events=publisher.kv_events))
+        await publisher.wait_subscribed()
+        publisher.publish(payload([stored(0, 100_000)]))
+        await until(lambda: sink.index.blocks_held("w") == 100_000, "the whole batch applied")
+        assert len(sink.calls) > 10 and max(sink.calls) <= 4096
+        assert sink.ticks_seen[-1] > sink.ticks_seen[0], "another task ran while the batch was applied"
+    finally:
+        ticker.cancel()
+        subscriber.close()
+        await asyncio.wait_for(runner, 10)
+        await publisher.close()
+
+
+# -- row 5: buffers bounded in bytes ------------------------------------------------------------
+
+
+def test_the_pending_buffers_of_all_instances_share_one_budget_in_bytes() -> None:
+    budget = PendingBudget(limit=1 << 20)
+    metrics = KvMetrics(CollectorRegistry())
+    sinks = [SliceSink(), SliceSink()]
+    a, b = (follower(sink, replay=True, budget=budget, metrics=metrics) for sink in sinks)
+    big = payload([stored(0, 5000)])  # about 150 kB
+    a.on_live([b"", be8(0), big])
+    seq = 1
+    while len(a.pending) == seq and budget.used + len(big) <= budget.limit:
+        a.on_live([b"", be8(seq), big])
+        seq += 1
+    assert a.replaying and budget.used <= budget.limit
+    b.on_live([b"", be8(0), big])  # past the shared bound: b gives its replay up (a keeps its own)
+    assert not b.replaying and a.replaying
+    resets = metrics.registry.get_sample_value(
+        "dynamo_frontend_kv_instance_resets_total", {"reason": "pending_overflow"}
+    )
+    assert resets == 1
+    while b.settle():
+        pass
+    assert budget.used == a._pending_bytes, "what b applied gave its bytes back"
+    a.close()
+    assert budget.used == 0
+
+
+# -- row 16: skipped events are counted, not kept -------------------------------------------------
+
+
+def garbage_batch(count: int, event: bytes) -> bytes:
+    header = b"\xdd" + count.to_bytes(4, "big")
+    return b"\x93" + msgspec.msgpack.encode(1.0) + header + event * count + b"\xc0"
+
+
+def test_a_batch_of_a_million_one_byte_events_is_refused_whole() -> None:
+    """Issue 20 row 16: one 1 MB batch of 1,000,000 one-byte events blocked the loop 13.8 s and
+    kept an error object per event (RSS 1,577 MB)."""
+    data = garbage_batch(1_000_000, b"\x01")
+    tracemalloc.start()
+    try:
+        with pytest.raises(KvEventDecodeError) as refused:
+            decode_batch(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert refused.value.reason == "too_many_events"
+    assert peak < len(data), "nothing per event"
+
+
+def test_skipped_events_are_a_count_per_reason() -> None:
+    unknown = msgspec.msgpack.encode({"type": "X" * 9})  # 16 bytes: as small as events may be
+    data = garbage_batch(20_000, unknown)
+    tracemalloc.start()
+    try:
+        decoded = decode_batch(data)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert decoded.skipped_counts == {"unknown_event": 20_000} and len(decoded.skipped) == 1
+    assert decoded.batch.events == []
+    assert peak < 6 * len(data), "O(1) per skipped event: its encoded slice, not an error object"
+
+
+def test_the_follower_counts_skipped_events_in_slices() -> None:
+    metrics = KvMetrics(CollectorRegistry())
+    sink = SliceSink()
+    f = follower(sink, metrics=metrics)
+    unknown = msgspec.msgpack.encode({"type": "X" * 9})
+    with capture_logs() as logs:
+        f.on_live([b"", be8(0), garbage_batch(20_000, unknown)])
+        slices = 1
+        while f.settle():
+            slices += 1
+    assert slices > 20_000 // 64 // 2, "skipped events take slices too"
+    assert (
+        metrics.registry.get_sample_value(
+            "dynamo_frontend_kv_events_rejected_total", {"reason": "unknown_event"}
+        )
+        == 20_000
+    )
+    assert len([line for line in logs if line["event"] == "kv_event_rejected"]) == 1
+    assert sink.calls == []
+
+
+# -- through a real frontend ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def kv_target(tmp_path: Path, procs: list[DynamoProcess]) -> Iterator[Target]:
+    """A frontend in kv mode with one real worker (no KV events of its own)."""
+    made = Target(tmp_path, procs)
+    http = ("--http-host", "127.0.0.1", "--http-port", str(made.port))
+    made.frontend = start_dynamo(
+        "frontend", "--discovery-bind", made.plane, *http, "--cache-dir", str(tmp_path / "cache"),
+        "--router-mode", "kv", log_level="info",
+    )  # fmt: skip
+    procs.append(made.frontend)
+    worker = start_dynamo("worker", "--model-path", K3, "--discovery", made.plane, "--token-delay", "0")
+    procs.append(worker)
+    made.worker_id = worker.wait_event("worker_started")["instance_id"]
+    made.frontend.wait_event("model_added", timeout=30)
+    yield made
+    made.close()
+
+
+def metric(port: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", trust_env=False, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_hostile_publisher_is_bounded_by_its_card_and_the_frontend_keeps_serving(kv_target: Target) -> None:
+    frontend = kv_target.frontend
+    assert frontend is not None
+    pub = kv_target.context.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        card = k3_card(runtime_config={**k3_card().get("runtime_config", {}), "total_kv_blocks": 1000})
+        block_size = card["kv_cache_block_size"]
+        announce = {
+            **kv_target.announce("hostile", seq=1, endpoint="tcp://127.0.0.1:9", card=card),
+            "kv_events": {"endpoint": f"tcp://127.0.0.1:{port}"},
+        }
+        followed = lambda: bool(frontend.find("kv_events_subscribed", instance_id="hostile"))  # noqa: E731
+        kv_target.flood([announce], followed, "the hostile instance followed")
+        big = payload([stored(0, 50_000, block_size=block_size)])
+        junk = garbage_batch(1_000_000, b"\x01")
+        seq = 0
+
+        def refused() -> bool:
+            nonlocal seq
+            for frame in (big, junk):  # a PUB's first messages may be lost: sent until counted
+                pub.send_multipart([b"", be8(seq), frame])
+                seq += 1
+            return (
+                metric(kv_target.port, 'dynamo_frontend_kv_blocks_refused_total{reason="over_capacity"}') > 0
+                and metric(
+                    kv_target.port, 'dynamo_frontend_kv_events_rejected_total{reason="too_many_events"}'
+                )
+                > 0
+            )
+
+        kv_target.flood([], refused, "the over-capacity and too-many-events refusals counted")
+        assert frontend.find("kv_event_refused", reason="over_capacity", instance_id="hostile")
+        assert kv_target.chat().status_code == 200
+        assert kv_target.live_s() < 5
+        assert frontend.process.poll() is None
+    finally:
+        pub.close(linger=0)
