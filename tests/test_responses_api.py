@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -562,3 +563,38 @@ def test_fuzzed_bodies_are_answered_or_refused_never_a_500(cluster: Cluster) -> 
         run()
     assert statuses.get(200, 0) >= 20 and statuses.get(400, 0) >= 20, statuses
     assert not cluster.frontend.find("request_crashed")
+
+
+def test_a_worker_lost_mid_stream_ends_in_an_error_event_and_response_failed(tmp_path: Path) -> None:
+    """No migration budget and the only worker SIGKILLed after 3 deltas: the stream, already 200,
+    ends with an ``error`` event and ``response.failed`` (the items so far, the error), as parsed."""
+    port, discovery = free_port(), tcp_endpoint()
+    frontend = start_dynamo(
+        "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
+        "--cache-dir", str(tmp_path / "cache"), log_level="info",
+    )  # fmt: skip
+    options = ("--token-delay", "0.04", "--heartbeat", "0.2", "--ttl-ms", "800", "--migration-limit", "0")
+    worker = start_dynamo("worker", "--model-path", K3, "--discovery", discovery, *options, log_level="info")
+    try:
+        frontend.wait_event("model_added", timeout=30)
+        events: list[Any] = []
+        stream = client(f"http://127.0.0.1:{port}").responses.create(
+            model=K3,
+            input="please keep talking for a while, so that this stream can be interrupted",
+            stream=True,
+        )
+        for event in stream:
+            events.append(event)
+            if sum(e.type.endswith("_text.delta") for e in events) == 3 and event.type.endswith(
+                "_text.delta"
+            ):
+                worker.kill()
+        kinds = [event.type for event in events]
+        assert kinds[-2:] == ["error", "response.failed"], kinds
+        assert "lost" in events[-2].message and events[-2].code == "server_error"
+        failed = events[-1].response
+        assert failed.status == "failed" and failed.error is not None and "lost" in failed.error.message
+        assert [event.sequence_number for event in events] == list(range(len(events)))
+    finally:
+        worker.stop()
+        frontend.stop()

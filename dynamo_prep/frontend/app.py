@@ -46,9 +46,9 @@ from dynamo_prep.frontend.request_record import CLIENT_GONE, RequestRecord
 from dynamo_prep.frontend.responses import (
     ResponseBuilder,
     collect_response,
+    read_request,
     response_events,
     responses_params,
-    to_chat,
 )
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.preprocessor import stop_strings
@@ -65,7 +65,6 @@ from dynamo_prep.protocol.openai import (
     decode_chat_shell,
     parse_chat_request,
 )
-from dynamo_prep.protocol.responses import parse_responses_request
 from dynamo_prep.protocol.wire import Output
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -159,10 +158,10 @@ class _Handlers:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API: the request as a chat request, served as one (``responses.py``)."""
         body = await _read_body(request, self.settings)
-        asked = parse_responses_request(body)
+        asked, chat = await _off_loop(len(body), lambda: read_request(body))
         record: RequestRecord = request.state.record
         with responses_params():
-            completion, first, outputs = await self._start(request, body, to_chat(asked), "resp_")
+            completion, first, outputs = await self._start(request, body, chat, "resp_")
         builder = ResponseBuilder(completion, asked)
         if asked.stream:
             return _EventStream(response_events(_prepend(first, outputs), builder, record))

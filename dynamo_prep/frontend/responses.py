@@ -52,10 +52,18 @@ from dynamo_prep.protocol.responses import (
     ResponsesRequest,
     ResponseUsage,
     StreamEvent,
+    parse_responses_request,
 )
 from dynamo_prep.protocol.wire import Output
 
-__all__ = ["ResponseBuilder", "collect_response", "response_events", "responses_params", "to_chat"]
+__all__ = [
+    "ResponseBuilder",
+    "collect_response",
+    "read_request",
+    "response_events",
+    "responses_params",
+    "to_chat",
+]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 _encoder = msgspec.json.Encoder()
@@ -81,6 +89,12 @@ def _refuse(message: str, param: str) -> RequestError:
 
 
 # -- request: Responses -> chat ----------------------------------------------------------------------
+
+
+def read_request(body: bytes) -> tuple[ResponsesRequest, ChatCompletionRequest]:
+    """The body decoded, and the chat request that serves it (pure: runs in a thread for large bodies)."""
+    asked = parse_responses_request(body)
+    return asked, to_chat(asked)
 
 
 def to_chat(asked: ResponsesRequest) -> ChatCompletionRequest:
