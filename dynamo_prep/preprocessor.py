@@ -32,7 +32,9 @@ from dynamo_prep.protocol.preprocessed import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
+    StructuredOutput,
 )
+from dynamo_prep.protocol.structured import StructuredOutputError, structured_output
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = [
@@ -157,8 +159,10 @@ class OpenAIPreprocessor:
         chat = _parse(request)
         validate_sampling(chat)
         self._check_stop_ids(chat)
+        validate_tool_choice(chat)
+        structured = constraint_of(chat)
         prompt = self.tokenize(chat)
-        return self._preprocessed(chat, prompt), prompt
+        return self._preprocessed(chat, prompt, structured), prompt
 
     def _check_stop_ids(self, chat: ChatCompletionRequest) -> None:
         """Stop ids are this model's ids: an engine would silently never meet any other."""
@@ -166,7 +170,9 @@ class OpenAIPreprocessor:
         if unknown is not None:
             raise PreprocessError(f"stop_token_ids: {unknown}", param="stop_token_ids")
 
-    def _preprocessed(self, chat: ChatCompletionRequest, prompt: TokenizedPrompt) -> PreprocessedRequest:
+    def _preprocessed(
+        self, chat: ChatCompletionRequest, prompt: TokenizedPrompt, structured: StructuredOutput | None
+    ) -> PreprocessedRequest:
         max_tokens = self._max_tokens(chat, len(prompt.token_ids))
         return PreprocessedRequest(
             model=chat.model,
@@ -189,6 +195,7 @@ class OpenAIPreprocessor:
                 presence_penalty=chat.presence_penalty,
                 frequency_penalty=chat.frequency_penalty,
                 repetition_penalty=chat.repetition_penalty,
+                structured=structured,
             ),
             output_options=OutputOptions(logprobs=chat.logprobs, top_logprobs=chat.top_logprobs),
             eos_token_ids=list(self.tokenizer.eos_token_ids),
@@ -222,7 +229,7 @@ def _parse(request: ChatCompletionRequest | dict[str, Any] | bytes) -> ChatCompl
     try:
         chat = parse_chat_request(request)
     except RequestError as exc:
-        raise PreprocessError(str(exc)) from exc
+        raise PreprocessError(str(exc), param=exc.param) from exc
     if not chat.messages:
         raise PreprocessError("messages must contain at least one message", param="messages")
     return chat
@@ -253,6 +260,16 @@ def validate_tool_choice(chat: ChatCompletionRequest) -> None:
         raise PreprocessError(
             f"tool_choice names function {name!r}, which is not in tools", param="tool_choice"
         )
+
+
+def constraint_of(chat: ChatCompletionRequest) -> StructuredOutput | None:
+    """The engine's constraint for ``response_format`` or a forced tool choice (a 400 naming the field)."""
+    try:
+        return structured_output(
+            chat.response_format, chat.tools, chat.tool_choice, parallel_tool_calls=chat.parallel_tool_calls
+        )
+    except StructuredOutputError as exc:
+        raise PreprocessError(str(exc), param=exc.param) from exc
 
 
 def _tool_names(tools: list[dict[str, Any]] | None) -> set[str]:

@@ -6,7 +6,11 @@ size, small enough that vLLM's CPU build starts in about 30 s and streams a toke
 with ``--load-format dummy --skip-tokenizer-init`` (random weights, no download, ids in and out).
 CPU attention needs ``head_dim`` >= 64 and a ``--block-size`` that is a multiple of 32.
 
-Usage: python scripts/make_engine_model.py OUT_DIR [--max-position-embeddings N]
+With ``--tokenizer-json`` it also writes a ``tokenizer.json`` converted from the demo vocabulary
+(transformers' TikTokenConverter: the same ids as ours), so the engine can load its own tokenizer
+(no ``--skip-tokenizer-init``), as structured outputs need: grammars are built over its vocabulary.
+
+Usage: python scripts/make_engine_model.py OUT_DIR [--max-position-embeddings N] [--tokenizer-json]
 """
 
 from __future__ import annotations
@@ -43,22 +47,48 @@ def engine_config(demo: dict[str, Any], max_position_embeddings: int) -> dict[st
     }
 
 
-def write_engine_model(out: Path, *, max_position_embeddings: int = 4096) -> Path:
+def write_engine_model(
+    out: Path, *, max_position_embeddings: int = 4096, tokenizer_json: bool = False
+) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
         shutil.copyfile(DEMO / name, out / name)
     demo = json.loads((DEMO / "config.json").read_text(encoding="utf-8"))
     config = engine_config(demo, max_position_embeddings)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    if tokenizer_json:
+        write_tokenizer_json(out)
     return out
+
+
+def write_tokenizer_json(out: Path) -> Path:
+    """The demo vocabulary as a Hugging Face ``tokenizer.json`` (needs transformers): byte-level BPE
+    from the tiktoken ranks, our pre-tokenization pattern, our special tokens at our ids."""
+    from transformers.convert_slow_tokenizer import TikTokenConverter  # noqa: PLC0415 - engines' venv only
+
+    from dynamo_prep.tokenizer import Tokenizer  # noqa: PLC0415
+
+    encoding = Tokenizer.from_model_dir(DEMO).encoding
+    converter = TikTokenConverter(
+        vocab_file=str(DEMO / "tiktoken.model"),
+        pattern=encoding._pat_str,
+        extra_special_tokens=encoding._special_tokens,
+    )
+    path = out / "tokenizer.json"
+    converter.converted().save(str(path))
+    return path
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-position-embeddings", type=int, default=4096)
+    parser.add_argument("--tokenizer-json", action="store_true", help="also write tokenizer.json")
     args = parser.parse_args()
-    print(write_engine_model(args.out, max_position_embeddings=args.max_position_embeddings))
+    out = write_engine_model(
+        args.out, max_position_embeddings=args.max_position_embeddings, tokenizer_json=args.tokenizer_json
+    )
+    print(out)
 
 
 if __name__ == "__main__":

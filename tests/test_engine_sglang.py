@@ -24,7 +24,13 @@ from dynamo_prep.engines.sglang.translate import (
     generate_kwargs,
     sampling_params,
 )
-from dynamo_prep.protocol.preprocessed import ImageRef, PreprocessedRequest, SamplingOptions, StopConditions
+from dynamo_prep.protocol.preprocessed import (
+    ImageRef,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+    StructuredOutput,
+)
 
 EOS = 8194
 
@@ -75,6 +81,17 @@ def test_sampling_params_are_sglang_s_keys() -> None:
         "stop_token_ids": [7, EOS],
         "ignore_eos": False,
     }
+
+
+def test_a_structured_output_constraint_is_sglang_s_json_schema_key() -> None:
+    """Structured outputs (docs/structured-outputs.md): the schema's JSON text as SGLang's
+    ``json_schema``; a JSON object as the schema ``{"type": "object"}`` (SGLang's OpenAI server's)."""
+    schema = '{"type": "object", "required": ["a"]}'
+    constrained = sampling_params(request(structured=StructuredOutput(json_schema=schema)), {})
+    assert constrained["json_schema"] == schema
+    json_object = sampling_params(request(structured=StructuredOutput(json_object=True)), {})
+    assert json_object["json_schema"] == '{"type": "object"}'
+    assert "json_schema" not in sampling_params(request(), {})
 
 
 def test_images_go_as_decoded_images_with_one_hash_each_in_order() -> None:

@@ -30,6 +30,7 @@ from dynamo_prep.engines.vllm.translate import (
     engine_facts,
     prompt_fields,
     sampling_fields,
+    structured_fields,
 )
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.preprocessed import (
@@ -37,6 +38,7 @@ from dynamo_prep.protocol.preprocessed import (
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
+    StructuredOutput,
 )
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output
 from dynamo_prep.tokenizer import Tokenizer
@@ -114,6 +116,7 @@ class DeadError(Exception):
 
 FAKE_API = VllmApi(
     sampling_params=lambda **fields: dict(fields),
+    structured_outputs=lambda **fields: ("StructuredOutputsParams", fields),
     tokens_prompt=lambda **fields: dict(fields),
     delta="DELTA",
     client_errors=(ClientError, ValueError),
@@ -231,6 +234,15 @@ def test_min_tokens_only_when_asked() -> None:
     assert sampling_fields(req, {})["min_tokens"] == 3
 
 
+def test_a_structured_output_constraint_is_vllm_s_structured_outputs_params() -> None:
+    """Structured outputs (docs/structured-outputs.md): ``json`` (the schema's JSON text) or
+    ``json_object``; a free-text request has none (``StructuredOutputsParams`` refuses no constraint)."""
+    schema = '{"type": "object", "required": ["a"]}'
+    assert structured_fields(request(structured=StructuredOutput(json_schema=schema))) == {"json": schema}
+    assert structured_fields(request(structured=StructuredOutput(json_object=True))) == {"json_object": True}
+    assert structured_fields(request()) is None
+
+
 def test_deltas_merged_deltas_and_empty_deltas_become_steps() -> None:
     reader = OutputReader(request())
     got = [
@@ -295,6 +307,16 @@ async def test_a_request_becomes_one_generate_call_with_delta_output() -> None:
     assert params["output_kind"] == "DELTA" and params["max_tokens"] == 8
     assert params["temperature"] == 0.6  # the model's generation_config, under the request
     assert request_id.startswith("dp-")
+
+
+async def test_a_constrained_request_s_sampling_params_carry_vllm_s_structured_outputs() -> None:
+    engine = FakeAsyncLLM([out([11, EOS], "stop")])
+    await steps(runtime(engine), request(structured=StructuredOutput(json_schema='{"type": "object"}')))
+    ((_, params, _),) = engine.calls
+    assert params["structured_outputs"] == ("StructuredOutputsParams", {"json": '{"type": "object"}'})
+    free = FakeAsyncLLM([out([11, EOS], "stop")])
+    await steps(runtime(free), request())
+    assert "structured_outputs" not in free.calls[0][1]
 
 
 async def test_request_ids_are_never_reused_in_a_process() -> None:

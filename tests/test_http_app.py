@@ -224,7 +224,7 @@ async def test_detokenize_gives_back_what_tokenize_took(fe: Frontend) -> None:
     ("body", "message", "param"),
     [
         (b"{not json", "not valid JSON", None),
-        (json.dumps({"model": DEMO, "messages": "hi"}).encode(), "Invalid request", None),
+        (json.dumps({"model": DEMO, "messages": "hi"}).encode(), "Invalid request", "messages"),
         (
             json.dumps(chat([{"type": "audio", "x": 1}])).encode(),
             "unknown content part type 'audio'",

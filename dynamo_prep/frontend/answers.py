@@ -3,7 +3,8 @@
 The parser (chosen per model, ``dynamo_prep.parsing``) turns ids into reasoning, content and tool
 calls; this layer applies what the request asked for: stop strings cut the content (and end the
 answer), ``include_reasoning: false`` drops the reasoning, ``tool_choice: "none"`` gets a parser
-that returns no calls. What the parser recovered from malformed output is counted once, at the end.
+that returns no calls, a forced tool choice one that reads the constrained JSON as the calls.
+What the parser recovered from malformed output is counted once, at the end.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from dynamo_prep.parsing import (
     answer_parser_for,
     prompt_ends_in_think,
 )
+from dynamo_prep.parsing.forced import ForcedToolParser
 from dynamo_prep.preprocessor import stop_strings
 from dynamo_prep.prompt import RenderedPrompt
 from dynamo_prep.protocol.openai import ChatCompletionRequest
+from dynamo_prep.protocol.structured import forced_tool
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = ["AnswerStream", "answer_stream_for"]
@@ -91,4 +94,7 @@ def answer_stream_for(
         prompt_form="reference" if channel is not None else "hosted",
         tools_enabled=chat.tool_choice != "none",
     )
+    forced = forced_tool(chat.tool_choice) if chat.tools else None
+    if forced is not None:  # the engine was constrained to the call's JSON (docs/structured-outputs.md)
+        parser = ForcedToolParser(parser, forced)
     return AnswerStream(parser, stops=stop_strings(chat.stop), include_reasoning=chat.include_reasoning)

@@ -107,7 +107,7 @@ def parse_chat_request(request: ChatCompletionRequest | dict[str, Any] | bytes) 
     """Decode a request from JSON bytes or a dict; a bad field raises ``RequestError``."""
     if isinstance(request, ChatCompletionRequest):
         return request
-    with decoding(RequestError.of):
+    with decoding(RequestError.naming_field):
         if isinstance(request, bytes | bytearray | memoryview):
             return msgspec.json.decode(request, type=ChatCompletionRequest)
         return msgspec.convert(request, ChatCompletionRequest)
@@ -142,14 +142,14 @@ class ChatShell:
 
     def finish(self) -> ChatCompletionRequest:
         fields = msgspec.structs.asdict(self._shell)
-        with decoding(RequestError.of):
+        with decoding(RequestError.naming_field):
             fields["messages"] = [_message(index, raw) for index, raw in enumerate(self._shell.messages)]
         return ChatCompletionRequest(**fields)
 
 
 def decode_chat_shell(body: bytes) -> ChatShell:
     """Every field of a chat request checked (a bad one raises ``RequestError``), messages kept raw."""
-    with decoding(RequestError.of):
+    with decoding(RequestError.naming_field):
         return ChatShell(msgspec.json.decode(body, type=_ChatShell))
 
 

@@ -22,8 +22,21 @@ class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
 
 
+class StructuredOutput(msgspec.Struct, kw_only=True, omit_defaults=True, frozen=True):
+    """Constrained decoding the engine applies (exactly one kind is set; docs/structured-outputs.md).
+
+    ``json_schema``: the output is an instance of this JSON schema (its JSON text, as the client
+    sent it in ``response_format`` or built from a forced tool choice); ``json_object``: the output
+    is a JSON object.
+    """
+
+    json_schema: str | None = None
+    json_object: bool = False
+
+
 class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """Sampling knobs as the client sent them; None means the engine default."""
+    """Sampling knobs as the client sent them; None means the engine default. ``structured``: the
+    constraint on the output (None: free text)."""
 
     n: int = 1
     temperature: float | None = None
@@ -33,6 +46,7 @@ class SamplingOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    structured: StructuredOutput | None = None
 
 
 class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -5,7 +5,8 @@ exactly the way SGLang or vLLM would (``flavor``) and rejects a mismatch with th
 wording, instead of generating from a prompt the real engine would refuse or misread.
 
 It then streams a deterministic reply, one token per output, until a stop id (never emitted),
-a stop string or ``max_tokens``: the first scripted reply (``replies``, a JSON Lines file; see
+a stop string or ``max_tokens``: under a structured-output constraint, an instance of its schema
+(``instance``); else the first scripted reply (``replies``, a JSON Lines file; see
 ``mock_replies``) whose ``when`` occurs in the last user message, else the echo of what it
 received (``[mock FLAVOR] N image(s), M prompt tokens. You said: ...``). With
 ``reply_format="model"`` the echo is written in the model's own answer format (``answer``):
@@ -17,6 +18,7 @@ returned. Everything is read from the prompt's ids (``prompt``).
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import NamedTuple, NoReturn
@@ -35,6 +37,7 @@ from dynamo_prep.engines.base import (
 )
 from dynamo_prep.engines.declare import declared_image_token
 from dynamo_prep.engines.mock.answer import AnswerWriter, ToolCall, schema_arguments
+from dynamo_prep.engines.mock.instance import instance_of
 from dynamo_prep.engines.mock.prompt import PromptReader, PromptView, count_occurrences
 from dynamo_prep.engines.mock.replies import load_replies, matching_reply
 from dynamo_prep.engines.mock.standins import (
@@ -45,7 +48,7 @@ from dynamo_prep.engines.mock.standins import (
 from dynamo_prep.engines.vllm import contract as vllm
 from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions, StructuredOutput
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = ["NO_PREFILL", "MockContinuation", "MockEngine", "MockOutput", "Prefill"]
@@ -222,6 +225,9 @@ class MockEngine:
     def _reply(self, request: PreprocessedRequest) -> tuple[list[int], str]:
         """``reply_ids`` and where they come from (``scripted:LINE``, ``echo`` or ``model``)."""
         view = self._reader.read(request.token_ids)
+        structured = request.sampling_options.structured
+        if structured is not None:
+            return self._constrained(view, structured), "structured"
         scripted = matching_reply(self.replies, view.last_user)
         if scripted is not None:
             return list(scripted.token_ids), f"scripted:{scripted.line}"
@@ -229,6 +235,15 @@ class MockEngine:
         if self.reply_format == "echo":
             return self.tokenizer.encode(echo), "echo"
         return self._model_answer(view, echo), "model"
+
+    def _constrained(self, view: PromptView, structured: StructuredOutput) -> list[int]:
+        """What a grammar would allow: an instance of the schema (``{}`` for a JSON object) as the
+        content, in the model's format (its reasoning stays free, as with an engine's reasoning parser)."""
+        schema = {"type": "object"} if structured.json_schema is None else json.loads(structured.json_schema)
+        text = json.dumps(instance_of(schema), ensure_ascii=False)
+        if self.reply_format == "echo":
+            return self.tokenizer.encode(text)
+        return self._answers.write(view, reasoning="I will answer in JSON.", content=text, call=None)
 
     def reply_text(self, request: PreprocessedRequest) -> str:
         """``reply_ids`` as text (specials spelled out)."""

@@ -4,7 +4,8 @@ streamed chunk as an ``EngineStep``, the engine's figures as ``EngineFacts``.
 Pure: SGLang's objects are read by attribute or key. Fixed choices (docs/engines.md): incremental
 (delta) chunks, ``max_new_tokens`` always set, the model's sampling defaults under the request's
 values, ``top_k`` 0 sent as -1 (SGLang's "off"; 0 raises), the seed as ``sampling_seed``, the stop or
-EOS id SGLang includes in ``output_ids`` dropped, decoded images with their uuids as ``mm_hashes``.
+EOS id SGLang includes in ``output_ids`` dropped, decoded images with their uuids as ``mm_hashes``, a
+structured-output constraint as the ``json_schema`` key (a JSON object as ``{"type": "object"}``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = ["ChunkReader", "engine_argv", "engine_facts", "generate_kwargs", "sam
 _TOP_K_OFF: Final = -1
 _FINISHED: Final = {"stop": "stop", "length": "length"}
 _BAD_REQUEST: Final = 400
+_JSON_OBJECT: Final = '{"type": "object"}'
 
 
 def engine_argv(model_dir: str | Path, rest: Sequence[str]) -> list[str]:
@@ -45,6 +47,9 @@ def sampling_params(request: PreprocessedRequest, defaults: Mapping[str, Any]) -
     )
     if stop.min_tokens is not None:
         params["min_new_tokens"] = stop.min_tokens
+    structured = request.sampling_options.structured
+    if structured is not None:  # SGLang's OpenAI server sends a JSON object as this schema too
+        params["json_schema"] = structured.json_schema or _JSON_OBJECT
     return params
 
 

@@ -28,7 +28,13 @@ from dynamo_prep.engines.base import (
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.steps import check_n
 from dynamo_prep.engines.vllm.contract import check_placeholder_count, expanded_image_placeholder
-from dynamo_prep.engines.vllm.translate import OutputReader, engine_facts, prompt_fields, sampling_fields
+from dynamo_prep.engines.vllm.translate import (
+    OutputReader,
+    engine_facts,
+    prompt_fields,
+    sampling_fields,
+    structured_fields,
+)
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -45,6 +51,7 @@ class VllmApi:
     """The parts of vLLM the bridge calls: its request classes and the errors it tells apart."""
 
     sampling_params: Callable[..., Any]  # SamplingParams
+    structured_outputs: Callable[..., Any]  # StructuredOutputsParams
     tokens_prompt: Callable[..., Any]  # TokensPrompt
     delta: Any  # RequestOutputKind.DELTA
     client_errors: tuple[type[BaseException], ...]  # a request vLLM refuses: a 400
@@ -56,11 +63,12 @@ class VllmApi:
         from vllm import SamplingParams  # noqa: PLC0415 - only a worker running vLLM imports it
         from vllm.exceptions import GracefulHTTPError, VLLMClientError  # noqa: PLC0415
         from vllm.inputs import TokensPrompt  # noqa: PLC0415
-        from vllm.sampling_params import RequestOutputKind  # noqa: PLC0415
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams  # noqa: PLC0415
         from vllm.v1.engine.exceptions import EngineDeadError as DeadError  # noqa: PLC0415
 
         return cls(
             sampling_params=SamplingParams,
+            structured_outputs=StructuredOutputsParams,
             tokens_prompt=TokensPrompt,
             delta=RequestOutputKind.DELTA,
             client_errors=(VLLMClientError, ValueError),  # ValueError: checks older than VLLMClientError
@@ -114,6 +122,13 @@ class VllmRuntime:
             spelling, pattern = self._placeholder
             check_placeholder_count(request.token_ids, pattern, spelling, len(request.images))
 
+    def _sampling(self, request: PreprocessedRequest) -> dict[str, Any]:
+        fields = sampling_fields(request, self._defaults)
+        structured = structured_fields(request)
+        if structured is not None:
+            fields["structured_outputs"] = self._api.structured_outputs(**structured)
+        return fields
+
     async def generate(self, request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
         """The request's steps; leaving early closes vLLM's stream, which aborts it there (once)."""
         api = self._api
@@ -122,7 +137,7 @@ class VllmRuntime:
         # Unique in this process: a migrated request that comes back never meets its earlier self.
         request_id = f"dp-{next(self._ids)}"
         try:
-            params = api.sampling_params(**sampling_fields(request, self._defaults), output_kind=api.delta)
+            params = api.sampling_params(**self._sampling(request), output_kind=api.delta)
             prompt = api.tokens_prompt(**prompt_fields(request, images))
             async with contextlib.aclosing(self._engine.generate(prompt, params, request_id)) as stream:
                 async for output in stream:

@@ -4,7 +4,8 @@
 Pure: vLLM's objects are read by attribute and its classes are built by ``runtime`` from the plain
 values made here. Fixed choices (docs/engines.md): DELTA outputs, no detokenization (stop strings
 stay in the frontend), ``max_tokens`` always set, the model's generation_config under the
-request's values, the stop or EOS id vLLM returns as the last id dropped.
+request's values, the stop or EOS id vLLM returns as the last id dropped, a structured-output
+constraint as ``StructuredOutputsParams`` (``json`` or ``json_object``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "engine_facts",
     "prompt_fields",
     "sampling_fields",
+    "structured_fields",
 ]
 
 # vLLM's finish reasons that end a stream normally, as the request plane names them.
@@ -50,6 +52,17 @@ def sampling_fields(request: PreprocessedRequest, defaults: Mapping[str, Any]) -
     if stop.min_tokens is not None:
         fields["min_tokens"] = stop.min_tokens
     return fields
+
+
+def structured_fields(request: PreprocessedRequest) -> dict[str, Any] | None:
+    """``StructuredOutputsParams`` keywords of a constrained request (None: free text); ``runtime``
+    builds it as ``SamplingParams.structured_outputs``. The schema goes as the client's JSON text."""
+    structured = request.sampling_options.structured
+    if structured is None:
+        return None
+    if structured.json_schema is not None:
+        return {"json": structured.json_schema}
+    return {"json_object": True}
 
 
 def prompt_fields(request: PreprocessedRequest, images: Sequence[object]) -> dict[str, Any]:

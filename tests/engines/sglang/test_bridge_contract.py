@@ -21,7 +21,13 @@ from dynamo_prep import cli
 from dynamo_prep.engines.kv_config import kv_events_endpoint
 from dynamo_prep.engines.sglang.runtime import SglangApi, parse_server_args
 from dynamo_prep.engines.sglang.translate import engine_argv, engine_facts, generate_kwargs, sampling_params
-from dynamo_prep.protocol.preprocessed import ImageRef, PreprocessedRequest, SamplingOptions, StopConditions
+from dynamo_prep.protocol.preprocessed import (
+    ImageRef,
+    PreprocessedRequest,
+    SamplingOptions,
+    StopConditions,
+    StructuredOutput,
+)
 
 VOCAB = 8448
 EOS = 8194
@@ -47,6 +53,8 @@ REQUESTS = {
     "top_k_off": request(temperature=0.7, top_k=0),
     "min_tokens": request(min_tokens=4, repetition_penalty=1.1),
     "ignore_eos": request(ignore_eos=True, frequency_penalty=-0.5),
+    "json_schema": request(structured=StructuredOutput(json_schema='{"type": "array", "maxItems": 2}')),
+    "json_object": request(structured=StructuredOutput(json_object=True)),
 }
 
 

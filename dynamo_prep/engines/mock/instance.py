@@ -1,0 +1,178 @@
+"""The mock's constrained decoding: a small, deterministic instance of a JSON schema.
+
+What a real engine's grammar guarantees (the output validates), without a model: ``const``, then
+``enum``'s first value, then the first branch of ``anyOf``/``oneOf``, ``allOf`` merged, local
+``$ref``s followed; objects get their required properties, arrays ``minItems`` items, strings
+``"mock"`` fitted to ``minLength``/``maxLength``, numbers the smallest allowed value near 1.
+``pattern`` and ``format`` are not generated for (the mock's string may not match them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final
+
+__all__ = ["instance_of"]
+
+MOCK_STRING: Final = "mock"
+_MAX_DEPTH: Final = 32
+_TYPE_ORDER: Final = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+def instance_of(schema: Any) -> Any:
+    """An instance of ``schema`` (a JSON Schema object or boolean) built from its root."""
+    return _Builder(schema if isinstance(schema, dict) else {}).build(schema, 0)
+
+
+class _Builder:
+    def __init__(self, root: dict[str, Any]) -> None:
+        self._root = root
+
+    def build(self, schema: Any, depth: int) -> Any:
+        if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            return None if depth > _MAX_DEPTH else {}
+        schema = self._resolved(schema)
+        if "const" in schema:
+            return schema["const"]
+        enum = schema.get("enum")
+        if isinstance(enum, list) and enum:
+            return enum[0]
+        for key in ("anyOf", "oneOf"):
+            branches = schema.get(key)
+            if isinstance(branches, list) and branches:
+                merged = {k: v for k, v in schema.items() if k != key}
+                return self.build(_merge(merged, self._resolved(branches[0])), depth + 1)
+        if isinstance(schema.get("allOf"), list):
+            merged = {k: v for k, v in schema.items() if k != "allOf"}
+            for part in schema["allOf"]:
+                merged = _merge(merged, self._resolved(part) if isinstance(part, dict) else {})
+            return self.build(merged, depth + 1)
+        return self._typed(schema, _type_of(schema), depth)
+
+    def _resolved(self, schema: dict[str, Any]) -> dict[str, Any]:
+        """A local ``$ref`` (``#/$defs/...``, ``#/definitions/...``, ``#``) followed, siblings kept."""
+        seen = 0
+        while isinstance(ref := schema.get("$ref"), str) and ref.startswith("#") and seen < _MAX_DEPTH:
+            target: Any = self._root
+            for step in [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p]:
+                target = target.get(step) if isinstance(target, dict) else None
+            rest = {k: v for k, v in schema.items() if k != "$ref"}
+            schema = _merge(target if isinstance(target, dict) else {}, rest)
+            seen += 1
+        return schema
+
+    def _typed(self, schema: dict[str, Any], kind: str, depth: int) -> Any:
+        if kind == "object":
+            return self._object(schema, depth)
+        if kind == "array":
+            return self._array(schema, depth)
+        if kind == "string":
+            return _string(schema)
+        if kind in ("integer", "number"):
+            return _number(schema, integer=kind == "integer")
+        if kind == "boolean":
+            return True
+        return None
+
+    def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
+        found = schema.get("properties")
+        properties: dict[str, Any] = found if isinstance(found, dict) else {}
+        required = [name for name in schema.get("required") or [] if isinstance(name, str)]
+        result = {name: self.build(properties.get(name, {}), depth + 1) for name in required}
+        minimum = schema.get("minProperties")
+        for name, sub in properties.items():
+            if not isinstance(minimum, int) or len(result) >= minimum:
+                break
+            result.setdefault(name, self.build(sub, depth + 1))
+        return result
+
+    def _array(self, schema: dict[str, Any], depth: int) -> list[Any]:
+        found = schema.get("prefixItems")
+        prefix: list[Any] = found if isinstance(found, list) else []
+        count = max(int(schema.get("minItems") or 0), 0)
+        items = [self.build(sub, depth + 1) for sub in prefix[:count]]
+        element = schema.get("items", {})
+        while len(items) < count:
+            items.append(self.build(element, depth + 1))
+        if schema.get("uniqueItems") and len(items) > 1:
+            down = isinstance(element, dict) and ("maximum" in element or "exclusiveMaximum" in element)
+            items = [_distinct(item, -index if down else index) for index, item in enumerate(items)]
+        return items
+
+
+def _type_of(schema: dict[str, Any]) -> str:
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kinds = [item for item in kind if isinstance(item, str)]
+        kind = next((item for item in _TYPE_ORDER if item in kinds and item != "null"), "null")
+    if isinstance(kind, str):
+        return kind
+    if "properties" in schema or "required" in schema:
+        return "object"
+    if "items" in schema or "prefixItems" in schema:
+        return "array"
+    return "object"
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in extra.items():
+        if key == "properties" and isinstance(merged.get(key), dict) and isinstance(value, dict):
+            merged[key] = {**merged[key], **value}
+        elif key == "required" and isinstance(merged.get(key), list) and isinstance(value, list):
+            merged[key] = [*merged[key], *[name for name in value if name not in merged[key]]]
+        else:
+            merged[key] = value
+    return merged
+
+
+def _string(schema: dict[str, Any]) -> str:
+    low = max(int(schema.get("minLength") or 0), 0)
+    high = schema.get("maxLength")
+    text = MOCK_STRING * (low // len(MOCK_STRING) + 1)
+    text = text[: max(low, len(MOCK_STRING))]
+    return text[:high] if isinstance(high, int) and high >= 0 else text
+
+
+def _number(schema: dict[str, Any], *, integer: bool) -> int | float:
+    """1 when the bounds allow it, else a value inside them (then rounded up to ``multipleOf``)."""
+    low, low_open = _bound(schema, "minimum", "exclusiveMinimum", max)
+    high, high_open = _bound(schema, "maximum", "exclusiveMaximum", min)
+    value: float = 1
+    if integer:
+        low = None if low is None else (math.floor(low) + 1 if low_open else math.ceil(low))
+        high = None if high is None else (math.ceil(high) - 1 if high_open else math.floor(high))
+        value = max(value, low) if low is not None else value
+        value = min(value, high) if high is not None else value
+    else:
+        if low is not None and (value < low or (value == low and low_open)):
+            value = low if not low_open else low + 1 if high is None else (low + high) / 2
+        if high is not None and (value > high or (value == high and high_open)):
+            value = high if not high_open else high - 1 if low is None else (low + high) / 2
+    step = schema.get("multipleOf")
+    if isinstance(step, int | float) and not isinstance(step, bool) and step > 0:
+        value = math.ceil(value / step) * step
+    return math.ceil(value) if integer else value
+
+
+def _bound(schema: dict[str, Any], closed: str, opened: str, pick: Any) -> tuple[float | None, bool]:
+    """The tighter of a closed and an open bound, and whether it is open."""
+    found = [
+        (value, key == opened)
+        for key in (closed, opened)
+        if isinstance(value := schema.get(key), int | float) and not isinstance(value, bool)
+    ]
+    if not found:
+        return None, False
+    value = pick(bound for bound, _ in found)
+    return value, any(bound == value and is_open for bound, is_open in found)
+
+
+def _distinct(item: Any, index: int) -> Any:
+    """Items made distinct for ``uniqueItems``: strings and numbers by their index (away from a maximum)."""
+    if isinstance(item, str) and index:
+        suffix = str(abs(index))  # in place of the last characters: the length stays in bounds
+        return item[: max(len(item) - len(suffix), 0)] + suffix
+    if isinstance(item, int | float) and not isinstance(item, bool):
+        return item + index
+    return item
