@@ -201,6 +201,27 @@ def test_the_same_tool_call_through_chat_completions_and_responses(
     )
 
 
+def metric(url: str, name: str, model: str, **labels: str) -> float:
+    """The value of one series of the frontend's /metrics (0 when absent)."""
+    with httpx.Client(trust_env=False, timeout=30) as http:
+        text = http.get(f"{url}/metrics").text
+    wanted = {f'model="{model}"', *(f'{key}="{value}"' for key, value in labels.items())}
+    for line in text.splitlines():
+        if line.startswith(name + "{") and wanted <= set(line[len(name) + 1 : line.index("}")].split(",")):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_responses_requests_are_counted_and_leave_the_inflight_gauge(cluster: str) -> None:
+    """The chat path's request metrics, for this path too: counted by status, in flight while served."""
+    api = client(cluster)
+    before = metric(cluster, "dynamo_frontend_requests_total", QWEN, status="200")
+    api.responses.create(model=QWEN, input="count me")
+    list(api.responses.create(model=QWEN, input="count me", stream=True))
+    assert metric(cluster, "dynamo_frontend_requests_total", QWEN, status="200") == before + 2
+    assert metric(cluster, "dynamo_frontend_inflight_requests", QWEN) == 0
+
+
 def test_max_output_tokens_ends_incomplete_with_the_reason(cluster: str) -> None:
     api = client(cluster)
     response = api.responses.create(model=K3, input="Say hello", max_output_tokens=12)
@@ -598,3 +619,31 @@ def test_a_worker_lost_mid_stream_ends_in_an_error_event_and_response_failed(tmp
     finally:
         worker.stop()
         frontend.stop()
+
+
+# -- the openai Agents SDK -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+def test_an_agents_sdk_loop_calls_the_tool_and_answers_from_it(cluster: str, api: str) -> None:
+    """An agent written for the openai Agents SDK (Responses API by default, chat completions as the
+    alternative) runs its tool loop against the frontend: the same call either way, then the answer."""
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)  # the SDK's traces would go to OpenAI's servers
+    http = httpx.AsyncClient(trust_env=False, timeout=30)
+    sdk_client = openai.AsyncOpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0, http_client=http)
+    model_class = agents.OpenAIResponsesModel if api == "responses" else agents.OpenAIChatCompletionsModel
+    called: list[tuple[str, int]] = []
+
+    @agents.function_tool
+    def get_weather(city: str, days: int) -> str:
+        """The weather in a city for the next days."""
+        called.append((city, days))
+        return "sunny, 21 C"
+
+    agent = agents.Agent(
+        name="weather", instructions="Use the tools.", tools=[get_weather], model=model_class(K3, sdk_client)
+    )
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?")
+    assert called == [("mock", 1)]
+    assert "sunny, 21 C" in result.final_output

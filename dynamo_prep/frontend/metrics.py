@@ -66,7 +66,7 @@ class FrontendMetrics:
         reg = self.registry
         self.requests = Counter(
             f"{PREFIX}requests",
-            "Chat completion requests by model and HTTP status",
+            "Chat completion and Responses API requests by model and HTTP status",
             ["model", "status"],
             registry=reg,
         )
