@@ -488,3 +488,24 @@ def test_raise_limits_never_goes_past_the_hard_limit() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split()[-2:] == ["512", str(socket_budget(512, 65535))]  # after the log line
+
+
+@pytest.fixture
+def healthy(tmp_path: Path, procs: list[DynamoProcess]) -> Iterator[Target]:
+    """A frontend at the default limits with one real kimi-k3-demo worker (test_hostile's target)."""
+    made = Target(tmp_path, procs)
+    made.start()
+    yield made
+    made.close()
+
+
+def test_an_endpoint_libzmq_refuses_is_routed_around_never_a_500(healthy: Target) -> None:
+    """An announce whose endpoint is no ZeroMQ address: each request routed there was a 500, and
+    its DEALER was never closed (a descriptor leaked per request). Now it is unreachable at once:
+    the request moves to the real worker for free, the socket is closed."""
+    frontend = healthy.frontend
+    assert frontend is not None
+    bad = healthy.announce("bad", seq=1, endpoint="nonsense://x", card=k3_card())
+    healthy.flood([bad], lambda: frontend.find("instance_added", instance_id="bad"), "bad admitted")
+    assert [healthy.chat(f"q{index}").status_code for index in range(4)] == [200] * 4
+    assert frontend.find("worker_unreachable", endpoint="nonsense://x")

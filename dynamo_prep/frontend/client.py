@@ -436,7 +436,11 @@ class RequestPlaneClient:
             self._no_socket(endpoint, exc)
             raise NoSocketLeft(endpoint) from None
         socket.setsockopt(zmq.LINGER, 0)
-        socket.connect(endpoint)
+        try:
+            socket.connect(endpoint)
+        except zmq.ZMQError as exc:  # no ZeroMQ address ("nonsense://x"): nothing will ever answer
+            socket.close(linger=0)
+            raise self._bad_address(endpoint, exc) from None
         channel = _Channel(endpoint, socket, self)
         channel.tasks = [
             asyncio.create_task(channel.receive(), name=f"request-plane-recv-{endpoint}"),
@@ -446,6 +450,15 @@ class RequestPlaneClient:
         ]
         self._channels[endpoint] = channel
         return channel
+
+    def _bad_address(self, endpoint: str, exc: zmq.ZMQError) -> WorkerLost:
+        """An endpoint libzmq cannot connect to is unreachable at once (its requests move for free)
+        and kept out of routing like one that never answered; its log line at most once a second."""
+        now = asyncio.get_running_loop().time()
+        self._unreachable[endpoint] = now + UNREACHABLE_HOLD_S
+        if self._refusal_log.allow("bad_address", now) is not None:
+            log.warning("worker_unreachable", endpoint=endpoint[:200], waited_s=0.0, error=str(exc))
+        return WorkerLost(endpoint, "unreachable")
 
     def _no_socket(self, endpoint: str, exc: zmq.ZMQError) -> None:
         """Count a request refused at the socket limit; its log line at most once a second."""
