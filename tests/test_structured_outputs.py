@@ -60,7 +60,7 @@ WEATHER = {
         "name": "get_weather",
         "parameters": {
             "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+            "properties": {"city": {"type": "string", "minLength": 5}, "unit": {"enum": ["C", "F"]}},
             "required": ["city", "unit"],
         },
     },
@@ -188,7 +188,7 @@ def test_required_is_an_array_of_calls_of_any_tool_and_wins_over_response_format
         [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}],
         [
             {"name": "get_time", "parameters": {"zone": "CET"}},
-            {"name": "get_weather", "parameters": {"city": "x", "unit": "F"}},
+            {"name": "get_weather", "parameters": {"city": "Lyon!", "unit": "F"}},
         ],
     ]
     for value in calls:
@@ -439,6 +439,7 @@ def test_the_sdk_s_parse_with_a_pydantic_model(cluster: Cluster) -> None:
 def test_tool_choice_required_calls_a_declared_tool_with_valid_arguments(
     cluster: Cluster, model: str, stream: bool
 ) -> None:
+    """``city`` needs 5 characters: the mock's unconstrained call (``"mock"``) would not validate."""
     client = cluster.client()
     asked: dict[str, Any] = {
         "model": model,
