@@ -260,6 +260,32 @@ def test_text_format_becomes_the_chat_response_format() -> None:
     )
 
 
+@pytest.mark.parametrize("form", ["json_object", "json_schema"])
+def test_text_format_answers_as_response_format_does_on_chat(cluster: str, form: str) -> None:
+    """Whatever the chat path does with ``response_format`` (the engine's constrained decoding),
+    ``text.format`` gets the same answer."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    if form == "json_object":
+        text, response_format = {"format": {"type": "json_object"}}, {"type": "json_object"}
+    else:
+        named = {"name": "place", "schema": schema, "strict": True}
+        text, response_format = (
+            {"format": {"type": "json_schema", **named}},
+            {"type": "json_schema", "json_schema": named},
+        )
+    api = client(cluster)
+    prompt = "Where? Answer in JSON."
+    chat = api.chat.completions.create(
+        model=K3,
+        messages=[{"role": "user", "content": prompt}],
+        response_format=response_format,
+    )
+    response = api.responses.create(model=K3, input=prompt, text=text)
+    assert response.output_text == chat.choices[0].message.content
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == form
+
+
 def test_input_items_map_to_chat_messages_as_vllm_merges_them() -> None:
     image = {"type": "input_image", "image_url": "https://example.com/a.png", "detail": "low"}
     request = ResponsesRequest(
