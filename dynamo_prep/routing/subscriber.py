@@ -6,9 +6,9 @@ Each instance is served by its own task, so a slow or hostile publisher can only
 own blocks. Rules (``follower.py`` has the details, docs/kv-events.md the reasons):
 
 * An instance is followed only at addresses no other followed instance claims and on its own host
-  (``endpoints.py``), and only while the process has a socket to spare: otherwise it is refused
-  (logged, counted) and tried again ``RETRY_S`` later, never a failure of the caller.
-
+  (``endpoints.py``), and only while it has a socket to spare (KV following takes at most
+  ``KV_SOCKET_SHARE`` of the context's MAX_SOCKETS): otherwise it is refused (logged, counted) and
+  tried again ``RETRY_S`` later, never a failure of the caller.
 * On ``add``, catch up first: subscribe, replay everything from seq 0, apply the replayed batches
   in order, then the live ones buffered meanwhile with a higher seq. Without a replay endpoint,
   start from the first live batch.
