@@ -178,17 +178,32 @@ def test_the_returned_items_fed_back_render_as_the_chat_history_does(cluster: st
     assert by_responses.usage.input_tokens == by_chat.usage.prompt_tokens
 
 
-@pytest.mark.parametrize(("model", "prompt"), [(K3, "What is the weather?"), (QWEN, "qwen-call")])
+NAMED = (
+    {"type": "function", "function": {"name": "get_weather"}},
+    {"type": "function", "name": "get_weather"},
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "prompt", "choices"),
+    [
+        (K3, "What is the weather?", ("auto", "auto")),
+        (QWEN, "qwen-call", ("auto", "auto")),
+        (K3, "Say hello", ("required", "required")),  # a forced call: the engine's constrained decoding
+        (QWEN, "Say hello", NAMED),
+    ],
+)
 def test_the_same_tool_call_through_chat_completions_and_responses(
-    cluster: str, model: str, prompt: str
+    cluster: str, model: str, prompt: str, choices: tuple[Any, Any]
 ) -> None:
     api = client(cluster)
     chat = api.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
         tools=[CHAT_WEATHER],
+        tool_choice=choices[0],
     )
-    response = api.responses.create(model=model, input=prompt, tools=[WEATHER])
+    response = api.responses.create(model=model, input=prompt, tools=[WEATHER], tool_choice=choices[1])
     chat_calls = [(c.function.name, c.function.arguments) for c in chat.choices[0].message.tool_calls or []]
     calls = [(c.name, c.arguments) for c in items(response, "function_call")]
     assert calls == chat_calls and len(calls) == 1

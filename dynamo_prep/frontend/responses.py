@@ -108,6 +108,7 @@ def to_chat(asked: ResponsesRequest) -> ChatCompletionRequest:
         messages=_messages(asked),
         tools=tools,
         tool_choice=_tool_choice(asked.tool_choice),
+        parallel_tool_calls=asked.parallel_tool_calls,
         response_format=_response_format(asked.text),
         max_completion_tokens=asked.max_output_tokens,
         temperature=asked.temperature,
