@@ -223,10 +223,12 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
     )  # fmt: skip
     watch: DynamoProcess | None = None
     try:
-        wait_for(lambda: len([line for line in up.raw if line.startswith("curl ")]) == 3, 30, message="curls")
+        wait_for(lambda: len([line for line in up.raw if line.startswith("curl ")]) == 4, 30, message="curls")
         children = [event["pid"] for event in up.find("up_child_started")]
         assert len(children) == 3
-        image_curl, call_curl, result_curl = [line for line in up.raw if line.startswith("curl ")]
+        image_curl, call_curl, result_curl, structured_curl = [
+            line for line in up.raw if line.startswith("curl ")
+        ]
         served = []
         for _ in range(2):  # the same prompt twice: KV routing sends it back where it is cached
             out = subprocess.run(
@@ -254,6 +256,13 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
         content = answered["choices"][0]["message"]["content"]
         assert "sunny, 21 C" in content
         assert {served[0], content.split("]")[0].removeprefix("[mock ")} == {"sglang", "vllm"}
+        # The structured output it prints: JSON under its schema (docs/structured-outputs.md).
+        structured = json.loads(
+            subprocess.run(
+                shlex.split(structured_curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        )
+        assert set(json.loads(structured["choices"][0]["message"]["content"])) == {"city", "sky", "celsius"}
         up_frontend = (tmp_path / "frontend.log").read_text()
         assert '"kv_overlap_blocks"' in up_frontend and '"router_mode": "kv"' in up_frontend
         assert f"dynamo-prep watch --bind {watch_address}" in "\n".join(up.raw)

@@ -6,6 +6,7 @@ from a real frontend and real mock workers of both demo models (K3 and Hermes an
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, 
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.engines.mock.instance import instance_of
+from dynamo_prep.frontend.up import DEMO_SCHEMA, structured_curl_command
 from dynamo_prep.parsing import PlainAnswerParser, fold_deltas
 from dynamo_prep.parsing._tokens import vocab_of
 from dynamo_prep.parsing.forced import ForcedToolParser
@@ -497,3 +499,14 @@ def test_the_sdk_s_parse_with_a_pydantic_function_tool(cluster: Cluster) -> None
     )
     calls = completion.choices[0].message.tool_calls or []
     assert len(calls) == 1 and isinstance(calls[0].function.parsed_arguments, GetTime)
+
+
+def test_the_up_banner_s_structured_request_answers_json_valid_under_its_schema(cluster: Cluster) -> None:
+    """``make up`` prints this request (dynamo_prep/frontend/up.py): its body, sent as printed."""
+    base_url = f"http://127.0.0.1:{cluster.port}"
+    command = shlex.split(structured_curl_command(base_url, MODELS[0]))
+    body = json.loads(command[command.index("-d") + 1])
+    answer = httpx.post(command[2], json=body, timeout=30, trust_env=False)
+    assert answer.status_code == 200, answer.text
+    content = answer.json()["choices"][0]["message"]["content"]
+    jsonschema.validate(json.loads(content), DEMO_SCHEMA)

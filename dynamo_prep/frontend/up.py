@@ -33,7 +33,7 @@ from dynamo_prep.engines.base import FLAVORS
 from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 
-__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up", "tool_curl_commands"]
+__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up", "structured_curl_command", "tool_curl_commands"]
 
 log = structlog.get_logger("dynamo_prep.up")
 
@@ -177,6 +177,32 @@ def tool_curl_commands(base_url: str, model: str) -> tuple[str, str]:
     return _curl(base_url, asked, stream=False), _curl(base_url, answered, stream=False)
 
 
+DEMO_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "sky": {"enum": ["sunny", "cloudy", "rainy"]},
+        "celsius": {"type": "integer", "minimum": -50, "maximum": 60},
+    },
+    "required": ["city", "sky", "celsius"],
+    "additionalProperties": False,
+}
+
+
+def structured_curl_command(base_url: str, model: str) -> str:
+    """A structured-output request, ready to paste: the answer is JSON valid under ``DEMO_SCHEMA``
+    (docs/structured-outputs.md; the mock answers a minimal instance of the schema)."""
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "The weather in Paris, as JSON."}],
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "weather", "schema": DEMO_SCHEMA, "strict": True},
+        },
+    }
+    return _curl(base_url, body, stream=False)
+
+
 def _curl(base_url: str, body: dict[str, Any], *, stream: bool) -> str:
     flags = "-sN" if stream else "-s"
     return (
@@ -253,6 +279,10 @@ def _print_banner(base_url: str, model: str, directory: Path, watch_address: str
         "answer once the tool has run (the call and its result sent back):",
         "",
         *tool_curl_commands(base_url, model),
+        "",
+        "A structured output (the engine constrains the answer to the schema's JSON):",
+        "",
+        structured_curl_command(base_url, model),
         "",
         f"Watch the discovery plane live: dynamo-prep watch --bind {watch_address}",
         "Ctrl-C stops everything.",
