@@ -322,6 +322,24 @@ def test_the_pending_buffers_of_all_instances_share_one_budget_in_bytes() -> Non
     assert budget.used == 0
 
 
+def test_a_replay_given_up_while_its_batches_are_buffered_again_strands_none_of_them() -> None:
+    """Past the shared budget (here: another instance's accepted work), a batch put back in the
+    buffer behind a new replay overflows it: that replay is given up and every batch still applies."""
+    budget = PendingBudget(limit=1 << 16)
+    metrics = KvMetrics(CollectorRegistry())
+    busy = follower(SliceSink(), budget=budget, metrics=metrics)
+    sink = SliceSink()
+    b = follower(sink, replay=True, budget=budget, metrics=metrics)
+    b.on_replay([b"", b"", be8(0), payload([stored(0, 1)])])
+    for seq in (2, 3, 4):  # seq 1 is lost: a gap once the catch-up ends
+        b.on_live([b"", be8(seq), payload([stored(seq * 10, 1)])])
+    busy.on_live([b"", be8(0), payload([stored(0, 5000)])])  # accepted, waits: its bytes over the budget
+    assert budget.used > budget.limit
+    b.on_replay([b"", b"", kv_wire.END, b""])
+    assert not b.replaying and not b.pending and b.last == 4
+    assert sink.index.blocks_held("w") == 3, "2, 3 and 4 applied after the reset"
+
+
 # -- row 16: skipped events are counted, not kept -------------------------------------------------
 
 

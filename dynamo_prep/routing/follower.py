@@ -345,17 +345,18 @@ class InstanceFollower:
         )
 
     def _drain_pending(self) -> None:
-        """Apply the buffered live batches; one of them may start another replay (the rest waits)."""
+        """Apply the buffered live batches; one of them may start another replay (the rest waits,
+        unless that replay is given up meanwhile: then the rest applies)."""
         pending = self.pending
         self.pending = deque()
         self._pending_bytes = 0
-        while pending and self._replay is None:
+        while pending:
             seq, payload = pending.popleft()
-            self._budget.give(len(payload))  # taken again if accepted
-            self._offer(seq, payload)
-        for seq, payload in pending:
-            self._budget.give(len(payload))
-            self._buffer(seq, payload)
+            self._budget.give(len(payload))  # taken again where it goes
+            if self._replay is None:
+                self._offer(seq, payload)
+            else:
+                self._buffer(seq, payload)
 
     def _restart(self, seq: int) -> None:
         """The live seq went back: a new publisher behind the same address; start over."""
