@@ -119,6 +119,7 @@ def to_chat(asked: ResponsesRequest) -> ChatCompletionRequest:
         presence_penalty=asked.presence_penalty,
         frequency_penalty=asked.frequency_penalty,
         repetition_penalty=asked.repetition_penalty,
+        ignore_eos=asked.ignore_eos,
         include_reasoning=asked.include_reasoning,
         chat_template_kwargs=asked.chat_template_kwargs,
         reasoning_effort=_effort(asked.reasoning),

@@ -49,6 +49,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    ignore_eos: bool = False
     include_reasoning: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
