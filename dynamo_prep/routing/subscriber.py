@@ -25,6 +25,8 @@ own blocks. Rules (``follower.py`` has the details, docs/kv-events.md the reason
   meanwhile is a gap like any other.
 * Transport cost: each task wakes on one ``await poll()`` and drains up to ``max_drain`` messages
   per socket through shadow synchronous sockets (``zmq.asyncio`` allocates a Future per ``recv``).
+  A drain stops once the follower has work waiting (a long batch, applied a slice at a time with a
+  yield between, ``follower.py``); the rest stays in the socket until that work is done.
 
 Every method runs on the frontend's event loop; ``run()`` serves until ``close()`` or cancellation.
 """
