@@ -20,6 +20,15 @@ drains them with the synchronous shadow socket (no Future per message); a reques
 takes everything queued for it at once, and consecutive Outputs are merged into one (token ids
 concatenated, the last usage and finish reason), so a busy frontend handles a burst of tokens as
 one step. The request's deadline is one timer, not a timeout per message.
+
+A worker's replies are not trusted (docs/operations.md, "Worker replies"): a stream is cut at its
+``max_tokens`` (``length``, and the worker told to stop), a request's unread replies are bounded
+(``MAX_BUFFERED_TOKENS``: past it the client is too slow and the stream is cancelled), a request
+with no token ``first_token_timeout_s`` after it was sent fails over like a lost worker, error
+messages are cut, and a worker that floods the channel with replies nobody asked for, or with
+undecodable frames, has its channel dropped (its requests fail over); the replies still in flight
+to a stream the frontend cancelled are dropped uncounted for ``LATE_GRACE_S``. Each receive wake
+takes at most ``DRAIN_BATCH`` replies or ``DRAIN_BYTES``, so a flood cannot hold the loop.
 """
 
 from __future__ import annotations
@@ -37,8 +46,10 @@ import zmq
 import zmq.asyncio
 from prometheus_client import Counter
 
+from dynamo_prep.frontend.config import DEFAULT_FIRST_TOKEN_TIMEOUT_S
+from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.limits import is_exhausted
-from dynamo_prep.logging import RateLimiter
+from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
@@ -46,8 +57,10 @@ from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping
 
 __all__ = [
     "DEFAULT_STALL_TIMEOUT_S",
+    "MAX_BUFFERED_TOKENS",
     "NoSocketLeft",
     "RequestPlaneClient",
+    "SlowReader",
     "WorkerError",
     "WorkerLost",
 ]
@@ -64,6 +77,24 @@ UNREACHABLE_HOLD_S = 30.0
 PROBES_PER_STALL = 4
 # How long past its deadline the client waits for the worker's own "deadline" reply.
 DEADLINE_GRACE_S = 1.0
+# Tokens of one request received and not yet taken by its consumer (its client does not read):
+# past this the worker's stream is cancelled; ~0.6 MB a request.
+MAX_BUFFERED_TOKENS = 16_384
+# Replies with no stream to go to (unknown or ended request, a file nobody fetched): a burst of
+# FLOOD_BURST, then FLOOD_PER_S a second; past that the worker floods and its channel is dropped.
+# The late replies of cancelled streams stay far below.
+FLOOD_BURST, FLOOD_PER_S = 10_000, 1_000
+# Undecodable replies: a worker past this burst (refilled per second) is dropped.
+GARBAGE_BURST, GARBAGE_PER_S = 100, 10
+# Replies of one stream that carry no token and do not end it; more count as unsolicited.
+MAX_EMPTY_OUTPUTS = 64
+# Replies (and their bytes) taken per wake of a channel's receive task before the other tasks run.
+DRAIN_BATCH, DRAIN_BYTES = 1024, 1 << 20
+# A stream the frontend cancelled may have many replies in flight (ZeroMQ's and TCP's buffers hold
+# tens of thousands of frames): for this long they are dropped without counting against the worker.
+LATE_GRACE_S = 5.0
+# A worker's error message as a client gets it (log lines cut it to DETAIL_CHARS).
+MAX_WORKER_MESSAGE_CHARS = 1000
 
 
 class WorkerError(Exception):
@@ -85,6 +116,15 @@ class WorkerLost(Exception):  # noqa: N818 - the name the frontend codes against
         self.reason = reason
 
 
+class SlowReader(Exception):  # noqa: N818 - the name the frontend codes against
+    """The request's client read its stream slower than the worker wrote it: past
+    ``MAX_BUFFERED_TOKENS`` unread tokens the generation was cancelled."""
+
+    def __init__(self, endpoint: str) -> None:
+        super().__init__(f"more than {MAX_BUFFERED_TOKENS} tokens unread; the generation was cancelled")
+        self.endpoint = endpoint
+
+
 class NoSocketLeft(WorkerLost):
     """No channel could be opened to the worker: the frontend is at its socket or file limit (the
     request never left; a 503)."""
@@ -97,19 +137,99 @@ class _Deadline:
     """Queued for a request whose deadline passed without its final reply."""
 
 
+class _Overflow:
+    """Queued for a request whose unread tokens passed ``MAX_BUFFERED_TOKENS``."""
+
+
 _DEADLINE = _Deadline()
-_Item = Output | ErrorReply | WorkerLost | _Deadline
+_OVERFLOW = _Overflow()
+_Item = Output | ErrorReply | WorkerLost | _Deadline | _Overflow
+# What ``_Inbox.accept`` made of a reply.
+_TAKEN, _UNSOLICITED, _CUT, _OVERFLOWED = range(4)
+
+
+class _Allowance:
+    """A token bucket: ``burst`` at once, refilled at ``per_s`` a second."""
+
+    __slots__ = ("_at", "_burst", "_left", "_per_s")
+
+    def __init__(self, burst: int, per_s: float, now: float) -> None:
+        self._burst, self._per_s = burst, per_s
+        self._left, self._at = float(burst), now
+
+    def spend(self, count: int, now: float) -> bool:
+        """Take ``count``; False once the bucket is overdrawn."""
+        self._left = min(self._burst, self._left + (now - self._at) * self._per_s) - count
+        self._at = now
+        return self._left >= 0
 
 
 class _Inbox:
-    """One request's replies; its consumer takes all that arrived at once."""
+    """One request's replies; its consumer takes all that arrived at once.
 
-    __slots__ = ("_loop", "_waiter", "items")
+    Consecutive Outputs are merged as they arrive (one object however many frames came), the
+    stream is cut at ``room`` tokens (its ``max_tokens``), and what is queued is bounded."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    __slots__ = (
+        "_loop", "_waiter", "buffered", "cancel_sent", "empties", "ended", "items", "room", "started",
+        "worker_done",
+    )  # fmt: skip
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_tokens: int) -> None:
         self._loop = loop
         self.items: deque[_Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
+        self.room = max_tokens  # tokens the stream may still carry
+        self.buffered = 0  # tokens queued and not taken yet
+        self.empties = 0  # replies without a token that did not end the stream
+        self.started = False  # a token (or the end) came: the worker made progress
+        self.ended = False  # the stream's last reply is queued; later ones are unsolicited
+        self.worker_done = False  # the worker ended it (its final Output, an ErrorReply)
+        self.cancel_sent = False
+
+    def accept(self, reply: Output | ErrorReply) -> int:
+        """Queue a worker's reply for this request; what was made of it (``_TAKEN``, ...)."""
+        if self.ended:
+            return _UNSOLICITED
+        if reply.__class__ is ErrorReply:
+            self.ended = self.started = self.worker_done = True
+            self.put(reply)
+            return _TAKEN
+        return self._output(reply)  # type: ignore[arg-type]
+
+    def _output(self, output: Output) -> int:
+        count = len(output.token_ids)
+        verdict = _TAKEN
+        if count > self.room:
+            output = _cut(output, self.room)
+            count, verdict = self.room, _CUT
+        elif not count and output.finish_reason is None:
+            self.empties += 1
+            if self.empties > MAX_EMPTY_OUTPUTS:
+                return _UNSOLICITED
+        self.room -= count
+        self.buffered += count
+        ended = output.finish_reason is not None
+        self.started = self.started or bool(count) or ended
+        self.ended, self.worker_done = ended, ended and verdict == _TAKEN
+        if self.buffered > MAX_BUFFERED_TOKENS:
+            self.ended = True
+            self.replace(_OVERFLOW)
+            return _OVERFLOWED
+        self._append(output)
+        return verdict
+
+    def _append(self, output: Output) -> None:
+        """Queue ``output``, merged into the Output before it when that one did not end the stream."""
+        last = self.items[-1] if self.items else None
+        if isinstance(last, Output) and last.finish_reason is None:
+            last.token_ids += output.token_ids
+            last.finish_reason = output.finish_reason
+            last.prompt_tokens = output.prompt_tokens or last.prompt_tokens
+            last.completion_tokens = output.completion_tokens
+            last.cached_tokens = output.cached_tokens or last.cached_tokens
+        else:
+            self.put(output)
 
     def put(self, item: _Item) -> None:
         self.items.append(item)
@@ -130,6 +250,7 @@ class _Inbox:
                 self._waiter = None
         items = list(self.items)
         self.items.clear()
+        self.buffered = 0
         return items
 
 
@@ -144,6 +265,7 @@ class _Channel:
         self.stall_timeout_s = client.stall_timeout_s
         self.idle_close_s = client.idle_close_s
         self.connect_timeout_s = client.connect_timeout_s
+        self._client = client  # where refusals are counted and logged
         self.queues: dict[str, _Inbox] = {}
         self.closed = False
         self.first_heard = asyncio.Event()  # anything at all from the worker since this channel opened
@@ -152,6 +274,9 @@ class _Channel:
         self._heard_at = self._loop.time()
         self._idle_since = self._loop.time()
         self._pings = itertools.count(1)
+        self._late: dict[str, float] = {}  # streams cancelled here -> until when their replies are late
+        self._flood = _Allowance(FLOOD_BURST, FLOOD_PER_S, self._opened_at)
+        self._junk = _Allowance(GARBAGE_BURST, GARBAGE_PER_S, self._opened_at)
         self._readable: asyncio.Future[None] | None = None  # the receive loop, waiting
         self._polling: asyncio.Future[Any] | None = None
         self.tasks: list[asyncio.Task[None]] = []
@@ -160,12 +285,12 @@ class _Channel:
     def heard(self) -> bool:
         return self.first_heard.is_set()
 
-    def open(self, request_id: str) -> _Inbox:
+    def open(self, request_id: str, max_tokens: int) -> _Inbox:
         if request_id in self.queues:
             raise ValueError(f"request_id {request_id!r} is already in flight to {self.endpoint}")
         if not self.queues:
             self._heard_at = self._loop.time()  # silence while idle does not count
-        inbox = _Inbox(self._loop)
+        inbox = _Inbox(self._loop, max_tokens)
         self.queues[request_id] = inbox
         return inbox
 
@@ -200,31 +325,100 @@ class _Channel:
         for inbox in self.queues.values():
             inbox.replace(error)
 
-    async def receive(self) -> None:
-        """Wake when replies are waiting, then take every one of them without awaiting.
+    def cancel(self, request_id: str, inbox: _Inbox) -> None:
+        """Tell the worker to stop a stream the frontend gave up on (once)."""
+        if not inbox.cancel_sent:
+            inbox.cancel_sent = True
+            self._late[request_id] = self._loop.time() + LATE_GRACE_S
+            self.send_nowait(Cancel(request_id=request_id))
 
-        Per reply this is the frontend's hottest loop (a reply per token): no call but the
-        receive and the decode; an undecodable reply is named the one way every edge does."""
-        recv, decode, queues = self._shadow.recv, wire.from_worker_decoder.decode, self.queues
+    def _is_late(self, reply: Output | ErrorReply) -> bool:
+        """A reply in flight when its stream was cancelled here (its final one ends the grace)."""
+        until = self._late.get(reply.request_id)
+        if until is None:
+            return False
+        expired = until < self._loop.time()
+        if expired or isinstance(reply, ErrorReply) or reply.finish_reason is not None:
+            del self._late[reply.request_id]
+        return not expired
+
+    async def receive(self, on_hostile: Callable[[str, str], None]) -> None:
+        """Wake when replies are waiting, take up to ``DRAIN_BATCH`` of them without awaiting, and
+        judge the worker by what it sent; ``on_hostile(endpoint, reason)`` drops a flooding one."""
         while True:
             await self._until_readable()
+            unsolicited, garbage, first_error, full = self._drain()
+            reason = self._judge(unsolicited, garbage, first_error)
+            if reason is not None:
+                on_hostile(self.endpoint, reason)
+                return
+            if full:
+                await asyncio.sleep(0)  # more may be waiting: the other tasks run first
+
+    def _drain(self) -> tuple[int, int, Exception | None, bool]:
+        """Take waiting replies, at most ``DRAIN_BATCH`` or ``DRAIN_BYTES``: (unsolicited,
+        undecodable, the first decode error, whether the batch was full).
+
+        Per reply this is the frontend's hottest loop (a reply per token): the receive, the
+        decode, a dict lookup and the inbox's check; an undecodable reply costs a count."""
+        recv, decode, queues = self._shadow.recv, wire.from_worker_decoder.decode, self.queues
+        unsolicited = garbage = size = 0
+        first_error: Exception | None = None
+        heard = full = False
+        for _ in range(DRAIN_BATCH):
+            if size >= DRAIN_BYTES:
+                break
+            try:
+                payload = recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            size += len(payload)
+            try:
+                reply = decode(payload)
+            except (msgspec.DecodeError, RecursionError) as exc:
+                garbage += 1
+                first_error = first_error or exc
+                continue
+            kind = reply.__class__
+            if kind is Pong:
+                heard = True
+                continue
+            inbox = queues.get(reply.request_id) if kind is not wire.FileData else None
+            verdict = _UNSOLICITED if inbox is None else inbox.accept(reply)  # type: ignore[arg-type]
+            if verdict == _UNSOLICITED:
+                if not (self._late and kind is not wire.FileData and self._is_late(reply)):  # type: ignore[arg-type]
+                    unsolicited += 1
+                continue
+            heard = True
+            if kind is ErrorReply:
+                self._bound_message(reply)  # type: ignore[arg-type]
+            if verdict != _TAKEN and inbox is not None:
+                self._client.stream_stopped(self, reply.request_id, inbox, verdict)
+        else:
+            full = True
+        full = full or size >= DRAIN_BYTES
+        if heard:
             self._heard_at = self._loop.time()
             self.first_heard.set()
-            while True:
-                try:
-                    payload = recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                try:
-                    reply = decode(payload)
-                except (msgspec.DecodeError, RecursionError):
-                    self._reject(payload)
-                    continue
-                if reply.__class__ is Pong or reply.__class__ is wire.FileData:
-                    continue
-                inbox = queues.get(reply.request_id)
-                if inbox is not None:
-                    inbox.put(reply)  # type: ignore[arg-type]
+        return unsolicited, garbage, first_error, full
+
+    def _judge(self, unsolicited: int, garbage: int, first_error: Exception | None) -> str | None:
+        """Count a batch's refused replies; the reason to drop the worker once it floods."""
+        now = self._loop.time()
+        if unsolicited:
+            self._client.refused_replies("unsolicited", unsolicited)
+            if not self._flood.spend(unsolicited, now):
+                return "flooding"
+        if garbage and first_error is not None:
+            self._client.undecodable(self.endpoint, garbage, first_error)
+            if not self._junk.spend(garbage, now):
+                return "garbage"
+        return None
+
+    def _bound_message(self, reply: ErrorReply) -> None:
+        if len(reply.message) > MAX_WORKER_MESSAGE_CHARS:
+            reply.message = f"{reply.message[:MAX_WORKER_MESSAGE_CHARS]}... ({len(reply.message)} characters)"
+            self._client.refused_replies("message_truncated", 1)
 
     async def _until_readable(self) -> None:
         """Replies are waiting: the descriptor said so (one poll kept pending across waits: a
@@ -246,12 +440,6 @@ class _Channel:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _reject(self, payload: bytes) -> None:
-        try:
-            wire.decode_from_worker(payload)
-        except wire.WireDecodeError as exc:
-            log.warning("reply_rejected", endpoint=self.endpoint, reason=exc.reason, error=exc.detail[:200])
-
     def finish(self, request_id: str) -> None:
         """Forget a request; the endpoint's idle time starts with its last request."""
         self.queues.pop(request_id, None)
@@ -266,6 +454,8 @@ class _Channel:
         while True:
             await asyncio.sleep(probe_s)  # a periodic timer, not a synchronisation
             now = self._loop.time()
+            if self._late:
+                self._late = {request_id: until for request_id, until in self._late.items() if until >= now}
             if not self.queues:
                 if now - self._idle_since >= self.idle_close_s:
                     on_idle(self.endpoint)
@@ -294,12 +484,26 @@ class _Channel:
         self.socket.close(linger=0)
 
 
-def _failure(item: ErrorReply | WorkerLost | _Deadline, endpoint: str) -> WorkerError | WorkerLost:
+def _failure(item: _Item, endpoint: str) -> WorkerError | WorkerLost | SlowReader:
     if isinstance(item, WorkerLost):
         return item
     if isinstance(item, ErrorReply):
         return WorkerError(item.code, item.message, endpoint=endpoint)
+    if isinstance(item, _Overflow):
+        return SlowReader(endpoint)
     return WorkerError(504, "no reply by the deadline", endpoint=endpoint)
+
+
+def _cut(output: Output, room: int) -> Output:
+    """The last output ``max_tokens`` allows: a worker that streams past it is cut, as an engine
+    would have stopped (``length``)."""
+    dropped = len(output.token_ids) - room
+    return msgspec.structs.replace(
+        output,
+        token_ids=output.token_ids[:room],
+        finish_reason="length",
+        completion_tokens=max(output.completion_tokens - dropped, 0),
+    )
 
 
 class RequestPlaneClient:
@@ -312,20 +516,25 @@ class RequestPlaneClient:
         stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
         idle_close_s: float = DEFAULT_IDLE_CLOSE_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
         refused: Counter | None = None,
+        metrics: FrontendMetrics | None = None,
     ) -> None:
-        if min(stall_timeout_s, idle_close_s, connect_timeout_s) <= 0:
-            raise ValueError(
-                f"timeouts must be positive, got {stall_timeout_s}, {idle_close_s} and {connect_timeout_s}"
-            )
+        timeouts = (stall_timeout_s, idle_close_s, connect_timeout_s, first_token_timeout_s)
+        if min(timeouts) <= 0:
+            raise ValueError(f"timeouts must be positive, got {', '.join(map(str, timeouts))}")
         self._context = context or zmq.asyncio.Context.instance()
         self.stall_timeout_s = stall_timeout_s
         self.idle_close_s = idle_close_s
         self.connect_timeout_s = connect_timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
         self._channels: dict[str, _Channel] = {}
         self._unreachable: dict[str, float] = {}  # endpoint -> until (loop time)
+        self._held: dict[str, float] = {}  # given up on (flooding, garbage, no first token) -> until
         self._refused = refused  # requests refused for want of a socket
+        self._metrics = metrics
         self._refusal_log = RateLimiter()
+        self._hostile_log = RateLimiter()
 
     async def generate(
         self, endpoint: str, request: PreprocessedRequest, *, request_id: str, timeout_s: float
@@ -336,24 +545,26 @@ class RequestPlaneClient:
         ``WorkerLost`` if the worker is lost. Stopping early (``aclose``, cancellation) sends Cancel.
         """
         channel = self._channel(endpoint)
-        inbox = channel.open(request_id)
+        inbox = channel.open(request_id, request.stop_conditions.max_tokens)
         loop = asyncio.get_running_loop()
         deadline = loop.call_at(loop.time() + timeout_s + DEADLINE_GRACE_S, inbox.put, _DEADLINE)
-        finished = False
+        first_token = loop.call_at(
+            loop.time() + self.first_token_timeout_s, self._no_first_token, channel, request_id, inbox
+        )
         try:
             deadline_ms = now_ms() + int(timeout_s * 1000)
             await channel.send(Generate(request_id=request_id, request=request, deadline_ms=deadline_ms))
+            finished = False
             while not finished:
                 outputs: list[Output] = []
                 failure: Exception | None = None
                 for item in await inbox.take():
                     if not isinstance(item, Output):
                         failure = _failure(item, endpoint)
-                        finished = not isinstance(item, _Deadline)  # past the deadline: Cancel it
                         break
                     outputs.append(item)
-                    if item.finish_reason is not None:
-                        finished = True
+                    finished = item.finish_reason is not None
+                    if finished:
                         break
                 if outputs:
                     yield merged(outputs)  # tokens that arrived before a failure still count (migration)
@@ -361,9 +572,10 @@ class RequestPlaneClient:
                     raise failure
         finally:
             deadline.cancel()
+            first_token.cancel()
             channel.finish(request_id)
-            if not finished:
-                channel.send_nowait(Cancel(request_id=request_id))
+            if not inbox.worker_done and not inbox.cancel_sent:  # the client left, a stop string, ...
+                channel.cancel(request_id, inbox)
                 log.debug("request_cancel_sent", request_id=request_id, endpoint=endpoint)
 
     def endpoint_lost(self, endpoint: str) -> None:
@@ -386,15 +598,19 @@ class RequestPlaneClient:
         return channel.heard
 
     def unreachable_endpoints(self) -> frozenset[str]:
-        """Endpoints that never answered a recent request: route elsewhere while there is elsewhere."""
-        if not self._unreachable:
+        """Endpoints to route around while there is elsewhere: they never answered a recent
+        request, or were given up on recently (flooding, garbage, no first token in time)."""
+        if not self._unreachable and not self._held:
             return frozenset()
         now = asyncio.get_running_loop().time()
         for endpoint, until in list(self._unreachable.items()):
             channel = self._channels.get(endpoint)
             if until <= now or (channel is not None and channel.heard):  # it answered after all
                 del self._unreachable[endpoint]
-        return frozenset(self._unreachable)
+        for endpoint, until in list(self._held.items()):
+            if until <= now:
+                del self._held[endpoint]
+        return frozenset(self._unreachable).union(self._held)
 
     @property
     def endpoints(self) -> list[str]:
@@ -436,6 +652,7 @@ class RequestPlaneClient:
             self._no_socket(endpoint, exc)
             raise NoSocketLeft(endpoint) from None
         socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.MAXMSGSIZE, wire.MAX_REPLY_BYTES)  # larger: libzmq drops the connection
         try:
             socket.connect(endpoint)
         except zmq.ZMQError as exc:  # no ZeroMQ address ("nonsense://x"): nothing will ever answer
@@ -443,7 +660,7 @@ class RequestPlaneClient:
             raise self._bad_address(endpoint, exc) from None
         channel = _Channel(endpoint, socket, self)
         channel.tasks = [
-            asyncio.create_task(channel.receive(), name=f"request-plane-recv-{endpoint}"),
+            asyncio.create_task(channel.receive(self._drop), name=f"request-plane-recv-{endpoint}"),
             asyncio.create_task(
                 channel.watch(self._lose, self._close_idle), name=f"request-plane-watch-{endpoint}"
             ),
@@ -474,3 +691,77 @@ class RequestPlaneClient:
                 channels=len(self._channels),
                 suppressed=suppressed,
             )
+
+    # -- a worker's hostile replies (docs/operations.md, "Worker replies") ---------------------
+
+    def refused_replies(self, reason: str, count: int) -> None:
+        if self._metrics is not None:
+            self._metrics.worker_replies_refused.labels(reason=reason).inc(count)
+
+    def undecodable(self, endpoint: str, count: int, error: Exception) -> None:
+        """Count a batch's undecodable replies; one line per second at most, naming the first."""
+        reason = "too_deep" if isinstance(error, RecursionError) else "undecodable"
+        reason = "invalid" if isinstance(error, msgspec.ValidationError) else reason
+        self.refused_replies(reason, count)
+        suppressed = self._hostile_log.allow("reply_rejected", asyncio.get_running_loop().time())
+        if suppressed is not None:
+            detail = str(error)[:DETAIL_CHARS]
+            log.warning(
+                "reply_rejected",
+                endpoint=endpoint,
+                reason=reason,
+                error=detail,
+                frames=count,
+                suppressed=suppressed,
+            )
+
+    def stream_stopped(self, channel: _Channel, request_id: str, inbox: _Inbox, verdict: int) -> None:
+        """The frontend ended a stream the worker still writes: cut at ``max_tokens``, or its
+        client reads too slowly (``MAX_BUFFERED_TOKENS`` unread). The worker is told to stop."""
+        channel.cancel(request_id, inbox)
+        if verdict == _CUT:
+            self.refused_replies("past_max_tokens", 1)
+            return
+        if self._metrics is not None:
+            self._metrics.slow_readers.inc()
+        self._warn("request_buffer_full", request_id=request_id, endpoint=channel.endpoint)
+
+    def _no_first_token(self, channel: _Channel, request_id: str, inbox: _Inbox) -> None:
+        """No token ``first_token_timeout_s`` after the request was sent: it fails over like a
+        lost worker, the worker is told to stop and is routed around for a while."""
+        if inbox.started or inbox.ended or channel.closed:
+            return
+        inbox.ended = True
+        inbox.replace(WorkerLost(channel.endpoint, "no_first_token"))
+        channel.cancel(request_id, inbox)
+        self._hold(channel.endpoint)
+        self._fault(
+            "no_first_token",
+            "worker_no_first_token",
+            request_id=request_id,
+            endpoint=channel.endpoint,
+            waited_s=self.first_token_timeout_s,
+        )
+
+    def _drop(self, endpoint: str, reason: str) -> None:
+        """A flooding worker (replies nobody asked for, or garbage): its channel is closed and its
+        requests fail over, as for a dead worker; it is routed around for a while."""
+        channel = self._channels.get(endpoint)
+        in_flight = len(channel.queues) if channel is not None else 0
+        self._hold(endpoint)
+        self._fault(reason, "worker_dropped", endpoint=endpoint, in_flight=in_flight)
+        self._lose(endpoint, reason)
+
+    def _hold(self, endpoint: str) -> None:
+        self._held[endpoint] = asyncio.get_running_loop().time() + UNREACHABLE_HOLD_S
+
+    def _fault(self, reason: str, event: str, **fields: object) -> None:
+        if self._metrics is not None:
+            self._metrics.worker_faults.labels(reason=reason).inc()
+        self._warn(event, key=f"{event}:{reason}", reason=reason, **fields)
+
+    def _warn(self, event: str, *, key: str = "", **fields: object) -> None:
+        """A warning about a worker's replies, at most once a second per ``key`` (the event's name)."""
+        suppressed = self._hostile_log.allow(key or event, asyncio.get_running_loop().time())
+        if suppressed is not None:
+            log.warning(event, suppressed=suppressed, **fields)

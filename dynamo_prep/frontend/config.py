@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import Zero
 
 __all__ = [
     "DEFAULT_BODY_TIMEOUT_S",
+    "DEFAULT_FIRST_TOKEN_TIMEOUT_S",
     "DEFAULT_HEADER_TIMEOUT_S",
     "DEFAULT_HTTP_HOST",
     "DEFAULT_HTTP_PORT",
@@ -42,6 +43,9 @@ DEFAULT_HTTP_HOST = "0.0.0.0"
 DEFAULT_HTTP_PORT = 8000
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_REQUEST_TIMEOUT_S = 300.0
+# A request whose worker streamed no token this long after it was sent moves to another instance
+# (docs/operations.md, "Worker replies"): above the longest prefill of a long prompt on a busy engine.
+DEFAULT_FIRST_TOKEN_TIMEOUT_S = 120.0
 # A client gets this long for a request's headers, and again for its body; slower ones get 408.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -65,12 +69,14 @@ DEFAULT_ROUTER_TEMPERATURE = 0.0
 
 @dataclass(frozen=True, slots=True)
 class HttpSettings:
-    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``, ``--http-header-timeout``,
+    """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``, ``--first-token-timeout``,
+    ``--http-header-timeout``,
     ``--http-body-timeout``, ``--http-max-connections``, ``--http-max-client-connections``,
     ``--http-max-url-bytes``, ``--http-max-header-bytes``, ``--http-max-headers``)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_connections: int = DEFAULT_MAX_CONNECTIONS
@@ -123,6 +129,7 @@ class FrontendConfig:
         http_port: int = DEFAULT_HTTP_PORT,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S,
+        first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
         http_workers: int = DEFAULT_HTTP_WORKERS,
         header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
         body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
@@ -159,8 +166,8 @@ class FrontendConfig:
             curve = ServerCurve.load(curve_secret_key, curve_allow_dir)
         if not 0 <= http_port <= 65535:
             raise ValueError(f"--http-port must be in 0..65535, got {http_port}")
-        if max_body_bytes < 1 or request_timeout_s <= 0:
-            raise ValueError("--max-body-bytes and --request-timeout must be positive")
+        if max_body_bytes < 1 or request_timeout_s <= 0 or not first_token_timeout_s > 0:
+            raise ValueError("--max-body-bytes, --request-timeout and --first-token-timeout must be positive")
         if not (header_timeout_s > 0 and body_timeout_s > 0 and max_connections >= 1):
             raise ValueError(
                 "--http-header-timeout, --http-body-timeout, --http-max-connections must be positive"
@@ -194,6 +201,7 @@ class FrontendConfig:
             http=HttpSettings(
                 max_body_bytes=max_body_bytes,
                 request_timeout_s=request_timeout_s,
+                first_token_timeout_s=first_token_timeout_s,
                 header_timeout_s=header_timeout_s,
                 body_timeout_s=body_timeout_s,
                 max_connections=max_connections,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 from starlette.responses import Response
 
-from dynamo_prep.frontend.client import NoSocketLeft, WorkerError, WorkerLost
+from dynamo_prep.frontend.client import NoSocketLeft, SlowReader, WorkerError, WorkerLost
 from dynamo_prep.preprocessor import PreprocessError
 from dynamo_prep.protocol.openai import ErrorBody, ErrorDetail, RequestError
 from dynamo_prep.tokenizer import TokenizerError
@@ -47,7 +47,9 @@ class OpenAIError(Exception):
         )
 
 
-REQUEST_ERRORS = (OpenAIError, PreprocessError, RequestError, WorkerError, WorkerLost, TokenizerError)
+REQUEST_ERRORS = (
+    OpenAIError, PreprocessError, RequestError, WorkerError, WorkerLost, SlowReader, TokenizerError
+)  # fmt: skip
 """The exceptions a request may end with that ``as_openai_error`` maps to a 4xx/5xx answer."""
 
 
@@ -73,6 +75,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
                 503,
                 f"the worker serving this request was lost ({exc.reason}) and no instance could take over",
             )
+        case SlowReader():
+            return OpenAIError(408, f"the client did not read the stream in time: {exc}")
         case TokenizerError():
             return OpenAIError(502, f"the worker returned tokens this model cannot decode: {exc}")
     return OpenAIError(500, "internal error")

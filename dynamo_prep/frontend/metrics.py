@@ -75,6 +75,23 @@ class FrontendMetrics:
             "Requests not sent to a worker: the frontend had no socket left for a channel to it",
             registry=reg,
         )
+        self.worker_replies_refused = Counter(
+            f"{PREFIX}worker_replies_refused",
+            "Worker replies refused or corrected, by reason (docs/operations.md)",
+            ["reason"],
+            registry=reg,
+        )
+        self.worker_faults = Counter(
+            f"{PREFIX}worker_faults",
+            "Workers given up on: a channel dropped (flooding, garbage) or a request moved (no_first_token)",
+            ["reason"],
+            registry=reg,
+        )
+        self.slow_readers = Counter(
+            f"{PREFIX}slow_readers",
+            "Streams cancelled because their client read slower than the worker wrote (buffer full)",
+            registry=reg,
+        )
         self.inflight = Gauge(
             f"{PREFIX}inflight_requests",
             "Requests being served",

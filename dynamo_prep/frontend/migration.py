@@ -11,7 +11,11 @@ This module owns the request policy; ``client.py`` only carries messages. Rules:
   while another instance is there;
 * after a move the new instance gets the prompt rendered for ITS declaration, followed by the
   tokens already streamed, with ``max_tokens`` (and ``min_tokens``) reduced by as many, like
-  Dynamo's migration; usage stays the client's: the prompt it sent and every token it received.
+  Dynamo's migration; usage stays the client's: the prompt it sent and every token it received;
+* a worker's usage is checked against what the frontend knows: completion tokens against the tokens
+  it streamed (an engine may count a stop id it does not send: ``COMPLETION_SLACK``), prompt and
+  cached tokens against the model's context length; a value that cannot be true is replaced by the
+  frontend's own count (``reply_usage_replaced``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dynamo_prep.frontend.kv_routing import KvRouting, RoutingPrompt
 from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
+from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
 from dynamo_prep.preprocessor import TokenizedPrompt
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import ChatCompletionRequest
@@ -45,6 +50,9 @@ __all__ = ["Journey", "Migration", "continuation"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 _T = TypeVar("_T")
+# Completion tokens a worker may report beyond those it streamed: the stop ids an engine counts
+# but the worker does not send (one per stop, as a rule).
+COMPLETION_SLACK = 16
 
 
 @dataclass
@@ -89,6 +97,7 @@ class Migration:
         self.declarations = declarations
         self.kv = kv
         self._on_answered = on_answered  # told the model's name when one of its workers answers
+        self._usage_log = RateLimiter()
 
     async def begin(
         self,
@@ -217,21 +226,51 @@ class Migration:
         steps = self.client.generate(
             instance.endpoint, attempt, request_id=journey.request_id, timeout_s=timeout_s
         )
-        budget = attempt.stop_conditions.max_tokens
         on_answered = self._on_answered  # told once, at the first output
+        context_length = journey.model.preprocessor.context_length
         async with contextlib.aclosing(steps):  # leaving early cancels the generation on the worker
-            async for output in steps:
+            async for output in steps:  # cut at max_tokens by the client
                 if on_answered is not None:
                     on_answered(journey.model.name)
                     on_answered = None
-                sent = len(journey.streamed) - earlier
-                allowed = (
-                    output if len(output.token_ids) <= budget - sent else _cut(output, budget - sent, sent)
-                )
-                journey.streamed.extend(allowed.token_ids)
-                yield _as_sent(allowed, base, earlier)
-                if allowed.finish_reason is not None:
+                journey.streamed.extend(output.token_ids)
+                checked = self._usage(output, len(journey.streamed) - earlier, context_length, journey)
+                yield _as_sent(checked, base, earlier)
+                if output.finish_reason is not None:
                     return
+
+    def _usage(self, output: Output, streamed: int, context_length: int, journey: Journey) -> Output:
+        """``output`` with usage that can be true: its completion tokens are the ``streamed`` ones
+        (``COMPLETION_SLACK`` more at most), its prompt and cached tokens fit the context; a value
+        that cannot be is replaced by the frontend's own count (0 is "not said", never refused)."""
+        completion, prompt, cached = output.completion_tokens, output.prompt_tokens, output.cached_tokens
+        wrong_completion = bool(completion) and not streamed <= completion <= streamed + COMPLETION_SLACK
+        wrong_prompt = not 0 <= prompt <= context_length
+        wrong_cached = not 0 <= cached <= max(prompt, 0)
+        if not completion:
+            output.completion_tokens = streamed
+        if not (wrong_completion or wrong_prompt or wrong_cached):
+            return output
+        journey.record.metrics.worker_replies_refused.labels(reason="usage").inc()
+        suppressed = self._usage_log.allow("usage", asyncio.get_running_loop().time())
+        if suppressed is not None:
+            log.warning(
+                "reply_usage_replaced",
+                request_id=journey.request_id,
+                endpoint=journey.record.endpoint,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                cached_tokens=cached,
+                streamed_tokens=streamed,
+                context_length=context_length,
+                suppressed=suppressed,
+            )
+        return msgspec.structs.replace(
+            output,
+            completion_tokens=streamed if wrong_completion else output.completion_tokens,
+            prompt_tokens=0 if wrong_prompt else prompt,  # 0: the prompt the frontend sent (_as_sent)
+            cached_tokens=0 if wrong_cached or wrong_prompt else cached,
+        )
 
     @staticmethod
     def _move_or_raise(exc: WorkerLost | WorkerError, instance: Instance, journey: Journey) -> None:
@@ -250,7 +289,7 @@ class Migration:
             from_endpoint=instance.endpoint,
             streamed_tokens=len(journey.streamed),
             moves_left=journey.budget,
-            reason=str(exc),
+            reason=str(exc)[:DETAIL_CHARS],
         )
 
 
@@ -267,17 +306,6 @@ def continuation(request: PreprocessedRequest, streamed: list[int]) -> Preproces
         request,
         token_ids=[*request.token_ids, *streamed],
         stop_conditions=msgspec.structs.replace(stop, max_tokens=remaining, min_tokens=min_tokens),
-    )
-
-
-def _cut(output: Output, room: int, sent: int) -> Output:
-    """The last output ``max_tokens`` allows: a worker that streams past it is cut, as an engine
-    would have stopped (``length``)."""
-    return msgspec.structs.replace(
-        output,
-        token_ids=output.token_ids[: max(room, 0)],
-        finish_reason="length",
-        completion_tokens=sent + max(room, 0),
     )
 
 

@@ -21,6 +21,7 @@ import structlog
 from dynamo_prep.frontend.answers import AnswerStream
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_event
 from dynamo_prep.frontend.request_record import RequestRecord
+from dynamo_prep.logging import DETAIL_CHARS
 from dynamo_prep.parsing import AnswerDelta, ContentDelta, ReasoningDelta, ToolCallDelta
 from dynamo_prep.protocol.openai import (
     AssistantMessage,
@@ -196,7 +197,7 @@ async def sse(
             pending.append(completion.usage_chunk())
     except REQUEST_ERRORS as exc:
         error = as_openai_error(exc)
-        log.warning("stream_failed", status=error.status, error=error.message)
+        log.warning("stream_failed", status=error.status, error=error.message[:DETAIL_CHARS])
         pending.append(error_event(error))
     pending.append(DONE)
     yield b"".join(pending)

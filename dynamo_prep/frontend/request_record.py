@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from dynamo_prep.frontend.metrics import UNKNOWN_MODEL, FrontendMetrics, observe_many
+from dynamo_prep.logging import DETAIL_CHARS
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
@@ -148,9 +149,9 @@ class RequestRecord:
         if self.error is None:
             log.info("request_finished", finish_reason=self.finish_reason, **fields)
         elif status >= 500:
-            log.warning("request_failed", error=self.error, **fields)
+            log.warning("request_failed", error=self.error[:DETAIL_CHARS], **fields)
         else:
-            log.info("request_failed", error=self.error, **fields)
+            log.info("request_failed", error=self.error[:DETAIL_CHARS], **fields)
 
     def _measure(self, status: int, duration_s: float) -> None:
         metrics = self.metrics.of(self.model)

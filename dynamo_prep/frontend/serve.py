@@ -70,7 +70,12 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     catalog = ModelCatalog()
     store = ModelFileStore(config.cache_dir)
     metrics = FrontendMetrics()  # this frontend's own registry, handed to every component
-    client = RequestPlaneClient(context, refused=metrics.request_plane_refused)
+    client = RequestPlaneClient(
+        context,
+        first_token_timeout_s=config.http.first_token_timeout_s,
+        refused=metrics.request_plane_refused,
+        metrics=metrics,
+    )
     kv = _kv_routing(config, context, metrics)
     watcher = _watcher(config, catalog, store, context, client, metrics, kv)
     try:

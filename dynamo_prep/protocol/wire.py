@@ -16,6 +16,7 @@ from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 
 __all__ = [
     "FINISH_REASONS",
+    "MAX_REPLY_BYTES",
     "Cancel",
     "ErrorReply",
     "FetchFile",
@@ -37,6 +38,10 @@ __all__ = [
 
 # The largest model file the request plane carries: cards with bigger files are refused on both sides.
 MAX_FILE_BYTES = 256 << 20
+# The largest generation reply (Output, ErrorReply, Pong) a frontend takes: a frame of 1M token ids
+# is ~5 MB, far beyond any context. Larger frames are refused by libzmq at the frontend's socket
+# (MAXMSGSIZE: the connection is dropped before the frame is allocated).
+MAX_REPLY_BYTES = 8 << 20
 # The finish reasons a final Output may carry: the engine's own, or the worker's verdict.
 FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled", "deadline"})
 
