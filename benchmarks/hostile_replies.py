@@ -7,7 +7,11 @@ announced on its plane, and for the attacks that fail over, a real mock worker o
 (``--migration-limit 1``). ``/live`` is polled every 10 ms by a process of its own
 (``benchmarks.hostile``'s poller). Per attack: what the client got and how long it waited, the
 frontend's peak RSS, the longest ``/live``, the bytes the frontend logged, and its log lines about
-the worker. Run it against the old code with ``PYTHONPATH=<old checkout>``.
+the worker. The slow reader's model announces a 1M-token context (so its stream outlasts every
+buffer between the frontend and a client that never reads). For the old code, run it from a
+checkout of the old tree (``git archive <commit> | tar -x -C DIR``, with this file and
+``tests/support/fake_worker.py`` copied in): the frontend runs as ``python -m dynamo_prep.cli`` from
+the current directory.
 """
 
 from __future__ import annotations

@@ -172,6 +172,31 @@ async def test_a_flooding_worker_is_dropped_logged_once_and_its_request_moves(
     assert find(logs, "request_migrated") and flood.endpoint in client.unreachable_endpoints()
 
 
+async def test_replies_in_flight_after_a_cancel_do_not_count_against_the_worker(
+    client: RequestPlaneClient, fakes: Any, metrics: FrontendMetrics, logs: Logs
+) -> None:
+    """A fast honest worker has many frames in flight when its client leaves: more than the
+    flood allowance arrive after the Cancel, and the worker is not taken for a flooder."""
+    late = FLOOD_BURST + 5_000
+
+    def fast(worker: FakeWorker, request: wire.Generate) -> Frames:
+        if request.request_id != "gone":
+            return honest(worker, request)
+        frames = (output("gone", [TOKEN], completion_tokens=index + 1) for index in range(late))
+        return iter([*frames, output("gone", [], "cancelled", completion_tokens=late)])
+
+    worker = fakes(fast)
+    steps = client.generate(worker.endpoint, request_for(1_000_000), request_id="gone", timeout_s=60)
+    await anext(steps)
+    await steps.aclose()  # the client left: Cancel sent, the rest of the stream is late
+    await until(lambda: worker.sent > late, "the whole stream sent")
+    answer = [
+        o async for o in client.generate(worker.endpoint, request_for(10), request_id="next", timeout_s=60)
+    ]
+    assert tokens(answer) == ANSWER  # after every late frame on the same connection
+    assert refused(metrics, "unsolicited") == 0 and not find(logs, "worker_dropped")
+
+
 # -- row 15: garbage -------------------------------------------------------------------------
 
 
