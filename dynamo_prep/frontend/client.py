@@ -347,22 +347,22 @@ class _Channel:
         judge the worker by what it sent; ``on_hostile(endpoint, reason)`` drops a flooding one."""
         while True:
             await self._until_readable()
-            unsolicited, garbage, first_error, full = self._drain()
-            reason = self._judge(unsolicited, garbage, first_error)
+            unsolicited, pongs, garbage, first_error, full = self._drain()
+            reason = self._judge(unsolicited, pongs, garbage, first_error)
             if reason is not None:
                 on_hostile(self.endpoint, reason)
                 return
             if full:
                 await asyncio.sleep(0)  # more may be waiting: the other tasks run first
 
-    def _drain(self) -> tuple[int, int, Exception | None, bool]:
-        """Take waiting replies, at most ``DRAIN_BATCH`` or ``DRAIN_BYTES``: (unsolicited,
+    def _drain(self) -> tuple[int, int, int, Exception | None, bool]:
+        """Take waiting replies, at most ``DRAIN_BATCH`` or ``DRAIN_BYTES``: (unsolicited, pongs,
         undecodable, the first decode error, whether the batch was full).
 
         Per reply this is the frontend's hottest loop (a reply per token): the receive, the
         decode, a dict lookup and the inbox's check; an undecodable reply costs a count."""
         recv, decode, queues = self._shadow.recv, wire.from_worker_decoder.decode, self.queues
-        unsolicited = garbage = size = 0
+        unsolicited = pongs = garbage = size = 0
         first_error: Exception | None = None
         heard = full = False
         for _ in range(DRAIN_BATCH):
@@ -381,7 +381,7 @@ class _Channel:
                 continue
             kind = reply.__class__
             if kind is Pong:
-                heard = True
+                heard, pongs = True, pongs + 1
                 continue
             inbox = queues.get(reply.request_id) if kind is not wire.FileData else None
             verdict = _UNSOLICITED if inbox is None else inbox.accept(reply)  # type: ignore[arg-type]
@@ -400,15 +400,16 @@ class _Channel:
         if heard:
             self._heard_at = self._loop.time()
             self.first_heard.set()
-        return unsolicited, garbage, first_error, full
+        return unsolicited, pongs, garbage, first_error, full
 
-    def _judge(self, unsolicited: int, garbage: int, first_error: Exception | None) -> str | None:
-        """Count a batch's refused replies; the reason to drop the worker once it floods."""
+    def _judge(self, unsolicited: int, pongs: int, garbage: int, first_error: Exception | None) -> str | None:
+        """Count a batch's refused replies; the reason to drop the worker once it floods (pongs
+        spend the same allowance: the watchdog asks for about one a second)."""
         now = self._loop.time()
         if unsolicited:
             self._client.refused_replies("unsolicited", unsolicited)
-            if not self._flood.spend(unsolicited, now):
-                return "flooding"
+        if (unsolicited or pongs) and not self._flood.spend(unsolicited + pongs, now):
+            return "flooding"
         if garbage and first_error is not None:
             self._client.undecodable(self.endpoint, garbage, first_error)
             if not self._junk.spend(garbage, now):
