@@ -113,9 +113,11 @@ async def client(logs: Logs, metrics: FrontendMetrics) -> AsyncIterator[RequestP
     await made.close()
 
 
-def policy(client: RequestPlaneClient, workers: list[FakeWorker]) -> tuple[Migration, LiveModel]:
-    """The demo model served by ``workers`` (the first is picked first), one move allowed."""
-    card = ModelDeploymentCard.from_model_dir(K3, migration_limit=1)
+def policy(
+    client: RequestPlaneClient, workers: list[FakeWorker], *, moves: int = 1
+) -> tuple[Migration, LiveModel]:
+    """The demo model served by ``workers`` (the first is picked first), ``moves`` moves allowed."""
+    card = ModelDeploymentCard.from_model_dir(K3, migration_limit=moves)
     instances = {
         f"w{index}": Instance(instance_id=f"w{index}", endpoint=w.endpoint) for index, w in enumerate(workers)
     }
@@ -128,10 +130,14 @@ def policy(client: RequestPlaneClient, workers: list[FakeWorker]) -> tuple[Migra
 
 
 async def served(
-    client: RequestPlaneClient, workers: list[FakeWorker], metrics: FrontendMetrics, **fields: Any
+    client: RequestPlaneClient,
+    workers: list[FakeWorker],
+    metrics: FrontendMetrics,
+    moves: int = 1,
+    **fields: Any,
 ) -> list[Output]:
     """One chat's outputs through the migration policy."""
-    migration, model = policy(client, workers)
+    migration, model = policy(client, workers, moves=moves)
     chat = parse_chat_request({"model": K3, "messages": [{"role": "user", "content": "hi"}], **fields})
     record = RequestRecord("r", "/v1/chat/completions", metrics)
     journey = await migration.begin(model, chat, request_id="req-1", record=record, timeout_s=60)
@@ -309,14 +315,16 @@ async def test_a_slow_reader_is_cancelled_past_the_buffer_bound(
 # -- row 18: no first token --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("moves", [0, 1])
 async def test_a_worker_that_never_streams_is_failed_over_at_the_first_token_deadline(
-    logs: Logs, fakes: Any, metrics: FrontendMetrics
+    logs: Logs, fakes: Any, metrics: FrontendMetrics, moves: int
 ) -> None:
-    """Old code: no such deadline; the request waited for the request timeout."""
+    """Old code: no such deadline; the request waited for the request timeout. Nothing reached the
+    client, so the move is free: it happens with no migration budget too."""
     client = RequestPlaneClient(first_token_timeout_s=0.5, metrics=metrics)
     try:
         mute, good = fakes(lambda worker, request: iter(())), fakes()
-        outputs = await served(client, [mute, good], metrics)
+        outputs = await served(client, [mute, good], metrics, moves=moves)
         assert tokens(outputs) == ANSWER
         (line,) = find(logs, "worker_no_first_token")
         assert (line["endpoint"], line["waited_s"]) == (mute.endpoint, 0.5)

@@ -7,8 +7,8 @@ This module owns the request policy; ``client.py`` only carries messages. Rules:
 * a request moves when its worker is lost or refuses it as draining (503), at most the card's
   ``migration_limit`` times in all (one budget, whether or not tokens were streamed), and never
   back to an instance it already tried; a worker that never answered at all (unreachable: a
-  black-holed or forged announce) costs no budget, and unreachable endpoints are routed around
-  while another instance is there;
+  black-holed or forged announce) or streamed no token by the first-token deadline costs no
+  budget, and such endpoints are routed around while another instance is there;
 * after a move the new instance gets the prompt rendered for ITS declaration, followed by the
   tokens already streamed, with ``max_tokens`` (and ``min_tokens``) reduced by as many, like
   Dynamo's migration; usage stays the client's: the prompt it sent and every token it received;
@@ -49,6 +49,9 @@ from dynamo_prep.routing.policy import Decision
 __all__ = ["Journey", "Migration", "continuation"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
+# Losses that cost the client nothing to retry elsewhere: the worker never had the request, or had
+# it and streamed no token before the first-token deadline (it is told to cancel).
+FREE_MOVES = frozenset({"unreachable", "no_first_token"})
 _T = TypeVar("_T")
 # Completion tokens a worker may report beyond those it streamed: the stop ids an engine counts
 # but the worker does not send (one per stop, as a rule).
@@ -274,13 +277,13 @@ class Migration:
 
     @staticmethod
     def _move_or_raise(exc: WorkerLost | WorkerError, instance: Instance, journey: Journey) -> None:
-        """Spend one move of the budget on a lost or draining worker (an unreachable one, which
-        never saw the request, moves for free); otherwise the error stands."""
-        unreachable = isinstance(exc, WorkerLost) and exc.reason == "unreachable"
+        """Spend one move of the budget on a lost or draining worker (one that never saw the
+        request, or never streamed a token of it, moves for free); otherwise the error stands."""
+        free = isinstance(exc, WorkerLost) and exc.reason in FREE_MOVES
         movable = isinstance(exc, WorkerLost) or exc.code == 503
-        if not movable or (journey.budget <= 0 and not unreachable):
+        if not movable or (journey.budget <= 0 and not free):
             raise exc
-        journey.budget -= 0 if unreachable else 1
+        journey.budget -= 0 if free else 1
         journey.last_error = exc
         log.info(
             "request_migrated",
