@@ -7,6 +7,12 @@ process's peak RSS. It uses only what old and new code share, so the same comman
     python -m benchmarks.kv_hostile                      # this tree
     git archive HEAD~1 dynamo_prep | tar -x -C /tmp/old && PYTHONPATH=/tmp/old python -m benchmarks.kv_hostile
 
+``--frontend`` runs rows 16, 4 and 5 against a real frontend (``--router-mode kv``, a real worker
+of the demo model, a ``/live`` poller every 10 ms) from a raw pyzmq publisher announced as an
+instance of its own model (block size 1; ``--capacity N``: its card says N blocks), and prints the
+``/live`` figures and the frontend's peak RSS per attack. The old tree runs it too, from its own
+directory with a copy of ``benchmarks/``.
+
 Cases: ``removals`` (row 4: 500 removals of blocks whose descendants are held, against 100k held
 blocks), ``big_batches`` (row 5: four ``BlockStored`` batches of 750k blocks; with ``capacity`` the
 card says 100k blocks), ``pending_fill`` (row 5: live batches of 750k blocks buffered during a replay,
@@ -21,12 +27,18 @@ import inspect
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
+import zmq
 
+from benchmarks._plane import DEMO_MODEL, FileProcess, reap, scrape_metrics, summary, tcp_endpoint, wait_for
+from benchmarks.hostile import PLANE_TOPIC, Poller
+from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.protocol.kv_events import BlockRemoved, BlockStored, KVEventBatch, encode_batch, encode_seq
 from dynamo_prep.routing import follower as follower_module
 from dynamo_prep.routing.follower import InstanceFollower
@@ -78,9 +90,10 @@ def _feed(follower: InstanceFollower, timed: _Timed, frames: list[bytes], *, rep
         timed(follower.settle)
 
 
-def _stored_batch(first: int, blocks: int) -> bytes:
+def _stored_batch(first: int, blocks: int, *, root: bool = False) -> bytes:
+    """``blocks`` blocks of one token (block size 1) chained to block ``first - 1`` (unless ``root``)."""
     hashes = list(range(first, first + blocks))
-    parent = first - 1 if first else None
+    parent = None if root or not first else first - 1
     event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[7] * blocks, block_size=1)
     return encode_batch(KVEventBatch(ts=1.0, events=[event]))
 
@@ -95,7 +108,9 @@ def removals() -> str:
         )
     timed = _Timed()
     timed(lambda: index.apply("w", [BlockRemoved(block_hashes=[chain * 1000]) for chain in range(500)]))
-    return f"500 removals against 100k held blocks: {timed.longest:.1f} ms, {len(index)} blocks left"
+    for _ in range(20):  # the next batches (empty here): the new index drops the rest with them
+        timed(lambda: index.apply("w", []))
+    return f"500 removals against 100k held: longest step {timed.longest:.1f} ms, {len(index)} blocks left"
 
 
 def big_batches(capacity: int | None = None) -> str:
@@ -155,13 +170,141 @@ def run_case(name: str) -> str:
     return f"{name:22} {result}; peak RSS {peak_mb:.0f} MB"
 
 
+# ----------------------------------------------------------------------------- a real frontend
+
+
+REMOVED = "dynamo_frontend_kv_events_applied_total{kind=removed}"
+MARKER = encode_batch(KVEventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[1])]))  # of a block never held
+
+
+class Frontend:
+    """A kv-mode frontend, a worker of the demo model, and the attacker: an instance of its own
+    model (block size 1) whose KV publisher is a raw PUB here."""
+
+    def __init__(self, tmp: Path, capacity: int | None) -> None:
+        self.tmp = tmp
+        plane = tcp_endpoint()
+        args = ["--log-level", "info", "frontend", "--discovery-bind", plane, "--http-host", "127.0.0.1",
+                "--http-port", "0", "--cache-dir", str(tmp / "cache"), "--router-mode", "kv"]  # fmt: skip
+        self.frontend = FileProcess(args, tmp / "frontend.log")
+        self.procs = [self.frontend]
+        self.port = self.frontend.wait_event("frontend_started")["http_port"]
+        worker = ["--log-level", "info", "worker", "--model-path", DEMO_MODEL, "--discovery", plane]
+        self.procs.append(FileProcess([*worker, "--token-delay", "0"], tmp / "worker.log"))
+        self.frontend.wait_event("model_added", timeout=60)
+        self.context = zmq.Context()
+        self.pub = self.context.socket(zmq.PUB)
+        self.pub.setsockopt(zmq.SNDHWM, 0)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        kv_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.seq = 0
+        self._announce(plane, kv_port, capacity)
+        self.marker(self.removed())  # the first batches a new PUB sends may be lost: from here on none is
+
+    def _announce(self, plane: str, kv_port: int, capacity: int | None) -> None:
+        card = msgspec.msgpack.decode(encode_card(ModelDeploymentCard.from_model_dir(DEMO_MODEL)))
+        card.update(display_name="kvattack", slug="kvattack", kv_cache_block_size=1)
+        if capacity is not None:
+            card["runtime_config"] = {**card.get("runtime_config", {}), "total_kv_blocks": capacity}
+        payload = msgspec.msgpack.encode(
+            {"v": 1, "kind": "announce", "sent_ms": 0, "ttl_ms": 600_000, "instance_id": "kvattack",
+             "seq": 1, "endpoint": "tcp://127.0.0.1:9", "card": card,
+             "kv_events": {"endpoint": f"tcp://127.0.0.1:{kv_port}"}}
+        )  # fmt: skip
+        plane_pub = self.context.socket(zmq.PUB)
+        plane_pub.setsockopt(zmq.LINGER, 0)
+        plane_pub.connect(plane)
+
+        def followed() -> bool:
+            plane_pub.send_multipart([PLANE_TOPIC, payload])
+            found = self.frontend.find("kv_events_subscribed")
+            return any(record.get("instance_id") == "kvattack" for record in found)
+
+        wait_for(followed, 60, interval=0.2, message="the attacker's instance followed")
+        plane_pub.close()
+
+    def send(self, payload: bytes) -> None:
+        self.pub.send_multipart([b"", encode_seq(self.seq), payload])
+        self.seq += 1
+
+    def removed(self) -> float:
+        return scrape_metrics(self.port).get(REMOVED, 0.0)
+
+    def marker(self, removed: float) -> None:
+        """A batch of one removal after the attack (whose removals brought the count to ``removed``):
+        once it reaches the index, so has everything before it (batches are applied in order)."""
+
+        def applied() -> bool:
+            self.send(MARKER)
+            return self.removed() > removed
+
+        wait_for(applied, 600, interval=0.5, message="the marker batch applied")
+
+    def attack(self, name: str, batches: list[bytes], removals: int = 0) -> str:
+        poller = Poller(self.port, 10.0, self.tmp / f"live-{self.seq}.txt")
+        removed = self.removed() + removals
+        began = time.monotonic()
+        for batch in batches:
+            self.send(batch)
+        self.marker(removed)
+        ended = time.monotonic()
+        rows = [row for row in poller.stop() if began <= row[0] <= ended]
+        live = summary([latency for _, latency, _ in rows])
+        failed = sum(status != 200 for _, _, status in rows)
+        status = Path(f"/proc/{self.frontend.pid}/status").read_text()
+        peak = next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM"))
+        return (
+            f"{name:28} {ended - began:6.1f} s; /live max {live.get('max', 0):8.1f} ms, "
+            f"p99 {live.get('p99', 0):7.1f} ms, {failed} failed of {live['n']}; "
+            f"peak RSS {int(peak) // 1024} MB"
+        )
+
+    def close(self) -> None:
+        self.pub.close()
+        self.context.term()
+        reap(self.procs)
+
+
+def frontend_run(capacity: int | None) -> None:
+    with tempfile.TemporaryDirectory(prefix="kv-hostile-") as tmp:
+        stack = Frontend(Path(tmp), capacity)
+        try:
+            count = 1_000_000
+            junk = (
+                b"\x93" + msgspec.msgpack.encode(1.0) + b"\xdd" + count.to_bytes(4, "big") + b"\x01" * count
+            )
+            print(stack.attack("row 16: 1M one-byte events", [junk + b"\xc0"]), flush=True)
+            chains = [[chain * 1000 + i for i in range(100)] for chain in range(1000)]
+            stored = [
+                BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=hashes, block_size=1)
+                for hashes in chains
+            ]
+            held = [
+                encode_batch(KVEventBatch(ts=1.0, events=list(stored[n : n + 100])))
+                for n in range(0, 1000, 100)
+            ]
+            print(stack.attack("(100k blocks stored)", held), flush=True)
+            removed = [BlockRemoved(block_hashes=[hashes[0]]) for hashes in chains[:500]]
+            batch = encode_batch(KVEventBatch(ts=1.0, events=list(removed)))
+            print(stack.attack("row 4: 500 removals of 100k", [batch], removals=500), flush=True)
+            big = [_stored_batch(10**9 + seq * 750_000, 750_000, root=not seq) for seq in range(4)]
+            print(stack.attack("row 5: 4 x 750k blocks", big), flush=True)
+        finally:
+            stack.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", choices=CASES, action="append")
     parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)  # one case, in this process
+    parser.add_argument("--frontend", action="store_true", help="the attacks against a real frontend")
+    parser.add_argument("--capacity", type=int, help="with --frontend: the blocks the attacker's card says")
     args = parser.parse_args(argv)
+    if args.frontend:
+        frontend_run(args.capacity)
+        return 0
     if args.case:
         print(run_case(args.case), flush=True)
         return 0

@@ -9,6 +9,7 @@ yields, allocation peaks), never by timing. ``benchmarks/kv_hostile.py`` has the
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import sys
 import tracemalloc
@@ -46,7 +47,7 @@ from dynamo_prep.protocol.kv_events import (
 )
 from dynamo_prep.routing.follower import SKIPPED_EVENT_BLOCKS, InstanceFollower, PendingBudget
 from dynamo_prep.routing.hashing import request_block_hashes
-from dynamo_prep.routing.index import MAX_INSTANCE_BLOCKS, KvIndex
+from dynamo_prep.routing.index import DROP_PER_APPLY, MAX_INSTANCE_BLOCKS, KvIndex
 from dynamo_prep.routing.metrics import KvMetrics
 from dynamo_prep.routing.subscriber import KvEventSubscriber
 
@@ -114,6 +115,24 @@ def test_a_removal_costs_the_blocks_it_drops_not_the_blocks_held() -> None:
     never_stored = [BlockRemoved(block_hashes=[10**9 + n]) for n in range(50)]
     assert lines_run(lambda: large.apply("w", never_stored)) < 20 * 50
     assert large.counters.unknown_removed_blocks == 50
+
+
+def test_a_long_chain_removed_at_its_root_is_dropped_a_bounded_part_per_call() -> None:
+    """The descendants go leaves first, at most DROP_PER_APPLY per apply call: the instance holds
+    a prefix of the chain at every step (a match never claims more than it holds)."""
+    index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+    chain = stored(0, 3 * DROP_PER_APPLY)
+    index.apply("w", [chain])
+    hashes = request_block_hashes(chain.token_ids, BS, [])
+    held = [len(index)]
+    index.apply("w", [BlockRemoved(block_hashes=[0])])
+    held.append(len(index))
+    while len(index):
+        assert index.match(hashes) == {"w": len(index)}, "a prefix, always"
+        index.apply("w", [])
+        held.append(len(index))
+    assert all(a - b <= DROP_PER_APPLY for a, b in itertools.pairwise(held))
+    assert len(held) >= 3 and index.counters.orphaned_blocks == 3 * DROP_PER_APPLY - 1
 
 
 def test_a_reused_engine_hash_costs_the_blocks_it_drops() -> None:

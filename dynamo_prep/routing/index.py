@@ -9,7 +9,9 @@ block it holds). Engines keep it themselves (vLLM frees a request's blocks tail 
 least recently used first; SGLang evicts radix-tree leaves), and the index enforces it: a store
 whose parent the instance does not hold is refused, and a block removed while its descendants
 are still held takes them along (counted as ``orphaned_blocks``; each block knows its children, so
-this costs the blocks dropped, never a scan of the instance). So along a request's hashes
+this costs the blocks dropped, never a scan of the instance, and at most ``DROP_PER_APPLY`` of them
+per ``apply`` call: leaves first, the removed block last, the rest in the next calls). So along a
+request's hashes
 each instance's holding is a run from the first block, and ``match`` finds where each run ends by
 bisection: a few dozen dict lookups instead of one per block (lookups in a table of 400k blocks
 miss the CPU cache; a walk over an 8k-token prompt would cost more than the whole budget).
@@ -40,6 +42,8 @@ __all__ = ["MAX_INSTANCE_BLOCKS", "IndexCounters", "KvIndex"]
 # Blocks one instance may hold whatever its card says (about 400 bytes each in the index): above
 # any engine we know at the block sizes they use, and a bound on what one hostile card can claim.
 MAX_INSTANCE_BLOCKS: Final = 1 << 21
+# Descendants of removed blocks dropped per ``apply`` call (a few ms); the rest wait for the next.
+DROP_PER_APPLY: Final = 4096
 
 log = structlog.get_logger("dynamo_prep.routing")
 
@@ -83,6 +87,7 @@ class _Holder:
     engines: dict[int, BlockHash | set[BlockHash]] = field(default_factory=dict)  # own -> engine hash(es)
     parent: dict[int, int] = field(default_factory=dict)  # own hash -> its parent's (or ROOT_HASH)
     children: dict[int, int | set[int]] = field(default_factory=dict)  # own hash -> child(ren) held
+    doomed: list[int] = field(default_factory=list)  # removed blocks whose descendants are being dropped
 
 
 def _add(table: dict[_K, _V | set[_V]], key: _K, value: _V) -> None:
@@ -168,6 +173,8 @@ class KvIndex:
             elif isinstance(event, AllBlocksCleared):
                 self._clear(holder)
                 self.counters.cleared += 1
+        if holder.doomed:
+            self._drop_doomed(holder, DROP_PER_APPLY)
 
     def reset(self, instance_id: str) -> None:
         """Forget every block of ``instance_id`` (and its bit, which a later instance may reuse)."""
@@ -362,12 +369,14 @@ class KvIndex:
             self._refused(instance_id, "unknown_block", unknown)
 
     def _unlink(self, holder: _Holder, engine: BlockHash, own: int) -> None:
-        """``engine`` no longer stands for ``own``; the block goes when its last engine hash does."""
+        """``engine`` no longer stands for ``own``; the block goes when its last engine hash does
+        (after its descendants, when it has any: no engine we know removes a block before them)."""
         if not _discard(holder.engines, own, engine):
             return
         if own in holder.children:
-            self._orphan_descendants(holder, own)
-        self._drop(holder, own)
+            holder.doomed.append(own)
+        else:
+            self._drop(holder, own)
 
     def _drop(self, holder: _Holder, own: int) -> None:
         """``own`` leaves the instance (its engine hashes are gone already; it has no children)."""
@@ -378,25 +387,31 @@ class KvIndex:
             del self._holders[own]
         _discard(holder.children, holder.parent.pop(own), own)
 
-    def _orphan_descendants(self, holder: _Holder, own: int) -> None:
-        """``own`` leaves before its descendants (no engine we know does this): drop them too, so
-        the instance's blocks stay closed under ancestors. Costs the blocks dropped."""
-        doomed: list[int] = []
-        frontier = [own]
-        while frontier:
-            below = holder.children.get(frontier.pop())
-            if below is not None:
+    def _drop_doomed(self, holder: _Holder, budget: int) -> None:
+        """Drop up to ``budget`` descendants of removed blocks, leaves first, so the instance's
+        blocks stay closed under ancestors at every step; each removed block goes after them."""
+        stack, orphaned = holder.doomed, 0
+        while stack and budget > 0:
+            block = stack[-1]
+            below = holder.children.get(block)
+            if block not in holder.parent:  # gone meanwhile (removed by an event)
+                stack.pop()
+            elif below is not None:
                 found = _values(below)
-                doomed.extend(found)
-                frontier.extend(found)
-        own_of = holder.own_of
-        for block in reversed(doomed):  # a child is found after its parent: it leaves first
-            gone = holder.engines.pop(block)
-            for engine in gone if isinstance(gone, set) else (gone,):
-                del own_of[engine]
-            self._drop(holder, block)
-        self.counters.orphaned_blocks += len(doomed)
-        self._warn("kv_blocks_orphaned", holder.instance_id, "removed_before_descendants", len(doomed))
+                stack.extend(found)
+                budget -= len(found)
+            else:
+                stack.pop()
+                gone = holder.engines.pop(block, None)  # None: the removed block itself
+                if gone is not None:
+                    for engine in gone if isinstance(gone, set) else (gone,):
+                        del holder.own_of[engine]
+                    orphaned += 1
+                self._drop(holder, block)
+                budget -= 1
+        if orphaned:
+            self.counters.orphaned_blocks += orphaned
+            self._warn("kv_blocks_orphaned", holder.instance_id, "removed_before_descendants", orphaned)
 
     def _clear(self, holder: _Holder) -> None:
         holders, keep = self._holders, ~holder.bit
@@ -410,6 +425,7 @@ class KvIndex:
         holder.own_of.clear()
         holder.parent.clear()
         holder.children.clear()
+        holder.doomed.clear()
 
     def _refused(self, instance_id: str, reason: str, blocks: int) -> None:
         if self._on_refused is not None:
