@@ -57,6 +57,8 @@ ANNOTATIONS = frozenset({"formatted_prompt", "token_ids"})
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+# The most alternatives a client may ask per token (OpenAI's bound; vLLM's default max_logprobs is 20).
+MAX_TOP_LOGPROBS = 20
 # vLLM V1's default --limit-mm-per-prompt (999 per modality): no prompt an engine takes by default
 # is refused, and every per-image cost (identity hashes, routing extras) stays bounded per request.
 MAX_IMAGES_PER_REQUEST = 999
@@ -311,6 +313,22 @@ _RANGES: dict[str, _Range] = {
 }
 
 
+def validate_logprobs(chat: ChatCompletionRequest) -> None:
+    """``top_logprobs`` in [0, MAX_TOP_LOGPROBS], and only with ``logprobs: true`` (OpenAI's rules)."""
+    top = chat.top_logprobs
+    if top is None:
+        return
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise PreprocessError(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top}", param="top_logprobs"
+        )
+    if not chat.logprobs:
+        raise PreprocessError(
+            "top_logprobs needs logprobs: set logprobs to true, or leave top_logprobs out",
+            param="top_logprobs",
+        )
+
+
 def validate_sampling(chat: ChatCompletionRequest) -> None:
     """Reject values no engine can honour, before any work is done."""
     if chat.n != 1:
@@ -319,9 +337,7 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
         value = getattr(chat, name)
         if value is not None and not allowed.holds(value):
             raise PreprocessError(f"{name} must be {allowed}, got {value}", param=name)
-    if chat.logprobs or chat.top_logprobs:
-        param = "logprobs" if chat.logprobs else "top_logprobs"
-        raise PreprocessError("logprobs are not supported by this frontend", param=param)
+    validate_logprobs(chat)
     if chat.logit_bias:
         raise PreprocessError(
             "logit_bias is not supported by this frontend (it would be ignored): remove it",

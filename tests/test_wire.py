@@ -63,6 +63,7 @@ def test_frames_are_tagged_maps_with_documented_keys() -> None:
         "prompt_tokens": 4,
         "completion_tokens": 1,
         "cached_tokens": 0,
+        "logprobs": None,
     }
     assert {"stop", "length", "cancelled", "deadline"} == wire.FINISH_REASONS
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.wire import TokenLogprob
 
 __all__ = [
     "FLAVORS",
@@ -89,6 +90,10 @@ class EngineOutput(Protocol):
     @property
     def cached_tokens(self) -> int:
         """Prompt tokens the engine's prefix cache served (0 when it does not say)."""
+        ...
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        """One record per token id when the request asked for logprobs, else None."""
         ...
 
 

@@ -13,12 +13,14 @@ import msgspec
 
 from dynamo_prep.engines.base import EngineContractError
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.wire import TokenLogprob
 
 __all__ = [
     "SAMPLING_KEYS",
     "EngineStep",
     "StepCounter",
     "check_n",
+    "logprobs_asked",
     "model_argv",
     "sampling_values",
     "stop_ids",
@@ -44,6 +46,16 @@ class EngineStep(msgspec.Struct, frozen=True, gc=False):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked
+
+
+def logprobs_asked(request: PreprocessedRequest) -> int | None:
+    """How many top alternatives to return per token (0: the sampled token's logprob only), or None
+    when the request asked for no logprobs."""
+    options = request.output_options
+    if not options.logprobs:
+        return None
+    return max(options.top_logprobs or 0, 0)
 
 
 def model_argv(model_flag: str, model_dir: str | Path, rest: Sequence[str]) -> list[str]:
@@ -104,3 +116,8 @@ class StepCounter:
         if stopped and token_ids and token_ids[-1] in self._stops:
             return token_ids[:-1]
         return token_ids
+
+    @staticmethod
+    def aligned(logprobs: list[TokenLogprob] | None, visible: list[int]) -> list[TokenLogprob] | None:
+        """A delta's logprobs for its ``visible`` ids (the dropped stop id's record dropped too)."""
+        return None if logprobs is None else logprobs[: len(visible)]

@@ -38,6 +38,7 @@ from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
 from dynamo_prep.frontend.kv_routing import KvRouting
+from dynamo_prep.frontend.logprobs import content_logprobs_for
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.offload import off_loop_if_slow
@@ -201,6 +202,7 @@ class _Handlers:
         completion = Completion(
             id=f"{id_prefix}{request_id}", model=chat.model, created=int(time.time()), answer=answer
         )
+        completion.logprobs = content_logprobs_for(chat, answer, tokenizer)
         return completion, await _first(outputs), outputs
 
     # -- models, tokenize, detokenize, health ------------------------------------------------

@@ -223,6 +223,7 @@ class _Inbox:
         """Queue ``output``, merged into the Output before it when that one did not end the stream."""
         last = self.items[-1] if self.items else None
         if isinstance(last, Output) and last.finish_reason is None:
+            wire.extend_logprobs(last, output)  # before the ids grow
             last.token_ids += output.token_ids
             last.finish_reason = output.finish_reason
             last.prompt_tokens = output.prompt_tokens or last.prompt_tokens
@@ -502,6 +503,7 @@ def _cut(output: Output, room: int) -> Output:
     return msgspec.structs.replace(
         output,
         token_ids=output.token_ids[:room],
+        logprobs=None if output.logprobs is None else output.logprobs[:room],
         finish_reason="length",
         completion_tokens=max(output.completion_tokens - dropped, 0),
     )

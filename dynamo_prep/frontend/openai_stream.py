@@ -20,9 +20,11 @@ import structlog
 
 from dynamo_prep.frontend.answers import AnswerStream
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_event
+from dynamo_prep.frontend.logprobs import ContentLogprobs, LoggedContent
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.logging import DETAIL_CHARS
 from dynamo_prep.parsing import AnswerDelta, ContentDelta, ReasoningDelta, ToolCallDelta
+from dynamo_prep.protocol.logprobs import ChatLogprobs, ContentLogprob
 from dynamo_prep.protocol.openai import (
     AssistantMessage,
     ChatChoice,
@@ -62,12 +64,25 @@ class Completion:
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    logprobs: ContentLogprobs | None = None  # the request asked for logprobs
+    content_logprobs: list[ContentLogprob] = field(default_factory=list)
     _around_delta: tuple[bytes, bytes] | None = None
+
+    def push(self, output: Output) -> list[AnswerDelta]:
+        """The answer's deltas of one worker output (content deltas with logprobs, when asked)."""
+        if self.logprobs is None:
+            return self.answer.push(output.token_ids)
+        return self.logprobs.push(output.token_ids, output.logprobs)
+
+    def finish(self, reason: str) -> list[AnswerDelta]:
+        return self.answer.finish(reason) if self.logprobs is None else self.logprobs.finish(reason)
 
     def take(self, deltas: Sequence[AnswerDelta]) -> None:
         for delta in deltas:
             if isinstance(delta, ContentDelta):
                 self.content.append(delta.text)
+                if isinstance(delta, LoggedContent):
+                    self.content_logprobs += delta.logprobs
             elif isinstance(delta, ReasoningDelta):
                 self.reasoning.append(delta.text)
             else:
@@ -98,12 +113,16 @@ class Completion:
                 for call in self.tool_calls
             ]
         choice = ChatChoice(index=0, message=message, finish_reason=self.finish_reason)
+        if self.logprobs is not None:
+            choice.logprobs = ChatLogprobs(content=self.content_logprobs)
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
         )
 
-    def chunk(self, delta: ChunkDelta, finish_reason: str | None = None) -> bytes:
-        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish_reason)
+    def chunk(
+        self, delta: ChunkDelta, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None
+    ) -> bytes:
+        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return _event(
             ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         )
@@ -121,7 +140,10 @@ class Completion:
         """SSE events of ``deltas``: a call is its head (index, id, type, name) then its arguments."""
         events: list[bytes] = []
         for delta in deltas:
-            if isinstance(delta, ContentDelta):
+            if isinstance(delta, LoggedContent):
+                logprobs = ChatLogprobs(content=delta.logprobs)
+                events.append(self.chunk(ChunkDelta(content=delta.text), logprobs=logprobs))
+            elif isinstance(delta, ContentDelta):
                 events.append(self.text_chunk(b"content", delta.text))
             elif isinstance(delta, ReasoningDelta):
                 events.append(self.text_chunk(b"reasoning_content", delta.text))
@@ -152,11 +174,11 @@ async def answer_deltas(
             completion.prompt_tokens = output.prompt_tokens or completion.prompt_tokens
             completion.completion_tokens = output.completion_tokens
             completion.cached_tokens = output.cached_tokens or completion.cached_tokens
-            deltas = answer.push(output.token_ids)
+            deltas = completion.push(output)
             reason = "stop" if answer.stopped else output.finish_reason  # a stop string ends it all
             if reason is not None and not answer.stopped:
                 reason = _finish_reason(reason)
-                deltas += answer.finish(reason)
+                deltas += completion.finish(reason)
             completion.take(deltas)
             if reason is not None:
                 completion.end(reason)

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import msgspec
 
 from dynamo_prep.protocol.decode import decoding
+from dynamo_prep.protocol.logprobs import ChatLogprobs
 
 
 class RequestError(ValueError):
@@ -223,7 +224,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -263,7 +264,7 @@ class ChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChunkDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):

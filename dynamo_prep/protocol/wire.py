@@ -27,10 +27,13 @@ __all__ = [
     "Ping",
     "Pong",
     "ToWorker",
+    "TokenLogprob",
     "WireDecodeError",
+    "aligned_logprobs",
     "decode_from_worker",
     "decode_to_worker",
     "encode",
+    "extend_logprobs",
     "from_worker_decoder",
     "merged",
     "to_worker_decoder",
@@ -84,11 +87,22 @@ class FileData(msgspec.Struct, kw_only=True, tag="file_data", tag_field="kind"):
     data: bytes
 
 
+class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """One generated token's log probability and the ``top_logprobs`` most likely ids at its
+    position, most likely first (``[id, logprob]`` pairs; empty when none were asked for).
+    A compact array on the wire: ``[logprob, [[id, logprob], ...]]``."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class Output(msgspec.Struct, kw_only=True, tag="output", tag_field="kind"):
     """One streamed step of a generation; the last one of a request has ``finish_reason`` set.
 
     ``prompt_tokens`` / ``completion_tokens`` are cumulative usage as of this step;
     ``cached_tokens`` the prompt tokens the engine's prefix cache served (0: none, or not said).
+    ``logprobs``: one record per token of ``token_ids`` when the request asked for logprobs
+    (None otherwise; a list of another length is ignored by the frontend).
     """
 
     request_id: str
@@ -97,6 +111,38 @@ class Output(msgspec.Struct, kw_only=True, tag="output", tag_field="kind"):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+def aligned_logprobs(outputs: list[Output]) -> list[TokenLogprob] | None:
+    """The logprobs of consecutive Outputs joined, when every one has a record per token (None
+    otherwise: a gap would misalign every later token)."""
+    joined: list[TokenLogprob] = []
+    for output in outputs:
+        if not output.token_ids:
+            continue
+        if output.logprobs is None or len(output.logprobs) != len(output.token_ids):
+            return None
+        joined += output.logprobs
+    return joined if joined else None
+
+
+def extend_logprobs(last: Output, more: Output) -> None:
+    """Before ``more``'s ids are appended to ``last``'s: ``last``'s logprobs extended in place (one
+    merge costs ``more``'s records, however long ``last`` grew), or None once either misaligns."""
+    if not more.token_ids:
+        return
+    if not last.token_ids:
+        last.logprobs = _aligned(more)
+    elif last.logprobs is not None and len(last.logprobs) == len(last.token_ids) and _aligned(more):
+        last.logprobs.extend(more.logprobs or ())
+    else:
+        last.logprobs = None
+
+
+def _aligned(output: Output) -> list[TokenLogprob] | None:
+    records = output.logprobs
+    return list(records) if records is not None and len(records) == len(output.token_ids) else None
 
 
 def merged(outputs: list[Output]) -> Output:
@@ -112,6 +158,7 @@ def merged(outputs: list[Output]) -> Output:
         prompt_tokens=next((output.prompt_tokens for output in reversed(outputs) if output.prompt_tokens), 0),
         completion_tokens=last.completion_tokens,
         cached_tokens=next((output.cached_tokens for output in reversed(outputs) if output.cached_tokens), 0),
+        logprobs=aligned_logprobs(outputs),
     )
 
 

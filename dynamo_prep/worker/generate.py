@@ -195,6 +195,7 @@ class GenerationServer:
                     progress.completion_tokens = step.completion_tokens
                     progress.cached_tokens = step.cached_tokens
                     output = self._output(message.request_id, step.token_ids, step.finish_reason, progress)
+                    output.logprobs = step.logprobs
                     if step.finish_reason is not None:
                         return await frames.last(output)
                     await frames.add(output)

@@ -38,6 +38,7 @@ from dynamo_prep.engines.base import (
 from dynamo_prep.engines.declare import declared_image_token
 from dynamo_prep.engines.mock.answer import AnswerWriter, ToolCall, schema_arguments
 from dynamo_prep.engines.mock.instance import instance_of
+from dynamo_prep.engines.mock.logprobs import mock_logprob
 from dynamo_prep.engines.mock.prompt import PromptReader, PromptView, count_occurrences
 from dynamo_prep.engines.mock.replies import load_replies, matching_reply
 from dynamo_prep.engines.mock.standins import (
@@ -45,10 +46,12 @@ from dynamo_prep.engines.mock.standins import (
     QwenVLImageProcessorStandIn,
     sglang_engine_standin,
 )
+from dynamo_prep.engines.steps import logprobs_asked
 from dynamo_prep.engines.vllm import contract as vllm
 from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions, StructuredOutput
+from dynamo_prep.protocol.wire import TokenLogprob
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = ["NO_PREFILL", "MockContinuation", "MockEngine", "MockOutput", "Prefill"]
@@ -61,13 +64,15 @@ QWEN_IMAGE_PAD = "<|image_pad|>"
 
 
 class MockOutput(msgspec.Struct, frozen=True):
-    """One streamed step: one token id (none only for an empty reply); the last one has a finish reason."""
+    """One streamed step: one token id (none only for an empty reply); the last one has a finish
+    reason; ``logprobs`` the token's (``logprobs``) when the request asked for them."""
 
     token_ids: list[int]
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 class Prefill(NamedTuple):
@@ -169,7 +174,9 @@ class MockEngine:
         self.check_contract(request)
         token_ids, finish_reason = self.plan(request, prefill=prefill)
         prompt_tokens = len(request.token_ids)
-        async for step in self.stream(token_ids, finish_reason, prompt_tokens, prefill=prefill):
+        async for step in self.stream(
+            token_ids, finish_reason, prompt_tokens, prefill=prefill, logprobs=logprobs_asked(request)
+        ):
             yield step
 
     async def stream(
@@ -179,10 +186,14 @@ class MockEngine:
         prompt_tokens: int,
         *,
         prefill: Prefill = NO_PREFILL,
+        logprobs: int | None = None,
+        first_position: int = 0,
     ) -> AsyncIterator[MockOutput]:
         """``token_ids`` one per output, ``token_delay_s`` apart, the first after the prefill's
-        ``seconds`` more; the last output has ``finish_reason``; each reports the prefill's cache hits."""
+        ``seconds`` more; the last output has ``finish_reason``; each reports the prefill's cache hits,
+        and with ``logprobs`` (top k) its token's (``mock_logprob`` at ``first_position`` + its index)."""
         cached = prefill.cached_tokens
+        n_vocab = self.tokenizer.n_vocab
         try:
             if prefill.seconds > 0:
                 await asyncio.sleep(prefill.seconds)
@@ -192,7 +203,13 @@ class MockEngine:
             for index, token_id in enumerate(token_ids, start=1):
                 await asyncio.sleep(self.token_delay_s)
                 last = index == len(token_ids)
-                yield MockOutput([token_id], finish_reason if last else None, prompt_tokens, index, cached)
+                records = (
+                    None
+                    if logprobs is None
+                    else [mock_logprob(token_id, first_position + index - 1, logprobs, n_vocab)]
+                )
+                reason = finish_reason if last else None
+                yield MockOutput([token_id], reason, prompt_tokens, index, cached, records)
         except asyncio.CancelledError:
             log.debug("mock_generate_cancelled", flavor=self.flavor, prompt_tokens=prompt_tokens)
             raise
@@ -382,7 +399,12 @@ class MockContinuation:
         token_ids, finish_reason = self.engine.plan(shortened, streamed=streamed, prefill=prefill)
         remaining = token_ids[streamed:]
         async for step in self.engine.stream(
-            remaining, finish_reason, len(request.token_ids), prefill=prefill
+            remaining,
+            finish_reason,
+            len(request.token_ids),
+            prefill=prefill,
+            logprobs=logprobs_asked(request),
+            first_position=streamed,
         ):
             yield step
 

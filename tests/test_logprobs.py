@@ -1,0 +1,203 @@
+"""Chat logprobs with the official ``openai`` client against a real frontend and mock workers.
+
+The mock worker returns deterministic logprobs (``engines/mock/logprobs.py``: the sampled token is
+among its top alternatives); the frontend renders the content tokens' entries from its own
+tokenizer, aligned with the parsed answer: reasoning and tool-call tokens are left out
+(docs/answers.md, "Logprobs"). Also: the wire keeps one record per token through merges, and the
+refusals name ``top_logprobs``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import msgspec
+import openai
+import pytest
+from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
+
+from dynamo_prep.engines.mock.logprobs import mock_logprob, mock_logprobs
+from dynamo_prep.frontend.logprobs import LegacyLogprobs
+from dynamo_prep.protocol.wire import (
+    Output,
+    TokenLogprob,
+    decode_from_worker,
+    encode,
+    extend_logprobs,
+    merged,
+)
+from dynamo_prep.tokenizer import Tokenizer
+
+K3 = "kimi-k3-demo"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    directory = tmp_path_factory.mktemp("logprobs")
+    port, discovery = free_port(), tcp_endpoint()
+    procs: list[DynamoProcess] = []
+    try:
+        frontend = start_dynamo(
+            "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
+            "--cache-dir", str(directory / "cache"), log_level="info",
+        )  # fmt: skip
+        procs.append(frontend)
+        args = ("--model-path", K3, "--discovery", discovery, "--token-delay", "0")
+        procs.append(start_dynamo("worker", *args, log_level="info"))
+        wait_for(lambda: len(frontend.find("model_added")) >= 1, 30, message="the model")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def client(url: str) -> openai.OpenAI:
+    http = httpx.Client(trust_env=False, timeout=30)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
+
+
+def ask(url: str, **extra: Any) -> Any:
+    messages = [{"role": "user", "content": "Say hello in plain words"}]
+    return client(url).chat.completions.create(model=K3, messages=messages, **extra)  # type: ignore[arg-type]
+
+
+def check_entries(entries: list[Any], top: int) -> None:
+    """Every entry well formed: bytes exact, logprob <= 0, ``top`` alternatives most likely first,
+    the sampled token among them with its own logprob (the mock always ranks it in the top)."""
+    for entry in entries:
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == top
+        levels = [alternative.logprob for alternative in entry.top_logprobs]
+        assert levels == sorted(levels, reverse=True)
+        if top:
+            assert (entry.token, entry.logprob) in [(alt.token, alt.logprob) for alt in entry.top_logprobs]
+
+
+def test_content_logprobs_are_the_content_tokens(url: str) -> None:
+    response = ask(url, logprobs=True, top_logprobs=3)
+    choice = response.choices[0]
+    reasoning = getattr(choice.message, "reasoning_content", None)
+    assert reasoning, "the K3 mock answers with a reasoning channel first"
+    content = choice.message.content
+    assert content and content.isascii()
+    entries = choice.logprobs.content
+    assert "".join(entry.token for entry in entries) == content  # reasoning and markers left out
+    assert len(entries) < response.usage.completion_tokens
+    check_entries(entries, 3)
+
+
+def test_without_logprobs_there_are_none(url: str) -> None:
+    assert ask(url).choices[0].logprobs is None
+
+
+def test_logprobs_without_top_logprobs_give_no_alternatives(url: str) -> None:
+    choice = ask(url, logprobs=True).choices[0]
+    assert choice.logprobs.content
+    check_entries(choice.logprobs.content, 0)
+
+
+def test_streamed_chunks_carry_their_own_tokens_logprobs(url: str) -> None:
+    whole = ask(url, logprobs=True, top_logprobs=2).choices[0]
+    stream = ask(url, logprobs=True, top_logprobs=2, stream=True)
+    content, entries = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            if getattr(delta, "reasoning_content", None):
+                assert choice.logprobs is None
+            if delta.content:
+                assert choice.logprobs is not None
+                assert "".join(entry.token for entry in choice.logprobs.content) == delta.content
+                content.append(delta.content)
+                entries += choice.logprobs.content
+    assert "".join(content) == whole.message.content
+    assert [(e.token, e.logprob) for e in entries] == [(e.token, e.logprob) for e in whole.logprobs.content]
+    check_entries(entries, 2)
+
+
+def test_tool_call_tokens_are_not_content_tokens(url: str) -> None:
+    for stream in (False, True):
+        response = ask(url, logprobs=True, top_logprobs=1, tools=[WEATHER], stream=stream)
+        if stream:
+            content, entries, calls = "", [], 0
+            for chunk in response:
+                for choice in chunk.choices:
+                    calls += len(choice.delta.tool_calls or [])
+                    content += choice.delta.content or ""
+                    entries += choice.logprobs.content if choice.logprobs else []
+            assert calls
+        else:
+            message = response.choices[0].message
+            assert message.tool_calls
+            content, entries = message.content or "", response.choices[0].logprobs.content
+        assert "".join(entry.token for entry in entries) == content
+        assert "get_weather" not in content
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1}],
+)
+def test_bad_top_logprobs_is_a_400_naming_it(url: str, extra: dict[str, Any]) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(url, **extra)
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == "top_logprobs"
+    assert "top_logprobs" in error["message"]
+
+
+def test_records_stay_aligned_through_merges_and_the_wire() -> None:
+    records = mock_logprobs([5, 6, 7], 0, 2, 1000)
+    one = Output(request_id="r", token_ids=[5], logprobs=records[:1])
+    two = Output(request_id="r", token_ids=[6, 7], logprobs=records[1:])
+    end = Output(request_id="r", token_ids=[], finish_reason="stop")
+    joined = merged([one, two, end])
+    assert joined.token_ids == [5, 6, 7] and joined.logprobs == records
+    assert decode_from_worker(encode(joined)) == joined
+    assert merged([one, Output(request_id="r", token_ids=[6])]).logprobs is None  # a gap misaligns
+    assert merged([Output(request_id="r", token_ids=[6]), end]).logprobs is None
+    grown = Output(request_id="r", token_ids=[], logprobs=None)
+    for part in (one, two, end):
+        extend_logprobs(grown, part)
+        grown.token_ids += part.token_ids
+    assert grown.logprobs == records
+    extend_logprobs(grown, Output(request_id="r", token_ids=[8]))
+    assert grown.logprobs is None
+
+
+def test_the_record_is_a_compact_array_on_the_wire() -> None:
+    record = TokenLogprob(-0.5, [(5, -0.5), (9, -1.5)])
+    frame = msgspec.msgpack.decode(encode(Output(request_id="r", token_ids=[5], logprobs=[record])))
+    assert frame["logprobs"] == [[-0.5, [[5, -0.5], [9, -1.5]]]]
+
+
+def test_the_mock_is_deterministic_and_ranks_the_sampled_token() -> None:
+    record = mock_logprob(42, 3, 4, 1000)
+    assert record == mock_logprob(42, 3, 4, 1000)
+    assert [level for _, level in record.top] == sorted((level for _, level in record.top), reverse=True)
+    assert (42, record.logprob) in record.top and len({other for other, _ in record.top}) == 4
+    assert mock_logprob(42, 3, 0, 1000).top == []
+
+
+def test_legacy_completion_logprobs_shape() -> None:
+    tokenizer = Tokenizer.from_model_dir(K3)
+    ids = tokenizer.encode("Hello world")
+    renderer = LegacyLogprobs(tokenizer, 2, offset=3)
+    first = renderer.render(ids[:1], mock_logprobs(ids[:1], 0, 2, tokenizer.n_vocab))
+    rest = renderer.render(ids[1:], None)
+    assert "".join(first.tokens + rest.tokens) == "Hello world"
+    assert first.text_offset == [3] and rest.text_offset[0] == 3 + len(first.tokens[0])
+    assert first.token_logprobs[0] is not None and first.token_logprobs[0] <= 0
+    assert first.top_logprobs[0] is not None and len(first.top_logprobs[0]) == 2
+    assert rest.token_logprobs == [None] * len(rest.tokens)
