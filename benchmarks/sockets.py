@@ -16,7 +16,7 @@ ROUTER more its replay endpoint (an empty replay). Announces are written raw, as
 * ``scale``: 10,000 announced instances, 2,000 of them serving and publishing KV events (kv mode),
   2,400 chats 16 at a time: statuses, instances followed, refusals, the frontend's descriptors.
 
-Each scenario polls ``/live`` every 10 ms from a thread meanwhile (failures and the maximum).
+Each scenario polls ``/live`` every 10 ms from a process of its own meanwhile (failures, the maximum).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import zmq
 
 from benchmarks._plane import DEMO_MODEL, DynamoProcess, free_port, scrape_metrics, start_dynamo, tcp_endpoint
 from benchmarks._report import Suite
+from benchmarks.hostile import Poller
 from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.kv_events import END_SEQ
@@ -143,34 +144,17 @@ class Listeners:
 
 
 class LivePoller:
-    """``GET /live`` every 10 ms on one keep-alive connection, from a thread."""
+    """``GET /live`` every 10 ms on one keep-alive connection, from a process of its own (so this
+    process's threads, the fleet and the announcer, never hold its GIL)."""
 
-    def __init__(self, port: int) -> None:
-        self.latencies: list[float] = []
-        self.failures = 0
-        self._port = port
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        with httpx.Client(trust_env=False, timeout=5) as http:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                try:
-                    ok = http.get(f"http://127.0.0.1:{self._port}/live").status_code == 200
-                except httpx.HTTPError:
-                    ok = False
-                took = time.monotonic() - started
-                self.latencies.append(took)
-                self.failures += not ok
-                self._stop.wait(max(0.0, 0.01 - took))
+    def __init__(self, port: int, out: Path) -> None:
+        self._poller = Poller(port, 10.0, out)
 
     def stop(self) -> str:
-        self._stop.set()
-        self._thread.join(10)
-        worst = max(self.latencies, default=0.0) * 1000
-        return f"/live: {self.failures} of {len(self.latencies)} polls failed, max {worst:.0f} ms"
+        samples = self._poller.stop()
+        failures = sum(1 for _, _, status in samples if status != 200)
+        worst = max((latency for _, latency, _ in samples), default=0.0)
+        return f"/live: {failures} of {len(samples)} polls failed, max {worst:.0f} ms"
 
 
 class Stack:
@@ -200,7 +184,7 @@ class Stack:
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.setsockopt(zmq.SNDHWM, 100_000)
         self.pub.connect(self.plane)
-        self.live = LivePoller(self.port)
+        self.live = LivePoller(self.port, tmp / f"live-{self.port}.txt")
 
     def alive(self) -> bool:
         return self.frontend.process.poll() is None
