@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import zmq
 
@@ -228,7 +229,10 @@ class Frontend:
         self.seq += 1
 
     def removed(self) -> float:
-        return scrape_metrics(self.port).get(REMOVED, 0.0)
+        try:
+            return scrape_metrics(self.port).get(REMOVED, 0.0)
+        except httpx.HTTPError:  # a frontend whose loop is held (the old code) answers late
+            return -1.0
 
     def marker(self, removed: float) -> None:
         """A batch of one removal after the attack (whose removals brought the count to ``removed``):
@@ -242,13 +246,16 @@ class Frontend:
 
     def attack(self, name: str, batches: list[bytes], removals: int = 0) -> str:
         poller = Poller(self.port, 10.0, self.tmp / f"live-{self.seq}.txt")
-        removed = self.removed() + removals
-        began = time.monotonic()
-        for batch in batches:
-            self.send(batch)
-        self.marker(removed)
-        ended = time.monotonic()
-        rows = [row for row in poller.stop() if began <= row[0] <= ended]
+        try:
+            removed = self.removed() + removals
+            began = time.monotonic()
+            for batch in batches:
+                self.send(batch)
+            self.marker(removed)
+            ended = time.monotonic()
+        finally:
+            samples = poller.stop()
+        rows = [row for row in samples if began <= row[0] <= ended]
         live = summary([latency for _, latency, _ in rows])
         failed = sum(status != 200 for _, _, status in rows)
         status = Path(f"/proc/{self.frontend.pid}/status").read_text()
