@@ -13,6 +13,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
 from dynamo_prep.engines.base import EngineAbortedError, EngineContractError, EngineFailedError
 from dynamo_prep.engines.images import ImageFetcher
@@ -26,11 +27,13 @@ from dynamo_prep.engines.sglang.translate import (
 )
 from dynamo_prep.protocol.preprocessed import (
     ImageRef,
+    OutputOptions,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
     StructuredOutput,
 )
+from dynamo_prep.protocol.wire import TokenLogprob
 
 EOS = 8194
 
@@ -291,3 +294,48 @@ async def test_sigquit_from_a_failed_child_is_the_engine_s_death_not_the_process
         assert await asyncio.wait_for(rt.wait_dead(), 5) == "engine_child_failed"
     finally:
         loop.remove_signal_handler(signal.SIGQUIT)
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+
+
+def logprob_request(top: int | None) -> PreprocessedRequest:
+    asked = OutputOptions(logprobs=top is not None, top_logprobs=top)
+    return replace(request(stop_ids=[42]), output_options=asked)
+
+
+def test_logprobs_are_asked_as_return_logprob_and_top_logprobs_num() -> None:
+    assert "return_logprob" not in generate_kwargs(request(), {}, [], rid="r")
+    kwargs = generate_kwargs(logprob_request(3), {}, [], rid="r")
+    assert (kwargs["return_logprob"], kwargs["top_logprobs_num"]) == (True, 3)
+    assert generate_kwargs(logprob_request(0), {}, [], rid="r")["top_logprobs_num"] == 0
+
+
+def test_meta_info_logprobs_become_one_record_per_visible_token() -> None:
+    reader = ChunkReader(logprob_request(2))
+    first = chunk([11])
+    first["meta_info"].update(
+        output_token_logprobs=[(-0.5, 11, None)],
+        output_top_logprobs=[[(-1.5, 7, None), (-0.5, 11, None), (-0.25, 9, None)]],
+    )
+    last = chunk([12, 42], {"type": "stop", "matched": 42}, completion=3)
+    last["meta_info"].update(
+        output_token_logprobs=[(-1.0, 12, None), (-0.1, 42, None)],
+        output_top_logprobs=[[(-1.0, 12, None), (-2.0, 3, None)], [(-0.1, 42, None), (-3.0, 4, None)]],
+    )
+    steps = [reader.step(first), reader.step(last)]
+    assert steps[0].logprobs == [TokenLogprob(-0.5, [(9, -0.25), (11, -0.5)])]  # sorted, cut at 2
+    assert steps[1].token_ids == [12]
+    assert steps[1].logprobs == [TokenLogprob(-1.0, [(12, -1.0), (3, -2.0)])]  # the stop id's dropped
+    assert ChunkReader(request()).step(first).logprobs is None  # not asked: none
+
+
+def test_logprobs_sglang_did_not_align_are_none() -> None:
+    reader = ChunkReader(logprob_request(0))
+    shifted = chunk([11, 12])
+    shifted["meta_info"]["output_token_logprobs"] = [(-0.5, 11, None)]
+    assert reader.step(shifted).logprobs is None
+    assert reader.step(chunk([13])).logprobs is None  # SGLang gave none
+    fine = chunk([14])
+    fine["meta_info"]["output_token_logprobs"] = [(-0.5, 14, None)]
+    assert reader.step(fine).logprobs == [TokenLogprob(-0.5, [])]

@@ -35,12 +35,13 @@ from dynamo_prep.engines.vllm.translate import (
 from dynamo_prep.protocol.discovery import now_ms
 from dynamo_prep.protocol.preprocessed import (
     ImageRef,
+    OutputOptions,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
     StructuredOutput,
 )
-from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output
+from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, TokenLogprob
 from dynamo_prep.tokenizer import Tokenizer
 from dynamo_prep.worker.generate import GenerationServer
 
@@ -450,3 +451,56 @@ def test_a_kimi_k3_worker_counts_the_placeholder_runs_against_the_images() -> No
     with pytest.raises(EngineContractError, match="Expected 1 occurrence"):
         rt.check(replace(request(images=one_image), token_ids=[1, *pattern, *pattern]))
     runtime(FakeAsyncLLM([])).check(replace(request(images=one_image), token_ids=[1, 2]))  # not K3
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Logprob:
+    """vLLM's ``Logprob``."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def logprob_request(top: int | None) -> PreprocessedRequest:
+    asked = OutputOptions(logprobs=top is not None, top_logprobs=top)
+    return replace(request(stop_ids=[42]), output_options=asked)
+
+
+def test_logprobs_are_asked_as_logprobs_k() -> None:
+    assert "logprobs" not in sampling_fields(request(), {})
+    assert sampling_fields(logprob_request(3), {})["logprobs"] == 3
+    assert sampling_fields(logprob_request(0), {})["logprobs"] == 0  # the sampled token's only
+
+
+def test_delta_logprobs_become_one_record_per_visible_token() -> None:
+    reader = OutputReader(logprob_request(2))
+    first = out([11])
+    # vLLM's dict per position: the sampled id (its own rank, 4 here: outside the top 2) and the top k
+    first.outputs[0].logprobs = [{11: Logprob(-2.0, 4), 7: Logprob(-0.5, 1), 9: Logprob(-1.0, 2)}]
+    last = out([12, 42], "stop", stop_reason=42)
+    last.outputs[0].logprobs = [
+        {12: Logprob(-0.25, 1), 3: Logprob(-2.0, 2)},
+        {42: Logprob(-0.1, 1), 4: Logprob(-3.0, 2)},
+    ]
+    steps = [reader.step(first), reader.step(last)]
+    assert steps[0].logprobs == [TokenLogprob(-2.0, [(7, -0.5), (9, -1.0)])]
+    assert (steps[1].token_ids, steps[1].logprobs) == ([12], [TokenLogprob(-0.25, [(12, -0.25), (3, -2.0)])])
+    assert OutputReader(request()).step(first).logprobs is None  # not asked: none
+
+
+def test_logprobs_vllm_did_not_give_for_every_token_are_none() -> None:
+    reader = OutputReader(logprob_request(0))
+    short = out([11, 12])
+    short.outputs[0].logprobs = [{11: Logprob(-0.5, 1)}]
+    assert reader.step(short).logprobs is None
+    assert reader.step(out([13])).logprobs is None
+    wrong = out([14])
+    wrong.outputs[0].logprobs = [{15: Logprob(-0.5, 1)}]  # not the sampled id
+    assert reader.step(wrong).logprobs is None
+    fine = out([16])
+    fine.outputs[0].logprobs = [{16: Logprob(-0.5, 3)}]
+    assert reader.step(fine).logprobs == [TokenLogprob(-0.5, [])]

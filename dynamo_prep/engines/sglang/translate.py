@@ -5,7 +5,9 @@ Pure: SGLang's objects are read by attribute or key. Fixed choices (docs/engines
 (delta) chunks, ``max_new_tokens`` always set, the model's sampling defaults under the request's
 values, ``top_k`` 0 sent as -1 (SGLang's "off"; 0 raises), the seed as ``sampling_seed``, the stop or
 EOS id SGLang includes in ``output_ids`` dropped, decoded images with their uuids as ``mm_hashes``, a
-structured-output constraint as the ``json_schema`` key (a JSON object as ``{"type": "object"}``).
+structured-output constraint as the ``json_schema`` key (a JSON object as ``{"type": "object"}``),
+logprobs as ``return_logprob`` and ``top_logprobs_num``, read from each chunk's ``meta_info``
+``output_token_logprobs`` and ``output_top_logprobs`` (``(logprob, id, text)`` triples, the chunk's own).
 """
 
 from __future__ import annotations
@@ -16,10 +18,25 @@ from pathlib import Path
 from typing import Any, Final
 
 from dynamo_prep.engines.base import EngineAbortedError, EngineContractError, EngineFacts, EngineFailedError
-from dynamo_prep.engines.steps import EngineStep, StepCounter, model_argv, sampling_values, stop_ids
+from dynamo_prep.engines.steps import (
+    EngineStep,
+    StepCounter,
+    logprobs_asked,
+    model_argv,
+    sampling_values,
+    stop_ids,
+)
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.wire import TokenLogprob
 
-__all__ = ["ChunkReader", "engine_argv", "engine_facts", "generate_kwargs", "sampling_params"]
+__all__ = [
+    "ChunkReader",
+    "engine_argv",
+    "engine_facts",
+    "generate_kwargs",
+    "logprob_records",
+    "sampling_params",
+]
 
 _TOP_K_OFF: Final = -1
 _FINISHED: Final = {"stop": "stop", "length": "length"}
@@ -67,30 +84,54 @@ def generate_kwargs(
     if images:
         kwargs["image_data"] = list(images)
         kwargs["mm_hashes"] = [image.uuid for image in request.images]
+    top = logprobs_asked(request)
+    if top is not None:
+        kwargs.update(return_logprob=True, top_logprobs_num=top)
     return kwargs
 
 
 class ChunkReader:
     """One request's incremental chunks (``{"output_ids", "meta_info"}``) as ``EngineStep``s."""
 
-    __slots__ = ("_counter",)
+    __slots__ = ("_counter", "_top")
 
     def __init__(self, request: PreprocessedRequest) -> None:
         self._counter = StepCounter(stop_ids(request))
+        self._top = logprobs_asked(request)
 
     def step(self, chunk: Mapping[str, Any]) -> EngineStep:
         """Raises ``EngineContractError`` for SGLang's 400 aborts (its message), ``EngineAbortedError``
         for other aborts (retryable), ``EngineFailedError`` for a finish it does not name."""
         meta = chunk.get("meta_info") or {}
         finish = _finish(meta.get("finish_reason"))
-        token_ids = self._counter.visible(list(chunk.get("output_ids") or ()), finish == "stop")
+        all_ids = list(chunk.get("output_ids") or ())
+        token_ids = self._counter.visible(all_ids, finish == "stop")
+        records = None if self._top is None else logprob_records(all_ids, meta, self._top)
         return EngineStep(
             token_ids=token_ids,
             finish_reason=finish,
             prompt_tokens=int(meta.get("prompt_tokens") or 0),
             completion_tokens=int(meta.get("completion_tokens") or self._counter.completion_tokens),
             cached_tokens=int(meta.get("cached_tokens") or 0),
+            logprobs=StepCounter.aligned(records, token_ids),
         )
+
+
+def logprob_records(token_ids: Sequence[int], meta: Mapping[str, Any], top: int) -> list[TokenLogprob] | None:
+    """A chunk's ``output_token_logprobs`` (one ``(logprob, id, text)`` per id) and, with ``top``,
+    ``output_top_logprobs`` (a list of such triples per id) as records, most likely first; None when
+    SGLang's lists do not match the chunk's ids."""
+    sampled = meta.get("output_token_logprobs") or []
+    tops = meta.get("output_top_logprobs") or [] if top else [[] for _ in token_ids]
+    if len(sampled) != len(token_ids) or len(tops) != len(token_ids):
+        return None
+    records: list[TokenLogprob] = []
+    for token_id, (logprob, sampled_id, *_), alternatives in zip(token_ids, sampled, tops, strict=True):
+        if sampled_id != token_id or logprob is None:
+            return None
+        best = sorted(((int(entry[1]), float(entry[0])) for entry in alternatives or ()), key=lambda e: -e[1])
+        records.append(TokenLogprob(float(logprob), best[:top]))
+    return records
 
 
 def _finish(reason: Any) -> str | None:

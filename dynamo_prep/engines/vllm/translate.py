@@ -5,7 +5,8 @@ Pure: vLLM's objects are read by attribute and its classes are built by ``runtim
 values made here. Fixed choices (docs/engines.md): DELTA outputs, no detokenization (stop strings
 stay in the frontend), ``max_tokens`` always set, the model's generation_config under the
 request's values, the stop or EOS id vLLM returns as the last id dropped, a structured-output
-constraint as ``StructuredOutputsParams`` (``json`` or ``json_object``).
+constraint as ``StructuredOutputsParams`` (``json`` or ``json_object``), logprobs as
+``logprobs=k`` (the sampled token's and the top k), read from each delta's ``logprobs``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,22 @@ from pathlib import Path
 from typing import Any, Final
 
 from dynamo_prep.engines.base import EngineAbortedError, EngineFacts, EngineFailedError
-from dynamo_prep.engines.steps import EngineStep, StepCounter, model_argv, sampling_values, stop_ids
+from dynamo_prep.engines.steps import (
+    EngineStep,
+    StepCounter,
+    logprobs_asked,
+    model_argv,
+    sampling_values,
+    stop_ids,
+)
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.wire import TokenLogprob
 
 __all__ = [
     "OutputReader",
     "engine_argv",
     "engine_facts",
+    "logprob_records",
     "prompt_fields",
     "sampling_fields",
     "structured_fields",
@@ -51,6 +61,9 @@ def sampling_fields(request: PreprocessedRequest, defaults: Mapping[str, Any]) -
     )
     if stop.min_tokens is not None:
         fields["min_tokens"] = stop.min_tokens
+    top = logprobs_asked(request)
+    if top is not None:
+        fields["logprobs"] = top
     return fields
 
 
@@ -78,10 +91,11 @@ def prompt_fields(request: PreprocessedRequest, images: Sequence[object]) -> dic
 class OutputReader:
     """One request's ``RequestOutput``s (DELTA) as ``EngineStep``s."""
 
-    __slots__ = ("_counter",)
+    __slots__ = ("_counter", "_top")
 
     def __init__(self, request: PreprocessedRequest) -> None:
         self._counter = StepCounter(stop_ids(request))
+        self._top = logprobs_asked(request)
 
     def step(self, output: Any) -> EngineStep:
         """Raises ``EngineAbortedError`` when vLLM aborted the request by itself (our own cancel
@@ -93,14 +107,39 @@ class OutputReader:
         if reason is not None and reason not in _FINISHED:
             raise EngineFailedError(f"the engine ended the request with {reason!r}")
         finish = _FINISHED.get(reason) if reason is not None else None
-        token_ids = self._counter.visible(list(completion.token_ids), finish == "stop")
+        all_ids = list(completion.token_ids)
+        token_ids = self._counter.visible(all_ids, finish == "stop")
+        records = None if self._top is None else logprob_records(all_ids, completion.logprobs, self._top)
         return EngineStep(
             token_ids=token_ids,
             finish_reason=finish,
             prompt_tokens=len(output.prompt_token_ids or ()),
             completion_tokens=self._counter.completion_tokens,
             cached_tokens=output.num_cached_tokens or 0,
+            logprobs=StepCounter.aligned(records, token_ids),
         )
+
+
+def logprob_records(token_ids: Sequence[int], positions: Any, top: int) -> list[TokenLogprob] | None:
+    """A delta's ``CompletionOutput.logprobs`` (one ``{id: Logprob(logprob, rank)}`` per position: the
+    sampled id and the top ``top`` ids; a list or vLLM's ``FlatLogprobs``) as records; None when
+    vLLM gave none for some position."""
+    if positions is None or len(positions) != len(token_ids):
+        return None
+    records: list[TokenLogprob] = []
+    for token_id, position in zip(token_ids, positions, strict=True):
+        if not position or token_id not in position:
+            return None
+        ranked = sorted(position.items(), key=lambda item: (_rank(item[1]), -item[1].logprob))
+        best = [(other, float(entry.logprob)) for other, entry in ranked if _rank(entry) <= top][:top]
+        records.append(TokenLogprob(float(position[token_id].logprob), best))
+    return records
+
+
+def _rank(entry: Any) -> float:
+    """vLLM's rank of an entry (1: the most likely); an entry without one sorts last."""
+    rank = entry.rank
+    return float("inf") if rank is None else float(rank)
 
 
 def engine_facts(vllm_config: Any) -> EngineFacts:

@@ -11,6 +11,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 from sglang.srt.entrypoints.engine import Engine
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -20,9 +21,16 @@ from sglang.srt.server_args import ServerArgs
 from dynamo_prep import cli
 from dynamo_prep.engines.kv_config import kv_events_endpoint
 from dynamo_prep.engines.sglang.runtime import SglangApi, parse_server_args
-from dynamo_prep.engines.sglang.translate import engine_argv, engine_facts, generate_kwargs, sampling_params
+from dynamo_prep.engines.sglang.translate import (
+    ChunkReader,
+    engine_argv,
+    engine_facts,
+    generate_kwargs,
+    sampling_params,
+)
 from dynamo_prep.protocol.preprocessed import (
     ImageRef,
+    OutputOptions,
     PreprocessedRequest,
     SamplingOptions,
     StopConditions,
@@ -55,6 +63,9 @@ REQUESTS = {
     "ignore_eos": request(ignore_eos=True, frequency_penalty=-0.5),
     "json_schema": request(structured=StructuredOutput(json_schema='{"type": "array", "maxItems": 2}')),
     "json_object": request(structured=StructuredOutput(json_object=True)),
+    "logprobs": msgspec.structs.replace(
+        request(), output_options=OutputOptions(logprobs=True, top_logprobs=2)
+    ),
 }
 
 
@@ -70,6 +81,26 @@ def test_sampling_params_take_and_verify_our_dicts(name: str) -> None:
     params.verify(VOCAB)
     assert params.max_new_tokens == 32
     assert set(params.stop_token_ids) >= {7}
+
+
+def test_streamed_logprobs_are_the_chunk_s_own_triples_the_reader_takes() -> None:
+    """SGLang slices the output logprob lists per incremental chunk, as (logprob, id, text) triples
+    (text None: the bridge does not ask for text); the reader makes one record per id of them."""
+    from sglang.srt.managers import tokenizer_manager  # noqa: PLC0415
+
+    keys = tokenizer_manager._INCREMENTAL_STREAMING_META_INFO_KEYS
+    assert {"output_token_logprobs", "output_top_logprobs"} <= set(keys)
+    meta: dict[str, Any] = {
+        "output_token_logprobs": [(-9.0, 5, None), (-1.0, 6, None), (-2.0, 7, None)],
+        "output_top_logprobs": [[(-0.5, 1, None)], [(-1.0, 6, None)], [(-0.75, 8, None)]],
+    }
+    tokenizer_manager._slice_streaming_output_meta_info(meta, 1)
+    triples = TokenizerManager.detokenize_logprob_tokens(object(), [-1.0, -2.0], [6, 7], False)  # type: ignore[arg-type]
+    assert meta["output_token_logprobs"] == triples
+    meta["finish_reason"] = {"type": "stop", "matched": 7}
+    step = ChunkReader(REQUESTS["logprobs"]).step({"output_ids": [6, 7], "meta_info": meta})
+    assert step.token_ids == [6] and step.logprobs is not None  # 7 is the stop id, dropped
+    assert (step.logprobs[0].logprob, step.logprobs[0].top) == (-1.0, [(6, -1.0)])
 
 
 def test_top_k_zero_would_be_refused_so_it_is_sent_as_minus_one() -> None:
