@@ -9,6 +9,7 @@ refusals name ``top_logprobs``.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,6 +32,11 @@ from dynamo_prep.protocol.wire import (
 from dynamo_prep.tokenizer import Tokenizer
 
 K3 = "kimi-k3-demo"
+QWEN = "qwen-vl-demo"
+QWEN_CALL = (
+    "<think>\nplan: call it\n</think>\n\nChecking the w\u00e9ather.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call>'
+)
 WEATHER = {
     "type": "function",
     "function": {
@@ -51,9 +57,12 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "--cache-dir", str(directory / "cache"), log_level="info",
         )  # fmt: skip
         procs.append(frontend)
-        args = ("--model-path", K3, "--discovery", discovery, "--token-delay", "0")
-        procs.append(start_dynamo("worker", *args, log_level="info"))
-        wait_for(lambda: len(frontend.find("model_added")) >= 1, 30, message="the model")
+        replies = directory / "replies.jsonl"
+        replies.write_text(json.dumps({"when": "qwen-call", "text": QWEN_CALL}) + "\n", encoding="utf-8")
+        for model in (K3, QWEN):
+            args = ("--model-path", model, "--discovery", discovery, "--token-delay", "0")
+            procs.append(start_dynamo("worker", *args, "--replies", str(replies), log_level="info"))
+        wait_for(lambda: len(frontend.find("model_added")) >= 2, 30, message="both models")
         yield f"http://127.0.0.1:{port}"
     finally:
         for proc in procs:
@@ -144,17 +153,65 @@ def test_tool_call_tokens_are_not_content_tokens(url: str) -> None:
         assert "get_weather" not in content
 
 
+def test_hidden_reasoning_still_is_no_content(url: str) -> None:
+    choice = ask(url, logprobs=True, extra_body={"include_reasoning": False}).choices[0]
+    assert getattr(choice.message, "reasoning_content", None) is None
+    assert "".join(entry.token for entry in choice.logprobs.content) == choice.message.content
+
+
+def test_a_stop_string_ends_the_entries_with_the_token_it_cut(url: str) -> None:
+    choice = ask(url, logprobs=True, stop=["prompt"]).choices[0]
+    content, entries = choice.message.content, choice.logprobs.content
+    assert content and "prompt" not in content
+    joined = "".join(entry.token for entry in entries)
+    assert joined.startswith(content)
+    assert len(joined) - len(content) < len(entries[-1].token)  # only the straddling token's rest
+
+
+def test_hermes_think_and_tool_call_tokens_are_not_content_tokens(url: str) -> None:
+    messages = [{"role": "user", "content": "qwen-call"}]
+    for stream in (False, True):
+        response = client(url).chat.completions.create(
+            model=QWEN,
+            messages=messages,
+            tools=[WEATHER],
+            logprobs=True,
+            stream=stream,  # type: ignore[list-item]
+        )
+        if stream:
+            content, entries = "", []
+            for chunk in response:
+                for choice in chunk.choices:
+                    content += choice.delta.content or ""
+                    entries += choice.logprobs.content if choice.logprobs else []
+        else:
+            choice = response.choices[0]
+            assert choice.message.tool_calls and choice.message.reasoning_content
+            content, entries = choice.message.content, choice.logprobs.content
+        assert "Checking the w\u00e9ather." in content
+        joined = bytes(b for entry in entries for b in entry.bytes).decode()
+        # The demo vocabulary merges "</think>"'s ">" with the content's "\n\n": that token's text
+        # is partly content, so it is a content token, and the entries start with its ">".
+        assert joined == ">" + content
+
+
 @pytest.mark.parametrize(
-    "extra",
-    [{"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1}],
+    ("extra", "param"),
+    [
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"logprobs": False, "top_logprobs": 0}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"logprobs": 3}, "logprobs"),
+    ],
 )
-def test_bad_top_logprobs_is_a_400_naming_it(url: str, extra: dict[str, Any]) -> None:
+def test_bad_logprobs_are_a_400_naming_the_parameter(url: str, extra: dict[str, Any], param: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         ask(url, **extra)
     error = caught.value.body
     assert isinstance(error, dict)
-    assert error["param"] == "top_logprobs"
-    assert "top_logprobs" in error["message"]
+    assert error["param"] == param
+    assert param in error["message"]
 
 
 def test_records_stay_aligned_through_merges_and_the_wire() -> None:
@@ -201,3 +258,58 @@ def test_legacy_completion_logprobs_shape() -> None:
     assert first.token_logprobs[0] is not None and first.token_logprobs[0] <= 0
     assert first.top_logprobs[0] is not None and len(first.top_logprobs[0]) == 2
     assert rest.token_logprobs == [None] * len(rest.tokens)
+
+
+def test_a_migrated_stream_keeps_its_logprobs(tmp_path: Any) -> None:
+    """The worker streaming is SIGKILLed after 3 content chunks: the continuation on the other one
+    carries on, and the client reads the entries of an uninterrupted answer (the mock's logprobs
+    are a function of the position in the reply, which the continuation keeps)."""
+    port, discovery = free_port(), tcp_endpoint()
+    procs: list[DynamoProcess] = []
+    try:
+        frontend = start_dynamo(
+            "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
+            "--cache-dir", str(tmp_path / "cache"), log_level="debug",
+        )  # fmt: skip
+        procs.append(frontend)
+        options = ("--token-delay", "0.04", "--heartbeat", "0.2", "--ttl-ms", "800", "--migration-limit", "1")
+        workers = [
+            start_dynamo("worker", "--model-path", K3, "--discovery", discovery, *options) for _ in "ab"
+        ]
+        procs += workers
+        by_instance = {proc.wait_event("worker_started", timeout=20)["instance_id"]: proc for proc in workers}
+        for instance in by_instance:
+            frontend.wait_event("instance_added", timeout=30, instance_id=instance)
+        url = f"http://127.0.0.1:{port}"
+        text = "please keep talking for a while, so that this stream lasts long enough to be interrupted"
+        body = {
+            "model": K3,
+            "messages": [{"role": "user", "content": text}],
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        with httpx.Client(trust_env=False, timeout=30) as http:
+            reference = http.post(f"{url}/v1/chat/completions", json=body).json()["choices"][0]
+            content, entries, done = "", [], False
+            with http.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as response:
+                for line in response.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                        break
+                    if not line.startswith("data: "):
+                        continue
+                    event = msgspec.json.decode(line[6:])
+                    assert "error" not in event, event
+                    choice = event["choices"][0] if event["choices"] else {}
+                    if choice.get("delta", {}).get("content"):
+                        content += choice["delta"]["content"]
+                        entries += choice["logprobs"]["content"]
+                        if len(entries) == 3:
+                            routed = frontend.find("request_routed")[-1]
+                            by_instance[routed["instance_id"]].kill()
+        assert done and frontend.find("request_migrated")
+        assert content == reference["message"]["content"]
+        assert entries == reference["logprobs"]["content"]
+    finally:
+        for proc in procs:
+            proc.stop()

@@ -2,11 +2,9 @@
 
 Chat (``ContentLogprobs``): the worker's per-token records (``wire.TokenLogprob``) are kept for the
 tokens whose text went to the answer's ``content``; reasoning tokens, tool-call tokens and markers
-are left out (docs/answers.md, "Logprobs"). The answer is fed one token at a time so each token's
-fate is seen: a reasoning token is dropped at once, other tokens wait until a delta claims them; a
-content delta claims the run of waiting tokens whose text it is (else the run whose text holds it,
-else the waiting tokens whose text is part of it), and the rest are markup. Content deltas come back
-as ``LoggedContent``, a ``ContentDelta`` carrying its tokens' entries.
+are left out (docs/answers.md, "Logprobs"). The answer is fed one token at a time, and each
+content delta claims the tokens whose text it is. Content deltas come back as ``LoggedContent``,
+a ``ContentDelta`` carrying its tokens' entries.
 
 Legacy completions (``LegacyLogprobs``): ``{tokens, token_logprobs, top_logprobs, text_offset}``
 for every generated token, for ``/v1/completions``.
@@ -14,8 +12,10 @@ for every generated token, for ``/v1/completions``.
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -30,8 +30,6 @@ __all__ = ["ContentLogprobs", "LegacyLogprobs", "LoggedContent", "content_logpro
 
 # The logprob of an impossible token (-inf, or a value JSON cannot carry), as vLLM writes it.
 FLOOR_LOGPROB = -9999.0
-# How far back a content delta looks for the tokens whose text it is.
-_MAX_RUN_SEARCH = 64
 
 
 class LoggedContent(ContentDelta, frozen=True):
@@ -74,16 +72,32 @@ class _Render:
         )
 
 
+class _Fed(NamedTuple):
+    """A fed token: its bytes and record, and where its text lies in the answer's text so far."""
+
+    data: bytes
+    record: TokenLogprob | None
+    start: int
+    end: int
+
+
 class ContentLogprobs:
     """An ``AnswerStream`` fed token by token, its content deltas carrying their tokens' logprobs.
 
-    ``push`` and ``finish`` stand for the stream's own (the same deltas, in the same order).
+    ``push`` and ``finish`` stand for the stream's own (the same deltas, in the same order). The
+    fed tokens' text is kept from the end of the last content claimed: a content delta is found
+    there (its latest occurrence: the parser releases content as soon as it knows it is content)
+    and claims the tokens whose text overlaps it (a token whose first bytes are an incomplete
+    character goes with the token that completes it); tokens before it are markup or reasoning.
     """
 
     def __init__(self, answer: AnswerStream, tokenizer: Tokenizer, top: int) -> None:
         self._answer = answer
         self._render = _Render(tokenizer, top)
-        self._waiting: list[tuple[bytes, TokenLogprob | None]] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._text = ""  # the fed text from ``_base`` on
+        self._base = 0
+        self._fed: list[_Fed] = []  # the tokens not claimed yet, in order
 
     def push(self, token_ids: Sequence[int], records: Sequence[TokenLogprob] | None) -> list[AnswerDelta]:
         """The deltas of ``token_ids``; ``records`` (one per id; None: the worker sent none, or
@@ -91,54 +105,46 @@ class ContentLogprobs:
         if records is not None and len(records) != len(token_ids):
             records = None
         deltas: list[AnswerDelta] = []
-        answer = self._answer
         for index, token_id in enumerate(token_ids):
-            reasoning = answer.reasoning_tokens
-            fed = answer.push((token_id,))
-            if answer.reasoning_tokens == reasoning:  # a reasoning token is no content token
-                data = token_bytes(self._render.tokenizer, token_id)
-                self._waiting.append((data, None if records is None else records[index]))
-            deltas += self._claimed(fed)
+            data = token_bytes(self._render.tokenizer, token_id)
+            start = self._base + len(self._text)
+            self._text += self._utf8.decode(data)
+            record = None if records is None else records[index]
+            self._fed.append(_Fed(data, record, start, self._base + len(self._text)))
+            deltas += self._claimed(self._answer.push((token_id,)))
         return deltas
 
     def finish(self, finish_reason: str) -> list[AnswerDelta]:
         return self._claimed(self._answer.finish(finish_reason))
 
     def _claimed(self, deltas: list[AnswerDelta]) -> list[AnswerDelta]:
-        """``deltas`` with the waiting tokens the content claims on their last content delta."""
-        if not deltas:
-            return deltas
-        last = max((i for i, delta in enumerate(deltas) if isinstance(delta, ContentDelta)), default=None)
-        if last is None:
-            self._waiting.clear()
-            return deltas
-        content = "".join(delta.text for delta in deltas if isinstance(delta, ContentDelta))
-        claimed = [
-            self._render.entry(data, record) for data, record in self._claim(content) if record is not None
+        """``deltas``, each content delta as a ``LoggedContent`` with the tokens it claims."""
+        return [
+            LoggedContent(delta.text, self._claim(delta.text)) if isinstance(delta, ContentDelta) else delta
+            for delta in deltas
         ]
-        self._waiting.clear()
-        out = list(deltas)
-        out[last] = LoggedContent(out[last].text, claimed)  # type: ignore[union-attr]
-        return out
 
-    def _claim(self, content: str) -> list[tuple[bytes, TokenLogprob | None]]:
-        waiting = self._waiting
-        low = max(len(waiting) - _MAX_RUN_SEARCH, 0)
-        holding: list[tuple[bytes, TokenLogprob | None]] | None = None
-        for end in range(len(waiting), low, -1):
-            data = b""
-            for start in range(end - 1, low - 1, -1):
-                data = waiting[start][0] + data
-                text = data.decode("utf-8", errors="replace")
-                if text == content:
-                    return waiting[start:end]
-                if holding is None and content in text:
-                    holding = waiting[start:end]
-                if len(text) > len(content) + 8:
-                    break
-        if holding is not None:
-            return holding
-        return [pair for pair in waiting if pair[0] and pair[0].decode("utf-8", "replace") in content]
+    def _claim(self, content: str) -> list[ContentLogprob]:
+        found = self._text.rfind(content)
+        if not content or found < 0:
+            return []
+        start = self._base + found
+        end = start + len(content)
+        claimed = [index for index, fed in enumerate(self._fed) if fed.start < end and fed.end > start]
+        if not claimed:
+            return []
+        first = claimed[0]
+        while first > 0 and self._fed[first - 1].start == self._fed[first - 1].end == self._fed[first].start:
+            first -= 1  # the first bytes of the character the first claimed token completes
+        entries = [
+            self._render.entry(fed.data, fed.record)
+            for fed in self._fed[first : claimed[-1] + 1]
+            if fed.record is not None
+        ]
+        del self._fed[: claimed[-1] + 1]
+        self._text = self._text[end - self._base :]
+        self._base = end
+        return entries
 
 
 def content_logprobs_for(
