@@ -256,7 +256,9 @@ def test_legacy_completion_logprobs_shape() -> None:
     assert "".join(first.tokens + rest.tokens) == "Hello world"
     assert first.text_offset == [3] and rest.text_offset[0] == 3 + len(first.tokens[0])
     assert first.token_logprobs[0] is not None and first.token_logprobs[0] <= 0
-    assert first.top_logprobs[0] is not None and len(first.top_logprobs[0]) == 2
+    top = first.top_logprobs[0]
+    assert top is not None and top[first.tokens[0]] == first.token_logprobs[0]  # the sampled token's
+    assert 2 <= len(top) <= 3  # and the 2 most likely (the mock ranks the sampled token among them)
     assert rest.token_logprobs == [None] * len(rest.tokens)
 
 

@@ -21,7 +21,7 @@ import msgspec
 
 from dynamo_prep.frontend.answers import AnswerStream
 from dynamo_prep.parsing import AnswerDelta, ContentDelta
-from dynamo_prep.protocol.logprobs import ChatLogprobs, CompletionLogprobs, ContentLogprob, TopLogprob
+from dynamo_prep.protocol.logprobs import CompletionLogprobs, ContentLogprob, TopLogprob
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.protocol.wire import TokenLogprob
 from dynamo_prep.tokenizer import Tokenizer
@@ -156,10 +156,6 @@ def content_logprobs_for(
     return ContentLogprobs(answer, tokenizer, chat.top_logprobs or 0)
 
 
-def chat_logprobs(entries: list[ContentLogprob]) -> ChatLogprobs:
-    return ChatLogprobs(content=entries)
-
-
 class LegacyLogprobs:
     """``/v1/completions``' logprobs of a choice, rendered step by step (``render`` each Output's ids
     and records in order; ``text_offset`` counts the characters rendered before, from ``offset``:
@@ -181,12 +177,14 @@ class LegacyLogprobs:
             rendered.tokens.append(text)
             rendered.text_offset.append(self.offset)
             rendered.token_logprobs.append(None if record is None else _logprob(record.logprob))
-            rendered.top_logprobs.append(None if record is None else self._top(record))
+            rendered.top_logprobs.append(None if record is None else self._top(text, record))
             self.offset += len(text)
         return rendered
 
-    def _top(self, record: TokenLogprob) -> dict[str, float]:
-        top: dict[str, float] = {}
+    def _top(self, text: str, record: TokenLogprob) -> dict[str, float]:
+        """The sampled token and the ``top`` most likely ones (OpenAI's legacy shape, as vLLM
+        gives it: up to ``top`` + 1 entries; alternatives with the same text keep the first)."""
+        top = {text: _logprob(record.logprob)}
         for other, logprob in record.top[: self._render.top]:
             text = token_bytes(self._render.tokenizer, other).decode("utf-8", errors="replace")
             top.setdefault(text, _logprob(logprob))
