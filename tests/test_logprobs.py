@@ -9,6 +9,7 @@ refusals name ``top_logprobs``.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -17,10 +18,15 @@ import httpx
 import msgspec
 import openai
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
 from dynamo_prep.engines.mock.logprobs import mock_logprob, mock_logprobs
-from dynamo_prep.frontend.logprobs import LegacyLogprobs
+from dynamo_prep.frontend.answers import AnswerStream
+from dynamo_prep.frontend.logprobs import ContentLogprobs, LegacyLogprobs, LoggedContent
+from dynamo_prep.parsing import ContentDelta, KimiK3AnswerParser
+from dynamo_prep.parsing._tokens import vocab_of
 from dynamo_prep.protocol.wire import (
     Output,
     TokenLogprob,
@@ -315,3 +321,54 @@ def test_a_migrated_stream_keeps_its_logprobs(tmp_path: Any) -> None:
     finally:
         for proc in procs:
             proc.stop()
+
+
+# -- alignment, in process -----------------------------------------------------------------------
+
+TEXT = st.text(alphabet=st.sampled_from('ab \n<>/{}"é日🙂'), max_size=40)
+
+
+def k3_ids(tokenizer: Tokenizer, reasoning: str, content: str) -> list[int]:
+    marker = tokenizer.special_tokens
+    close, sep, open_ = marker["<|close|>"], marker["<|sep|>"], marker["<|open|>"]
+    text = tokenizer.encode
+    return [*text(reasoning), close, *text("think"), sep, open_, *text("response"), sep, *text(content)]
+
+
+def entries_of(
+    tokenizer: Tokenizer, ids: list[int], cuts: list[int], **options: Any
+) -> tuple[str, list[Any]]:
+    """The content and its entries, the ids pushed in the pieces ``cuts`` makes."""
+    answer = AnswerStream(KimiK3AnswerParser(vocab_of(tokenizer), thinking=True), **options)
+    logged = ContentLogprobs(answer, tokenizer, 1)
+    records = mock_logprobs(ids, 0, 1, tokenizer.n_vocab)
+    bounds = [0, *sorted(cut % (len(ids) + 1) for cut in cuts), len(ids)]
+    deltas = []
+    for low, high in itertools.pairwise(bounds):
+        deltas += logged.push(ids[low:high], records[low:high])
+    deltas += logged.finish("stop")
+    content = "".join(delta.text for delta in deltas if isinstance(delta, ContentDelta))
+    return content, [
+        entry for delta in deltas if isinstance(delta, LoggedContent) for entry in delta.logprobs
+    ]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(reasoning=TEXT, content=TEXT, cuts=st.lists(st.integers(0, 200), max_size=4), hide=st.booleans())
+def test_k3_content_entries_are_the_content_bytes_however_ids_arrive(
+    k3_demo_tokenizer: Tokenizer, reasoning: str, content: str, cuts: list[int], hide: bool
+) -> None:
+    ids = k3_ids(k3_demo_tokenizer, reasoning, content)
+    got, entries = entries_of(k3_demo_tokenizer, ids, cuts, include_reasoning=not hide)
+    assert got == content
+    assert bytes(b for entry in entries for b in entry.bytes).decode() == content
+    assert (got, entries) == entries_of(k3_demo_tokenizer, ids, [])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ids=st.lists(st.integers(-5, 9000), max_size=60), cuts=st.lists(st.integers(0, 100), max_size=3))
+def test_any_ids_render_without_failing(
+    k3_demo_tokenizer: Tokenizer, ids: list[int], cuts: list[int]
+) -> None:
+    _, entries = entries_of(k3_demo_tokenizer, ids, cuts, stops=["a"])
+    assert len(entries) <= len(ids)
