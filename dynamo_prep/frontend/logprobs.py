@@ -42,7 +42,7 @@ def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
     """A token's exact bytes (empty for an id outside the vocabulary)."""
     try:
         data: bytes = tokenizer.encoding.decode_single_token_bytes(token_id)
-    except KeyError:
+    except (KeyError, OverflowError):  # tiktoken: unknown id, or a negative one
         return b""
     return data
 
