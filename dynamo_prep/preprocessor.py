@@ -38,7 +38,9 @@ from dynamo_prep.protocol.structured import StructuredOutputError, structured_ou
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = [
+    "MAX_CHOICES",
     "MAX_IMAGES_PER_REQUEST",
+    "MAX_N",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "OpenAIPreprocessor",
@@ -46,6 +48,7 @@ __all__ = [
     "PreprocessedRequest",
     "TokenizedPrompt",
     "stop_strings",
+    "validate_n",
 ]
 
 log = structlog.get_logger("dynamo_prep.preprocessor")
@@ -62,6 +65,10 @@ MAX_TOP_LOGPROBS = 20
 # vLLM V1's default --limit-mm-per-prompt (999 per modality): no prompt an engine takes by default
 # is refused, and every per-image cost (identity hashes, routing extras) stays bounded per request.
 MAX_IMAGES_PER_REQUEST = 999
+# Choices per request: each is an engine request of its own (docs/frontend.md "n"), so n is bounded
+# below OpenAI's 128; a batch of completions prompts gives prompts x n choices, at most MAX_CHOICES.
+MAX_N = 16
+MAX_CHOICES = 128
 
 
 class PreprocessError(ValueError):
@@ -166,6 +173,15 @@ class OpenAIPreprocessor:
         prompt = self.tokenize(chat)
         return self._preprocessed(chat, prompt, structured), prompt
 
+    def preprocess_ids(
+        self, chat: ChatCompletionRequest, token_ids: list[int], text: str
+    ) -> tuple[PreprocessedRequest, TokenizedPrompt]:
+        """A prompt already tokenized (``/v1/completions``: no template); ``chat`` carries its options."""
+        validate_sampling(chat)
+        self._check_stop_ids(chat)
+        prompt = TokenizedPrompt(rendered=RenderedPrompt(text=text), token_ids=token_ids, images=[])
+        return self._preprocessed(chat, prompt, None), prompt
+
     def _check_stop_ids(self, chat: ChatCompletionRequest) -> None:
         """Stop ids are this model's ids: an engine would silently never meet any other."""
         unknown = self.tokenizer.unknown_id_error(chat.stop_token_ids or [])
@@ -189,7 +205,7 @@ class OpenAIPreprocessor:
                 ignore_eos=chat.ignore_eos,
             ),
             sampling_options=SamplingOptions(
-                n=chat.n,
+                n=1,  # n > 1 is fanned out by the frontend, one engine request per choice
                 temperature=chat.temperature,
                 top_p=chat.top_p,
                 top_k=chat.top_k,
@@ -331,8 +347,7 @@ def validate_logprobs(chat: ChatCompletionRequest) -> None:
 
 def validate_sampling(chat: ChatCompletionRequest) -> None:
     """Reject values no engine can honour, before any work is done."""
-    if chat.n != 1:
-        raise PreprocessError("only n=1 is supported", param="n")
+    validate_n(chat.n)
     for name, allowed in _RANGES.items():
         value = getattr(chat, name)
         if value is not None and not allowed.holds(value):
@@ -359,6 +374,12 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
         raise PreprocessError(
             f"unknown annotation(s) {sorted(unknown)}; known: {sorted(ANNOTATIONS)}", param="nvext"
         )
+
+
+def validate_n(n: int) -> None:
+    """``n`` in [1, MAX_N]."""
+    if not 1 <= n <= MAX_N:
+        raise PreprocessError(f"n must be in [1, {MAX_N}], got {n}", param="n")
 
 
 def validate_image_count(messages: list[dict[str, Any]]) -> None:

@@ -231,7 +231,7 @@ async def test_detokenize_gives_back_what_tokenize_took(fe: Frontend) -> None:
             "messages",
         ),
         (json.dumps(chat(max_tokens=10**6)).encode(), "maximum context length", "max_tokens"),
-        (json.dumps(chat(n=2)).encode(), "only n=1", "n"),
+        (json.dumps(chat(n=0)).encode(), "n must be in [1, 16]", "n"),
         (
             json.dumps(chat([{"type": "image_url", "image_url": {"url": "ftp://x/a.png"}}])).encode(),
             "http(s) URL",

@@ -344,7 +344,7 @@ def test_ignore_eos_hides_no_eos(k3: OpenAIPreprocessor) -> None:
         (chat(user("hi"), tool_choice={"type": "function"}), "tool_choice must be"),
         (chat(user("hi"), chat_template_args={"thinking_effort": "medium"}), "medium"),
         (chat(user("hi"), reasoning_effort="extreme"), "extreme"),
-        (chat(user("hi"), n=2), "only n=1"),
+        (chat(user("hi"), n=17), r"n must be in \[1, 16\]"),
         (chat(user("hi"), max_tokens=0), "max_tokens must be at least 1"),
         (chat(user("hi"), temperature=3.0), "temperature must be in \\[0, 2\\], got 3.0"),
         (chat(user("hi"), top_p=0), "top_p must be in \\(0, 1\\]"),

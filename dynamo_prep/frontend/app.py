@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP frontend, on the same event loop as the discovery watcher.
 
-Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions``, ``POST /v1/responses``
-(translated to a chat request: ``responses.py``), ``GET /v1/models``, ``POST /tokenize`` and
+Why this stack: docs/frontend.md. Routes: ``POST /v1/chat/completions`` (``n`` choices: ``choices.py``),
+``POST /v1/completions`` and ``POST /v1/responses`` (translated to chat requests: ``completions.py``,
+``responses.py``), ``GET /v1/models``, ``POST /tokenize`` and
 ``POST /detokenize`` (vLLM's shapes), ``GET /health`` (readiness: 503 until a model is live),
 ``GET /live`` and ``GET /metrics`` (Prometheus). Every response carries
 ``x-request-id`` (an incoming one is honoured); every error has OpenAI's body (``errors.py``);
@@ -33,14 +34,33 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.answers import answer_stream_for
+from dynamo_prep.frontend.choices import (
+    Choice,
+    all_or_none,
+    chat_events,
+    chat_response,
+    chat_usage_event,
+    choice_seed,
+    collect,
+    merged_sse,
+)
 from dynamo_prep.frontend.client import RequestPlaneClient
+from dynamo_prep.frontend.completions import (
+    Render,
+    TextChoices,
+    chat_of,
+    completion_params,
+    plain_answer,
+    read_completion,
+    renders,
+)
 from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
 from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.logprobs import content_logprobs_for
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
-from dynamo_prep.frontend.migration import Migration
+from dynamo_prep.frontend.migration import Migration, forked
 from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.frontend.openai_stream import Completion, answer_deltas, sse
 from dynamo_prep.frontend.request_record import CLIENT_GONE, RequestRecord
@@ -52,7 +72,8 @@ from dynamo_prep.frontend.responses import (
     responses_params,
 )
 from dynamo_prep.frontend.router import Router
-from dynamo_prep.preprocessor import stop_strings
+from dynamo_prep.preprocessor import stop_strings, validate_n
+from dynamo_prep.protocol.completions import CompletionChoice
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ChatCompletionRequest,
@@ -113,6 +134,7 @@ def create_app(
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+            Route("/v1/completions", handlers.completions, methods=["POST"]),
             Route("/v1/responses", handlers.responses, methods=["POST"]),
             Route("/v1/models", handlers.models, methods=["GET"]),
             Route("/tokenize", handlers.tokenize, methods=["POST"]),
@@ -145,16 +167,56 @@ class _Handlers:
         body = await _read_body(request, self.settings)
         chat = await _parse_chat(body)
         record: RequestRecord = request.state.record
-        completion, first, outputs = await self._start(request, body, chat, "chatcmpl-")
+        choices = await _firsts(await self._begin(request, body, chat, "chatcmpl-"))
+        if len(choices) > 1:
+            return await self._chat_choices(request, chat, choices)
+        [choice] = choices
+        completion = choice.completion
         if chat.stream:
             include_usage = bool((chat.stream_options or {}).get("include_usage"))
-            return _EventStream(
-                sse(_prepend(first, outputs), completion, record, include_usage=include_usage)
-            )
-        async with contextlib.aclosing(outputs):
-            deltas = answer_deltas(_prepend(first, outputs), completion, record)
+            return _EventStream(sse(choice.outputs, completion, record, include_usage=include_usage))
+        async with contextlib.aclosing(choice.outputs):
+            deltas = answer_deltas(choice.outputs, completion, record)
             await _unless_disconnected(request.receive, _drain(deltas))
         return Response(_encoder.encode(completion.response()), media_type=_JSON)
+
+    async def _chat_choices(
+        self, request: Request, chat: ChatCompletionRequest, choices: list[Choice]
+    ) -> Response:
+        """n > 1: the choices interleaved in one stream, or collected into one answer (``choices.py``)."""
+        record: RequestRecord = request.state.record
+        if chat.stream:
+            include_usage = bool((chat.stream_options or {}).get("include_usage"))
+            usage = (lambda: chat_usage_event(choices, record)) if include_usage else None
+            streams = [chat_events(choice, record) for choice in choices]
+            return _EventStream(merged_sse(streams, usage))
+        await _unless_disconnected(request.receive, collect(choices, record))
+        return Response(_encoder.encode(chat_response(choices, record)), media_type=_JSON)
+
+    async def completions(self, request: Request) -> Response:
+        """OpenAI's legacy completions: each prompt (n times) a request on the chat path (completions.py)."""
+        body = await _read_body(request, self.settings)
+        asked, prompts = await _off_loop(len(body), lambda: read_completion(body))
+        record: RequestRecord = request.state.record
+        chat = chat_of(asked)
+        preprocessor = self._serving(record, chat.model).preprocessor
+        begun: list[Choice] = []
+        with completion_params():
+            for index, render in enumerate(renders(prompts, preprocessor)):
+                begun += await self._begin(request, body, chat, "cmpl-", render=render, prompt_index=index)
+        choices = await _firsts(begun)
+        shaped = TextChoices(asked, choices, prompts, preprocessor.tokenizer)
+        if asked.stream:
+            include_usage = bool((asked.stream_options or {}).get("include_usage"))
+            usage = (lambda: shaped.usage_event(record)) if include_usage else None
+            return _EventStream(merged_sse([shaped.events(choice, record) for choice in choices], usage))
+        collected: list[CompletionChoice] = []
+
+        async def one(choice: Choice) -> None:
+            collected.append(await shaped.collect(choice, record))
+
+        await _unless_disconnected(request.receive, all_or_none([one(choice) for choice in choices]))
+        return Response(shaped.response(collected, record), media_type=_JSON)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API: the request as a chat request, served as one (``responses.py``)."""
@@ -162,48 +224,74 @@ class _Handlers:
         asked, chat = await _off_loop(len(body), lambda: read_request(body))
         record: RequestRecord = request.state.record
         with responses_params():
-            completion, first, outputs = await self._start(request, body, chat, "resp_")
-        builder = ResponseBuilder(completion, asked)
+            [choice] = await _firsts(await self._begin(request, body, chat, "resp_"))
+        builder = ResponseBuilder(choice.completion, asked)
         if asked.stream:
-            return _EventStream(response_events(_prepend(first, outputs), builder, record))
-        async with contextlib.aclosing(outputs):
-            built = collect_response(_prepend(first, outputs), builder, record)
+            return _EventStream(response_events(choice.outputs, builder, record))
+        async with contextlib.aclosing(choice.outputs):
+            built = collect_response(choice.outputs, builder, record)
             answer = await _unless_disconnected(request.receive, built)
         return Response(_encoder.encode(answer), media_type=_JSON)
 
-    async def _start(
-        self, request: Request, body: bytes, chat: ChatCompletionRequest, id_prefix: str
-    ) -> tuple[Completion, Output, AsyncGenerator[Output, None]]:
-        """The chat request begun on the pool: its completion in the making, its first output (a
-        failure up to there keeps its HTTP status) and the outputs after it."""
-        record: RequestRecord = request.state.record
-        if self.catalog.status(chat.model) != "unknown":
-            record.name_model(chat.model)
-        model = self._live_model(chat.model)
+    def _serving(self, record: RequestRecord, name: str) -> LiveModel:
+        """The live model asked for, named in the request's record."""
+        if self.catalog.status(name) != "unknown":
+            record.name_model(name)
+        model = self._live_model(name)
         record.serving(model.name)
-        request_id: str = request.state.request_id
         structlog.contextvars.bind_contextvars(model=model.name)
+        return model
+
+    async def _begin(
+        self,
+        request: Request,
+        body: bytes,
+        chat: ChatCompletionRequest,
+        id_prefix: str,
+        *,
+        render: Render | None = None,
+        prompt_index: int = 0,
+    ) -> list[Choice]:
+        """The request's n choices begun on the pool (a client mistake raises here, as a 400): each
+        its own journey (choice i's seed is seed + i; ``choices.py``), from one render. ``render``
+        replaces the chat render (completions: plain text, no parser)."""
+        record: RequestRecord = request.state.record
+        model = self._serving(record, chat.model)
+        validate_n(chat.n)
+        request_id: str = request.state.request_id
         # Unique on the request plane even when a client reuses its x-request-id.
         plane_id = f"{request_id}.{_PROCESS_ID[:8]}{next(_sequence):x}"
         journey = await self.migration.begin(
             model,
-            chat,
+            msgspec.structs.replace(chat, n=1),
             request_id=plane_id,
             record=record,
             timeout_s=self.settings.request_timeout_s,
             in_thread=len(body) > THREAD_ABOVE_BYTES,
+            render=render,
         )
-        outputs = _observed(self.migration.outputs(journey), record)
+        journeys = [journey]
+        journeys += [forked(journey, f"{plane_id}.{i}", choice_seed(chat.seed, i)) for i in range(1, chat.n)]
         tokenizer, rendered = model.preprocessor.tokenizer, journey.prompt.rendered
-        answer = await _off_loop(
-            len(body) + STOP_CHAR_WEIGHT * sum(map(len, stop_strings(chat.stop))),
-            lambda: answer_stream_for(model.card, tokenizer, chat, rendered),
-        )
-        completion = Completion(
-            id=f"{id_prefix}{request_id}", model=chat.model, created=int(time.time()), answer=answer
-        )
-        completion.logprobs = content_logprobs_for(chat, answer, tokenizer)
-        return completion, await _first(outputs), outputs
+        created = int(time.time())
+        choices = []
+        for i, each in enumerate(journeys):
+            if render is None:
+                answer = await _off_loop(
+                    len(body) + STOP_CHAR_WEIGHT * sum(map(len, stop_strings(chat.stop))),
+                    lambda: answer_stream_for(model.card, tokenizer, chat, rendered),
+                )
+            else:
+                answer = plain_answer(tokenizer, chat)
+            completion = Completion(
+                id=f"{id_prefix}{request_id}", model=chat.model, created=created, answer=answer,
+                index=prompt_index * chat.n + i,
+            )  # fmt: skip
+            if render is None:
+                completion.logprobs = content_logprobs_for(chat, answer, tokenizer)
+            outputs = _observed(self.migration.outputs(each), record)
+            choices.append(Choice(completion, outputs, prompt_index))
+        return choices
 
     # -- models, tokenize, detokenize, health ------------------------------------------------
 
@@ -324,6 +412,29 @@ async def _parse_chat(body: bytes) -> ChatCompletionRequest:
 async def _off_loop(size: int, work: Callable[[], _T]) -> _T:
     """``work()``, in a thread when the body is large or a render turns out slow (never long on the loop)."""
     return await off_loop_if_slow(work, in_thread=size > THREAD_ABOVE_BYTES)
+
+
+async def _firsts(choices: list[Choice]) -> list[Choice]:
+    """The choices with their first outputs in (awaited together): a failure up to here keeps its
+    HTTP status, and closes every choice."""
+    if len(choices) == 1:
+        [choice] = choices
+        first = await _first(choice.outputs)
+        choice.outputs = _prepend(first, choice.outputs)
+        return choices
+    firsts = [asyncio.ensure_future(_first(choice.outputs)) for choice in choices]
+    try:
+        await asyncio.gather(*firsts)
+    except BaseException:
+        for task in firsts:
+            task.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)
+        for choice in choices:
+            await choice.outputs.aclose()
+        raise
+    for choice, task in zip(choices, firsts, strict=True):
+        choice.outputs = _prepend(task.result(), choice.outputs)
+    return choices
 
 
 async def _first(outputs: AsyncGenerator[Output, None]) -> Output:

@@ -46,7 +46,7 @@ from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
 from dynamo_prep.routing.policy import Decision
 
-__all__ = ["Journey", "Migration", "continuation"]
+__all__ = ["Journey", "Migration", "continuation", "forked"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 # Losses that cost the client nothing to retry elsewhere: the worker never had the request, or had
@@ -111,14 +111,17 @@ class Migration:
         record: RequestRecord,
         timeout_s: float,
         in_thread: bool = False,
+        render: Callable[[ChatCompletionRequest], tuple[PreprocessedRequest, TokenizedPrompt]] | None = None,
     ) -> Journey:
         """Render ``chat`` for the model's own declaration (a client mistake raises here, as a 400).
 
         ``in_thread`` renders off the loop (large bodies); a render that turns out slow moves there.
+        ``render`` replaces the preprocessor's (``/v1/completions``: a prompt without a template).
         """
         declared = model.preprocessor.card.runtime_config.image_placeholder_token
         started = time.perf_counter()
-        request, prompt = await self._call(model.preprocessor.preprocess_prompt, chat, in_thread=in_thread)
+        render = render or model.preprocessor.preprocess_prompt
+        request, prompt = await self._call(render, chat, in_thread=in_thread)
         record.preprocessed(request, time.perf_counter() - started)
         loop = asyncio.get_running_loop()
         journey = Journey(
@@ -294,6 +297,29 @@ class Migration:
             moves_left=journey.budget,
             reason=str(exc)[:DETAIL_CHARS],
         )
+
+
+def forked(journey: Journey, request_id: str, seed: int | None) -> Journey:
+    """Another choice of ``journey``'s request (``n`` > 1): the same renders with ``seed``, its own
+    request id, routing, budget and tokens."""
+    chat = msgspec.structs.replace(journey.chat, seed=seed)
+    renders = {
+        declared: msgspec.structs.replace(
+            request, sampling_options=msgspec.structs.replace(request.sampling_options, seed=seed)
+        )
+        for declared, request in journey.renders.items()
+    }
+    return Journey(
+        model=journey.model,
+        chat=chat,
+        request_id=request_id,
+        record=journey.record,
+        prompt=journey.prompt,
+        budget=journey.model.card.migration_limit,
+        give_up_at=journey.give_up_at,
+        in_thread=journey.in_thread,
+        renders=renders,
+    )
 
 
 def continuation(request: PreprocessedRequest, streamed: list[int]) -> PreprocessedRequest | None:

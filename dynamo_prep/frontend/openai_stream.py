@@ -66,6 +66,7 @@ class Completion:
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: ContentLogprobs | None = None  # the request asked for logprobs
     content_logprobs: list[ContentLogprob] = field(default_factory=list)
+    index: int = 0  # the choice's index (n > 1)
     _around_delta: tuple[bytes, bytes] | None = None
 
     def push(self, output: Output) -> list[AnswerDelta]:
@@ -112,7 +113,7 @@ class Completion:
                 ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
                 for call in self.tool_calls
             ]
-        choice = ChatChoice(index=0, message=message, finish_reason=self.finish_reason)
+        choice = ChatChoice(index=self.index, message=message, finish_reason=self.finish_reason)
         if self.logprobs is not None:
             choice.logprobs = ChatLogprobs(content=self.content_logprobs)
         return ChatCompletionResponse(
@@ -122,7 +123,7 @@ class Completion:
     def chunk(
         self, delta: ChunkDelta, finish_reason: str | None = None, logprobs: ChatLogprobs | None = None
     ) -> bytes:
-        choice = ChunkChoice(index=0, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
+        choice = ChunkChoice(index=self.index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)
         return _event(
             ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
         )

@@ -34,7 +34,7 @@ _FAILED_FINISH = {
 }
 # Probes and scrapes are not worth a log line each when they succeed.
 QUIET_PATHS = frozenset({"/health", "/live", "/metrics"})
-COUNTED_PATHS = frozenset({"/v1/chat/completions", "/v1/responses"})
+COUNTED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
 
 @dataclass
