@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
-from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
+from support.cluster import Cluster, mock_cluster
+from support.cluster import openai_client as client
 
 K3 = "kimi-k3-demo"
 QWEN = "qwen-vl-demo"
@@ -152,12 +152,6 @@ K3_CASES: dict[str, list[list[Any]]] = {
 }
 
 
-class Cluster(str):
-    """The frontend's base URL (what the tests talk to), with the frontend process beside it."""
-
-    frontend: DynamoProcess
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     directory = tmp_path_factory.mktemp("answers")
@@ -169,38 +163,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     )
     lines.append({"when": "qwen-call", "text": qwen})
     replies.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")
-    port, discovery = free_port(), tcp_endpoint()
-    procs: list[DynamoProcess] = []
-    try:
-        frontend = start_dynamo(
-            "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
-            "--cache-dir", str(directory / "cache"), log_level="info",
-        )  # fmt: skip
-        procs.append(frontend)
-        for model in (K3, QWEN):
-            args = (
-                "--model-path",
-                model,
-                "--discovery",
-                discovery,
-                "--token-delay",
-                "0",
-                "--replies",
-                str(replies),
-            )
-            procs.append(start_dynamo("worker", *args, log_level="info"))
-        wait_for(lambda: len(frontend.find("model_added")) >= 2, 30, message="both models")
-        url = Cluster(f"http://127.0.0.1:{port}")
-        url.frontend = frontend
-        yield url
-    finally:
-        for proc in procs:
-            proc.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    http = httpx.Client(trust_env=False, timeout=30)
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
+    workers = [("--model-path", model, "--replies", str(replies)) for model in (K3, QWEN)]
+    with mock_cluster(directory, workers) as running:
+        yield running
 
 
 def user(content: str) -> list[dict[str, Any]]:

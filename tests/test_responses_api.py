@@ -20,7 +20,9 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
+from support.cluster import Cluster, mock_cluster
+from support.cluster import openai_client as client
+from support.plane import free_port, start_dynamo, tcp_endpoint
 
 from dynamo_prep.frontend.responses import to_chat
 from dynamo_prep.protocol.openai import RequestError
@@ -42,40 +44,14 @@ QWEN_CALL = (
 )
 
 
-class Cluster(str):
-    """The frontend's base URL, with the frontend process beside it."""
-
-    frontend: DynamoProcess
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     directory = tmp_path_factory.mktemp("responses")
     replies = directory / "replies.jsonl"
     replies.write_text(json.dumps({"when": "qwen-call", "text": QWEN_CALL}) + "\n", encoding="utf-8")
-    port, discovery = free_port(), tcp_endpoint()
-    procs: list[DynamoProcess] = []
-    try:
-        frontend = start_dynamo(
-            "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
-            "--cache-dir", str(directory / "cache"), log_level="info",
-        )  # fmt: skip
-        procs.append(frontend)
-        for model in (K3, QWEN):
-            args = ("--model-path", model, "--discovery", discovery, "--token-delay", "0")
-            procs.append(start_dynamo("worker", *args, "--replies", str(replies), log_level="info"))
-        wait_for(lambda: len(frontend.find("model_added")) >= 2, 30, message="both models")
-        url = Cluster(f"http://127.0.0.1:{port}")
-        url.frontend = frontend
-        yield url
-    finally:
-        for proc in procs:
-            proc.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    http = httpx.Client(trust_env=False, timeout=30)
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
+    workers = [("--model-path", model, "--replies", str(replies)) for model in (K3, QWEN)]
+    with mock_cluster(directory, workers) as running:
+        yield running
 
 
 def items(response: Any, kind: str) -> list[Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
-from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
+from support.cluster import Cluster, mock_cluster, openai_client
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.engines.mock.instance import instance_of
@@ -330,38 +329,12 @@ def test_output_that_is_not_the_forced_shape_is_released_as_content(forced: Forc
 # -- end to end: the official openai client, a real frontend, mock workers -------------------------------
 
 
-class Cluster:
-    def __init__(self, tmp: Path) -> None:
-        self.port = free_port()
-        self.discovery = tcp_endpoint()
-        self.procs: list[DynamoProcess] = []
-        args = ("--discovery-bind", self.discovery, "--http-host", "127.0.0.1", "--http-port", str(self.port))
-        self.frontend = start_dynamo("frontend", *args, "--cache-dir", str(tmp / "cache"), log_level="debug")
-        self.procs.append(self.frontend)
-        self.frontend.wait_event("frontend_started", timeout=15)
-        for model, flavor in zip(MODELS, ("vllm", "sglang"), strict=True):
-            args = ("--model-path", model, "--discovery", self.discovery, "--flavor", flavor)
-            self.procs.append(start_dynamo("worker", *args, "--token-delay", "0", log_level="info"))
-        wait_for(lambda: len(self.frontend.find("model_added")) >= len(MODELS), 30, message="both models")
-
-    def client(self) -> openai.OpenAI:
-        http = httpx.Client(trust_env=False, timeout=30)
-        return openai.OpenAI(
-            base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", max_retries=0, http_client=http
-        )
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    running = Cluster(tmp_path_factory.mktemp("structured"))
-    try:
+    flavors = zip(MODELS, ("vllm", "sglang"), strict=True)
+    workers = [("--model-path", model, "--flavor", flavor) for model, flavor in flavors]
+    with mock_cluster(tmp_path_factory.mktemp("structured"), workers, log_level="debug") as running:
         yield running
-    finally:
-        running.stop()
 
 
 def _refusal(call: Any) -> tuple[str | None, str]:
@@ -371,7 +344,7 @@ def _refusal(call: Any) -> tuple[str | None, str]:
 
 
 def test_refusals_over_http_are_400s_naming_the_param(cluster: Cluster) -> None:
-    client = cluster.client()
+    client = openai_client(cluster)
     create = client.chat.completions.create
     bad_schema = json_schema_format({"type": "objekt"})
     param, message = _refusal(lambda: create(model=MODELS[0], messages=USER, response_format=bad_schema))  # type: ignore[arg-type]
@@ -388,7 +361,7 @@ def test_refusals_over_http_are_400s_naming_the_param(cluster: Cluster) -> None:
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("stream", [False, True])
 def test_json_schema_strict_answers_validate(cluster: Cluster, model: str, stream: bool) -> None:
-    client = cluster.client()
+    client = openai_client(cluster)
     response_format = json_schema_format(CITY)
     if not stream:
         reply = client.chat.completions.create(model=model, messages=USER, response_format=response_format)  # type: ignore[arg-type]
@@ -407,7 +380,7 @@ def test_json_schema_strict_answers_validate(cluster: Cluster, model: str, strea
 
 @pytest.mark.parametrize("model", MODELS)
 def test_json_object_answers_are_a_json_object(cluster: Cluster, model: str) -> None:
-    reply = cluster.client().chat.completions.create(
+    reply = openai_client(cluster).chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": "Answer in JSON."}],
         response_format={"type": "json_object"},
@@ -426,7 +399,7 @@ class MathAnswer(BaseModel):
 
 
 def test_the_sdk_s_parse_with_a_pydantic_model(cluster: Cluster) -> None:
-    completion = cluster.client().chat.completions.parse(
+    completion = openai_client(cluster).chat.completions.parse(
         model=MODELS[0],
         messages=[{"role": "user", "content": "Solve 8x + 7 = -23."}],
         response_format=MathAnswer,
@@ -442,7 +415,7 @@ def test_tool_choice_required_calls_a_declared_tool_with_valid_arguments(
     cluster: Cluster, model: str, stream: bool
 ) -> None:
     """``city`` needs 5 characters: the mock's unconstrained call (``"mock"``) would not validate."""
-    client = cluster.client()
+    client = openai_client(cluster)
     asked: dict[str, Any] = {
         "model": model,
         "messages": USER,
@@ -474,7 +447,7 @@ def test_tool_choice_required_calls_a_declared_tool_with_valid_arguments(
 
 @pytest.mark.parametrize("model", MODELS)
 def test_a_named_tool_choice_calls_that_tool(cluster: Cluster, model: str) -> None:
-    reply = cluster.client().chat.completions.create(
+    reply = openai_client(cluster).chat.completions.create(
         model=model,
         messages=USER,  # type: ignore[arg-type]
         tools=[WEATHER, TIME],  # type: ignore[list-item]
@@ -491,7 +464,7 @@ def test_the_sdk_s_parse_with_a_pydantic_function_tool(cluster: Cluster) -> None
         zone: str
 
     tool = openai.pydantic_function_tool(GetTime, name="get_time")
-    completion = cluster.client().chat.completions.parse(
+    completion = openai_client(cluster).chat.completions.parse(
         model=MODELS[1],
         messages=USER,  # type: ignore[arg-type]
         tools=[tool],
@@ -503,7 +476,7 @@ def test_the_sdk_s_parse_with_a_pydantic_function_tool(cluster: Cluster) -> None
 
 def test_the_up_banner_s_structured_request_answers_json_valid_under_its_schema(cluster: Cluster) -> None:
     """``make up`` prints this request (dynamo_prep/frontend/up.py): its body, sent as printed."""
-    base_url = f"http://127.0.0.1:{cluster.port}"
+    base_url = str(cluster)
     command = shlex.split(structured_curl_command(base_url, MODELS[0]))
     body = json.loads(command[command.index("-d") + 1])
     answer = httpx.post(command[2], json=body, timeout=30, trust_env=False)
