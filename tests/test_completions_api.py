@@ -8,6 +8,7 @@ n, ids outside the vocabulary or the context), and a fuzz of the request body (n
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -278,3 +279,81 @@ def test_fuzzed_bodies_are_answered_or_refused_never_a_500(cluster: Cluster) -> 
                 assert sorted(choice["index"] for choice in choices) == list(range(len(choices)))
 
         run()
+
+
+# -- the chat path's routing and migration serve completions too -------------------------------------
+
+
+@pytest.fixture
+def procs() -> Iterator[list[DynamoProcess]]:
+    started: list[DynamoProcess] = []
+    try:
+        yield started
+    finally:
+        for proc in started:
+            proc.stop()
+
+
+def _pool(
+    tmp_path: Path, procs: list[DynamoProcess], *frontend_args: str, worker_args: tuple[str, ...]
+) -> tuple[DynamoProcess, str, dict[str, DynamoProcess]]:
+    """A frontend (debug logs: ``request_routed``) and two same-flavor Qwen workers by instance id."""
+    port, discovery = free_port(), tcp_endpoint()
+    frontend = start_dynamo(
+        "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
+        "--cache-dir", str(tmp_path / "cache"), *frontend_args,
+    )  # fmt: skip
+    procs.append(frontend)
+    workers: dict[str, DynamoProcess] = {}
+    for _ in range(2):
+        worker = start_dynamo("worker", "--model-path", QWEN, "--discovery", discovery, *worker_args)
+        procs.append(worker)
+        workers[worker.wait_event("worker_started")["instance_id"]] = worker
+    wait_for(lambda: len(frontend.find("instance_added")) >= 2, 30, message="both workers")
+    return frontend, f"http://127.0.0.1:{port}", workers
+
+
+def test_a_completion_migrates_when_its_worker_dies_mid_stream(
+    tmp_path: Path, procs: list[DynamoProcess]
+) -> None:
+    options = ("--token-delay", "0.04", "--heartbeat", "0.2", "--ttl-ms", "800", "--migration-limit", "1")
+    frontend, url, workers = _pool(tmp_path, procs, worker_args=options)
+    api = client(url)
+    expected = api.completions.create(model=QWEN, prompt=CHATML, max_tokens=200).choices[0].text
+    routed_before = len(frontend.find("request_routed"))
+    text = ""
+    stream = api.completions.create(model=QWEN, prompt=CHATML, max_tokens=200, stream=True)
+    for count, chunk in enumerate(stream, start=1):
+        text += "".join(choice.text for choice in chunk.choices)
+        if count == 3:
+            routed = frontend.find("request_routed")[routed_before]
+            workers[routed["instance_id"]].kill()
+    assert text == expected  # the continuation picked up exactly where it stopped
+    assert frontend.find("request_migrated")
+
+
+def test_kv_routing_hashes_a_completion_prompt(tmp_path: Path, procs: list[DynamoProcess]) -> None:
+    kv = ("--token-delay", "0", "--kv-events", "--kv-blocks", "4096")
+    frontend, url, _ = _pool(tmp_path, procs, "--router-mode", "kv", worker_args=kv)
+    prompt = "The archivist of a very old library answers with care and cites shelves. " * 12
+    with httpx.Client(trust_env=False, timeout=30) as http:
+
+        def ask(request_id: str) -> dict[str, Any]:
+            body = {"model": QWEN, "prompt": prompt, "max_tokens": 4}
+            answer = http.post(f"{url}/v1/completions", json=body, headers={"x-request-id": request_id})
+            assert answer.status_code == 200, answer.text
+            return frontend.wait_event("request_finished", request_id=request_id)
+
+        def applied() -> bool:
+            text = http.get(f"{url}/metrics").text
+            return any(
+                line.startswith('dynamo_frontend_kv_blocks_applied_total{kind="stored"}')
+                and float(line.rsplit(" ", 1)[1]) > 0
+                for line in text.splitlines()
+            )
+
+        first = ask("kv-cmpl-1")
+        wait_for(applied, 20, message="the first prompt's blocks in the frontend's index")
+        again = ask("kv-cmpl-2")
+    assert first["prompt_blocks"] > 0 and again["kv_overlap_blocks"] > 0
+    assert again["instance_id"] == first["instance_id"]
