@@ -43,6 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
             args = ("--model-path", QWEN, "--discovery", discovery, "--token-delay", "0")
             procs.append(start_dynamo("worker", *args, log_level="info"))
         wait_for(lambda: len(frontend.find("instance_added")) >= 2, 30, message="both workers")
+        wait_for(lambda: frontend.find("model_added"), 30, message="the model")
         url = Cluster(f"http://127.0.0.1:{port}")
         url.frontend = frontend
         yield url
@@ -310,6 +311,7 @@ def _pool(
         procs.append(worker)
         workers[worker.wait_event("worker_started")["instance_id"]] = worker
     wait_for(lambda: len(frontend.find("instance_added")) >= 2, 30, message="both workers")
+    wait_for(lambda: frontend.find("model_added"), 30, message="the model")
     return frontend, f"http://127.0.0.1:{port}", workers
 
 

@@ -47,6 +47,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         slow = start_dynamo("worker", "--model-path", SLOW, "--discovery", discovery, "--token-delay", "0.05")
         procs += [*workers, slow]
         wait_for(lambda: len(frontend.find("instance_added")) >= 3, 30, message="three workers")
+        wait_for(lambda: len(frontend.find("model_added")) >= 2, 30, message="both models")
         url = Cluster(f"http://127.0.0.1:{port}")
         url.frontend, url.workers, url.slow = frontend, workers, slow
         yield url

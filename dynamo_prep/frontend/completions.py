@@ -17,8 +17,7 @@ from dynamo_prep.frontend.choices import Choice, summed_usage
 from dynamo_prep.frontend.logprobs import LegacyLogprobs
 from dynamo_prep.frontend.openai_stream import answer_deltas
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.parsing import ContentDelta, PlainAnswerParser
-from dynamo_prep.parsing._tokens import Vocab
+from dynamo_prep.parsing import ContentDelta, plain_parser_for
 from dynamo_prep.preprocessor import (
     MAX_CHOICES,
     OpenAIPreprocessor,
@@ -155,7 +154,7 @@ def completion_params() -> Iterator[None]:
 
 def plain_answer(tokenizer: Tokenizer, chat: ChatCompletionRequest) -> AnswerStream:
     """The answer as plain text: every decoded token is text (specials are not), stop strings end it."""
-    return AnswerStream(PlainAnswerParser(Vocab(tokenizer)), stops=stop_strings(chat.stop))
+    return AnswerStream(plain_parser_for(tokenizer), stops=stop_strings(chat.stop))
 
 
 class TextChoices:

@@ -32,7 +32,7 @@ from dynamo_prep.parsing._choose import (
 from dynamo_prep.parsing._recoveries import RECOVERY_KINDS
 from dynamo_prep.parsing.hermes import HermesAnswerParser, prompt_ends_in_think
 from dynamo_prep.parsing.kimi_k3 import KimiK3AnswerParser
-from dynamo_prep.parsing.plain import PlainAnswerParser
+from dynamo_prep.parsing.plain import PlainAnswerParser, plain_parser_for
 
 __all__ = [
     "HERMES_TOOL_PARSER",
@@ -56,5 +56,6 @@ __all__ = [
     "new_call_id",
     "parse_answer",
     "parser_choice",
+    "plain_parser_for",
     "prompt_ends_in_think",
 ]

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dynamo_prep.parsing._answer import AnswerDelta, DeltaList
 from dynamo_prep.parsing._stream import IdStreamParser
-from dynamo_prep.parsing._tokens import Vocab
+from dynamo_prep.parsing._tokens import Vocab, vocab_of
+from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["PlainAnswerParser"]
+__all__ = ["PlainAnswerParser", "plain_parser_for"]
 
 
 class PlainAnswerParser(IdStreamParser[None]):
@@ -22,3 +23,8 @@ class PlainAnswerParser(IdStreamParser[None]):
 
     def _on_text(self, token_ids: list[int], out: DeltaList) -> None:
         out.content(self._utf8.push(self._vocab.bytes_of(token_ids)))
+
+
+def plain_parser_for(tokenizer: Tokenizer) -> PlainAnswerParser:
+    """A fresh plain parser of ``tokenizer``'s ids (text without a template: ``/v1/completions``)."""
+    return PlainAnswerParser(vocab_of(tokenizer))
