@@ -36,7 +36,6 @@ from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.answers import answer_stream_for
 from dynamo_prep.frontend.choices import (
     Choice,
-    all_or_none,
     chat_events,
     chat_response,
     chat_usage_event,
@@ -73,7 +72,6 @@ from dynamo_prep.frontend.responses import (
 )
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.preprocessor import stop_strings, validate_n
-from dynamo_prep.protocol.completions import CompletionChoice
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ChatCompletionRequest,
@@ -205,18 +203,11 @@ class _Handlers:
             for index, render in enumerate(renders(prompts, preprocessor)):
                 begun += await self._begin(request, body, chat, "cmpl-", render=render, prompt_index=index)
         choices = await _firsts(begun)
-        shaped = TextChoices(asked, choices, prompts, preprocessor.tokenizer)
+        shaped = TextChoices(asked, choices, prompts, preprocessor.tokenizer, record)
         if asked.stream:
-            include_usage = bool((asked.stream_options or {}).get("include_usage"))
-            usage = (lambda: shaped.usage_event(record)) if include_usage else None
-            return _EventStream(merged_sse([shaped.events(choice, record) for choice in choices], usage))
-        collected: list[CompletionChoice] = []
-
-        async def one(choice: Choice) -> None:
-            collected.append(await shaped.collect(choice, record))
-
-        await _unless_disconnected(request.receive, all_or_none([one(choice) for choice in choices]))
-        return Response(shaped.response(collected, record), media_type=_JSON)
+            return _EventStream(shaped.sse())
+        answer = await _unless_disconnected(request.receive, shaped.answer())
+        return Response(answer, media_type=_JSON)
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API: the request as a chat request, served as one (``responses.py``)."""

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 import msgspec
 
 from dynamo_prep.frontend.answers import AnswerStream
-from dynamo_prep.frontend.choices import Choice, summed_usage
+from dynamo_prep.frontend.choices import Choice, all_or_none, merged_sse, summed_usage
 from dynamo_prep.frontend.logprobs import LegacyLogprobs
 from dynamo_prep.frontend.openai_stream import answer_deltas
 from dynamo_prep.frontend.request_record import RequestRecord
@@ -167,23 +167,41 @@ class TextChoices:
         choices: Sequence[Choice],
         prompts: Sequence[Prompt],
         tokenizer: Tokenizer,
+        record: RequestRecord,
     ) -> None:
         self.asked = asked
         self.choices = choices
         self.echoes = [_text_of(prompt, tokenizer) if asked.echo else "" for prompt in prompts]
         self.tokenizer = tokenizer
+        self.record = record
         first = choices[0].completion
         self.id, self.created, self.model = first.id, first.created, first.model
+
+    def sse(self) -> AsyncGenerator[bytes, None]:
+        """The streamed answer: every choice's chunks interleaved, usage when asked, ``[DONE]``."""
+        include_usage = bool((self.asked.stream_options or {}).get("include_usage"))
+        usage = self.usage_event if include_usage else None
+        return merged_sse([self.events(choice) for choice in self.choices], usage)
+
+    async def answer(self) -> bytes:
+        """The non-streamed answer (every choice collected together)."""
+        collected: list[CompletionChoice] = []
+
+        async def one(choice: Choice) -> None:
+            collected.append(await self.collect(choice))
+
+        await all_or_none([one(choice) for choice in self.choices])
+        return self.response(collected)
 
     def _logprobs(self) -> LegacyLogprobs | None:
         top = self.asked.logprobs
         return None if top is None else LegacyLogprobs(self.tokenizer, top)
 
-    async def collect(self, choice: Choice, record: RequestRecord) -> CompletionChoice:
+    async def collect(self, choice: Choice) -> CompletionChoice:
         """One choice's whole answer."""
         logprobs, rendered = self._logprobs(), []
         texts = [self.echoes[choice.prompt_index]]
-        async for text, output in self._steps(choice, record):
+        async for text, output in self._steps(choice, self.record):
             texts.append(text)
             if logprobs is not None:
                 rendered.append(logprobs.render(output.token_ids, output.logprobs))
@@ -194,29 +212,29 @@ class TextChoices:
             finish_reason=choice.completion.finish_reason,
         )
 
-    def response(self, collected: list[CompletionChoice], record: RequestRecord) -> bytes:
+    def response(self, collected: list[CompletionChoice]) -> bytes:
         collected.sort(key=lambda choice: choice.index)
-        usage = summed_usage(self.choices, record)
+        usage = summed_usage(self.choices, self.record)
         answer = CompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=collected, usage=usage
         )
         return _encoder.encode(answer)
 
-    async def events(self, choice: Choice, record: RequestRecord) -> AsyncGenerator[bytes, None]:
+    async def events(self, choice: Choice) -> AsyncGenerator[bytes, None]:
         """One choice's SSE events: the echo first, a chunk per step with text (or logprobs), the finish."""
         index, logprobs = choice.completion.index, self._logprobs()
         echo = self.echoes[choice.prompt_index]
         if echo:
             yield self._chunk(CompletionChoice(index=index, text=echo))
-        async for text, output in self._steps(choice, record):
+        async for text, output in self._steps(choice, self.record):
             rendered = None if logprobs is None else logprobs.render(output.token_ids, output.logprobs)
             if text or (rendered is not None and rendered.tokens):
                 yield self._chunk(CompletionChoice(index=index, text=text, logprobs=rendered))
         finish = choice.completion.finish_reason
         yield self._chunk(CompletionChoice(index=index, text="", finish_reason=finish))
 
-    def usage_event(self, record: RequestRecord) -> bytes:
-        usage = summed_usage(self.choices, record)
+    def usage_event(self) -> bytes:
+        usage = summed_usage(self.choices, self.record)
         chunk = CompletionChunk(id=self.id, created=self.created, model=self.model, choices=[], usage=usage)
         return b"data: " + _encoder.encode(chunk) + b"\n\n"
 
