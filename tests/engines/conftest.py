@@ -137,7 +137,9 @@ class Cluster:
 
 
 def wait_serving(frontend: DynamoProcess, instance_id: str) -> None:
+    """The instance is known and its model servable (built: /v1/models lists it)."""
     frontend.wait_event("instance_added", timeout=ENGINE_START_S, instance_id=instance_id)
+    frontend.wait_event("model_added", timeout=ENGINE_START_S)
 
 
 @pytest.fixture(scope="session")
