@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.cluster import Cluster, mock_cluster
+from support.cluster import openai_client as client
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
 from dynamo_prep.preprocessor import MAX_CHOICES, MAX_N
@@ -24,37 +25,11 @@ from dynamo_prep.protocol.completions import DEFAULT_MAX_TOKENS
 QWEN = "qwen-vl-demo"
 
 
-class Cluster(str):
-    frontend: DynamoProcess
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    directory = tmp_path_factory.mktemp("completions")
-    port, discovery = free_port(), tcp_endpoint()
-    procs: list[DynamoProcess] = []
-    try:
-        frontend = start_dynamo(
-            "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
-            "--cache-dir", str(directory / "cache"), log_level="info",
-        )  # fmt: skip
-        procs.append(frontend)
-        for _ in range(2):
-            args = ("--model-path", QWEN, "--discovery", discovery, "--token-delay", "0")
-            procs.append(start_dynamo("worker", *args, log_level="info"))
-        wait_for(lambda: len(frontend.find("instance_added")) >= 2, 30, message="both workers")
-        wait_for(lambda: frontend.find("model_added"), 30, message="the model")
-        url = Cluster(f"http://127.0.0.1:{port}")
-        url.frontend = frontend
-        yield url
-    finally:
-        for proc in procs:
-            proc.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    http = httpx.Client(trust_env=False, timeout=30)
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
+    workers = [("--model-path", QWEN)] * 2
+    with mock_cluster(tmp_path_factory.mktemp("completions"), workers) as running:
+        yield running
 
 
 CHATML = "<|im_start|>user\nhello there<|im_end|>\n<|im_start|>assistant\n"

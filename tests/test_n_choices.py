@@ -11,9 +11,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import openai
 import pytest
-from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
+from support.cluster import Cluster, mock_cluster
+from support.cluster import openai_client as client
+from support.plane import DynamoProcess, wait_for
 
 from dynamo_prep.frontend.choices import INT64_MAX, choice_seed
 from dynamo_prep.preprocessor import MAX_N
@@ -23,42 +24,12 @@ SLOW = "kimi-k3-demo"
 HELLO = [{"role": "user", "content": "hello there"}]
 
 
-class Cluster(str):
-    frontend: DynamoProcess
-    workers: list[DynamoProcess]
-    slow: DynamoProcess
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    directory = tmp_path_factory.mktemp("n")
-    port, discovery = free_port(), tcp_endpoint()
-    procs: list[DynamoProcess] = []
-    try:
-        frontend = start_dynamo(
-            "frontend", "--discovery-bind", discovery, "--http-host", "127.0.0.1", "--http-port", str(port),
-            "--cache-dir", str(directory / "cache"), log_level="info",
-        )  # fmt: skip
-        procs.append(frontend)
-        workers = [
-            start_dynamo("worker", "--model-path", QWEN, "--discovery", discovery, "--token-delay", "0")
-            for _ in range(2)
-        ]
-        slow = start_dynamo("worker", "--model-path", SLOW, "--discovery", discovery, "--token-delay", "0.05")
-        procs += [*workers, slow]
-        wait_for(lambda: len(frontend.find("instance_added")) >= 3, 30, message="three workers")
-        wait_for(lambda: len(frontend.find("model_added")) >= 2, 30, message="both models")
-        url = Cluster(f"http://127.0.0.1:{port}")
-        url.frontend, url.workers, url.slow = frontend, workers, slow
-        yield url
-    finally:
-        for proc in procs:
-            proc.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    http = httpx.Client(trust_env=False, timeout=30)
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, http_client=http)
+    """Two fast workers of the Qwen demo and one slow K3 worker (``procs[1:3]`` and ``procs[3]``)."""
+    workers = [("--model-path", QWEN)] * 2 + [("--model-path", SLOW, "--token-delay", "0.05")]
+    with mock_cluster(tmp_path_factory.mktemp("n"), workers, worker_log_level="debug") as running:
+        yield running
 
 
 def started(workers: list[DynamoProcess], request_id: str) -> list[dict[str, Any]]:
@@ -84,8 +55,8 @@ def test_three_choices_each_its_own_request_with_usage_summed(cluster: Cluster) 
     assert one.usage is not None and three.usage is not None
     assert three.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt counted once
     assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
-    wait_for(lambda: len(started(cluster.workers, "n-three")) == 3, 10, message="three worker requests")
-    ids = {line["request_id"] for line in started(cluster.workers, "n-three")}
+    wait_for(lambda: len(started(cluster.procs[1:3], "n-three")) == 3, 10, message="three worker requests")
+    ids = {line["request_id"] for line in started(cluster.procs[1:3], "n-three")}
     assert len(ids) == 3  # three requests on the plane, not one
     record = cluster.frontend.wait_event("request_finished", request_id="n-three")
     assert record["completion_tokens"] == three.usage.completion_tokens
@@ -141,10 +112,10 @@ def test_a_client_that_leaves_cancels_every_choice(cluster: Cluster) -> None:
     ) as answer:  # fmt: skip
         assert answer.status_code == 200
         next(answer.iter_bytes())  # the stream started; then the client leaves
-    wait_for(lambda: len(started([cluster.slow], "n-leaves")) == 3, 10, message="three worker requests")
+    wait_for(lambda: len(started([cluster.procs[3]], "n-leaves")) == 3, 10, message="three worker requests")
 
     def finished() -> list[dict[str, Any]]:
-        lines = cluster.slow.find("request_finished")
+        lines = cluster.procs[3].find("request_finished")
         return [line for line in lines if str(line.get("request_id", "")).startswith("n-leaves.")]
 
     wait_for(lambda: len(finished()) == 3, 20, message="all three ended on the worker")

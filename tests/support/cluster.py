@@ -28,10 +28,11 @@ def mock_cluster(
     *,
     frontend_args: Sequence[str] = (),
     log_level: str = "info",
+    worker_log_level: str = "info",
 ) -> Iterator[Cluster]:
     """A frontend on a plane of its own and one mock worker per entry of ``workers`` (each entry the
     worker's flags; ``--discovery`` is added, and ``--token-delay 0`` unless the entry has one);
-    yielded once every model they serve is added."""
+    yielded once every worker's instance and every model is added."""
     port, discovery = free_port(), tcp_endpoint()
     procs: list[DynamoProcess] = []
     try:
@@ -42,8 +43,10 @@ def mock_cluster(
         procs.append(frontend)
         for flags in workers:
             delay = () if "--token-delay" in flags else ("--token-delay", "0")
-            procs.append(start_dynamo("worker", *flags, "--discovery", discovery, *delay, log_level="info"))
+            args = (*flags, "--discovery", discovery, *delay)
+            procs.append(start_dynamo("worker", *args, log_level=worker_log_level))
         models = {flags[flags.index("--model-path") + 1] for flags in workers}
+        wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), 30, message="the workers")
         wait_for(lambda: len(frontend.find("model_added")) >= len(models), 30, message="every model added")
         cluster = Cluster(f"http://127.0.0.1:{port}")
         cluster.frontend, cluster.discovery, cluster.procs = frontend, discovery, procs
