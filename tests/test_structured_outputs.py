@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 from support.cluster import Cluster, mock_cluster, openai_client
@@ -131,6 +131,20 @@ KEYWORDS = st.sampled_from(
     ["type", "properties", "required", "items", "$ref", "$defs", "$schema", "enum", "anyOf"]
 )
 SCHEMAS_ANY = st.dictionaries(KEYWORDS | st.text(max_size=6), JSON, max_size=5)
+SCHEMA_KEYWORDS = st.sampled_from(
+    ["type", "properties", "required", "items", "prefixItems", "$ref", "$defs", "enum", "const", "anyOf",
+     "oneOf", "allOf", "minItems", "uniqueItems", "minLength", "maxLength", "minimum", "exclusiveMaximum",
+     "multipleOf", "minProperties", "additionalProperties", "not"]
+)  # fmt: skip
+SCHEMA_TREES = st.recursive(
+    st.booleans() | st.dictionaries(SCHEMA_KEYWORDS, JSON, max_size=3),
+    lambda inner: st.dictionaries(
+        SCHEMA_KEYWORDS,
+        inner | st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+        max_size=4,
+    ),
+    max_leaves=16,
+)  # schemas whose subschemas are schemas again (booleans included) at any depth
 
 
 @settings(max_examples=300, deadline=None)
@@ -144,13 +158,33 @@ def test_any_response_format_is_a_constraint_or_a_refusal_naming_it(
         {"type": kind, "json_schema": {"name": name, "schema": schema, "strict": strict}},
     ):
         try:
-            structured_output(response_format, None, None)
+            constrained = structured_output(response_format, None, None)
         except StructuredOutputError as refused:
             assert refused.param == "response_format"
+        else:
+            if constrained is not None and constrained.json_schema is not None:
+                instance_of(json.loads(constrained.json_schema))
+
+
+@settings(max_examples=300, deadline=None)
+@given(schema=SCHEMA_TREES)
+@example(schema={"anyOf": [False]})
+@example(schema={"properties": {"a": False, "b": True}, "required": ["a", "b"], "items": False})
+@example(schema={"allOf": [True, {"anyOf": [False, {"type": "integer"}]}]})
+def test_the_mock_answers_every_schema_let_through_and_never_raises(schema: Any) -> None:
+    """Boolean subschemas, empty branches, odd nesting: the mock's builder never fails a request."""
+    try:
+        constrained = structured_output(json_schema_format(schema), None, None)
+    except StructuredOutputError as refused:
+        assert refused.param == "response_format"
+        return
+    assert constrained is not None and constrained.json_schema is not None
+    instance_of(json.loads(constrained.json_schema))
 
 
 @settings(max_examples=200, deadline=None)
 @given(parameters=SCHEMAS_ANY, choice=st.sampled_from(["required", "named"]))
+@example(parameters={"anyOf": [False]}, choice="required")  # a boolean subschema crashed the mock
 def test_any_forced_tool_is_a_constraint_or_a_refusal_naming_tools(parameters: Any, choice: str) -> None:
     tool = {"type": "function", "function": {"name": "f", "parameters": parameters}}
     tool_choice: Any = "required" if choice == "required" else {"type": "function", "function": {"name": "f"}}

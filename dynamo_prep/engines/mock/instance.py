@@ -1,7 +1,7 @@
 """The mock's constrained decoding: a small, deterministic instance of a JSON schema.
 
 What a real engine's grammar guarantees (the output validates), without a model: ``const``, then
-``enum``'s first value, then the first branch of ``anyOf``/``oneOf``, ``allOf`` merged, local
+``enum``'s first value, then the first branch (not ``false``) of ``anyOf``/``oneOf``, ``allOf`` merged, local
 ``$ref``s followed; objects get their required properties, arrays ``minItems`` items, strings
 ``"mock"`` fitted to ``minLength``/``maxLength``, numbers the smallest allowed value near 1.
 ``pattern`` and ``format`` are not generated for (the mock's string may not match them).
@@ -41,16 +41,22 @@ class _Builder:
             branches = schema.get(key)
             if isinstance(branches, list) and branches:
                 merged = {k: v for k, v in schema.items() if k != key}
-                return self.build(_merge(merged, self._resolved(branches[0])), depth + 1)
+                branch = next((b for b in branches if b is not False), branches[0])
+                return self.build(_merge(merged, self._resolved(branch)), depth + 1)
         if isinstance(schema.get("allOf"), list):
             merged = {k: v for k, v in schema.items() if k != "allOf"}
             for part in schema["allOf"]:
-                merged = _merge(merged, self._resolved(part) if isinstance(part, dict) else {})
+                merged = _merge(merged, self._resolved(part))
             return self.build(merged, depth + 1)
         return self._typed(schema, _type_of(schema), depth)
 
-    def _resolved(self, schema: dict[str, Any]) -> dict[str, Any]:
-        """A local ``$ref`` (``#/$defs/...``, ``#/definitions/...``, ``#``) followed, siblings kept."""
+    def _resolved(self, schema: Any) -> dict[str, Any]:
+        """A local ``$ref`` (``#/$defs/...``, ``#/definitions/...``, ``#``) followed, siblings kept.
+
+        A boolean schema (``true``/``false``) or any non-object resolves to ``{}``: no constraint.
+        """
+        if not isinstance(schema, dict):
+            return {}
         seen = 0
         while isinstance(ref := schema.get("$ref"), str) and ref.startswith("#") and seen < _MAX_DEPTH:
             target: Any = self._root
