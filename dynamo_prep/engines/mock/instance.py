@@ -57,15 +57,16 @@ class _Builder:
         """
         if not isinstance(schema, dict):
             return {}
+        resolved: dict[str, Any] = schema
         seen = 0
-        while isinstance(ref := schema.get("$ref"), str) and ref.startswith("#") and seen < _MAX_DEPTH:
+        while isinstance(ref := resolved.get("$ref"), str) and ref.startswith("#") and seen < _MAX_DEPTH:
             target: Any = self._root
             for step in [p.replace("~1", "/").replace("~0", "~") for p in ref[1:].split("/") if p]:
                 target = target.get(step) if isinstance(target, dict) else None
-            rest = {k: v for k, v in schema.items() if k != "$ref"}
-            schema = _merge(target if isinstance(target, dict) else {}, rest)
+            rest = {k: v for k, v in resolved.items() if k != "$ref"}
+            resolved = _merge(target if isinstance(target, dict) else {}, rest)
             seen += 1
-        return schema
+        return resolved
 
     def _typed(self, schema: dict[str, Any], kind: str, depth: int) -> Any:
         if kind == "object":
