@@ -14,7 +14,7 @@ instance of its own model (block size 1; ``--capacity N``: its card says N block
 directory with a copy of ``benchmarks/``.
 
 Cases: ``removals`` (row 4: 500 removals of blocks whose descendants are held, against 100k held
-blocks), ``big_batches`` (row 5: four ``BlockStored`` batches of 750k blocks; with ``capacity`` the
+blocks), ``big_batches`` (row 5: four batches of 750k blocks, in ``BlockStored`` events of 50k; with ``capacity`` the
 card says 100k blocks), ``pending_fill`` (row 5: live batches of 750k blocks buffered during a replay,
 then applied), ``unknown_events`` (row 16: one 1 MB batch of 1,000,000 one-byte events, and one of
 62,500 sixteen-byte events of an unknown type).
@@ -91,12 +91,20 @@ def _feed(follower: InstanceFollower, timed: _Timed, frames: list[bytes], *, rep
         timed(follower.settle)
 
 
+EVENT_BLOCKS = 50_000  # blocks per event: about 500 KB, under MAX_EVENT_BYTES (a bigger one is skipped)
+
+
 def _stored_batch(first: int, blocks: int, *, root: bool = False) -> bytes:
-    """``blocks`` blocks of one token (block size 1) chained to block ``first - 1`` (unless ``root``)."""
-    hashes = list(range(first, first + blocks))
-    parent = None if root or not first else first - 1
-    event = BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[7] * blocks, block_size=1)
-    return encode_batch(KVEventBatch(ts=1.0, events=[event]))
+    """``blocks`` blocks of one token (block size 1) chained to block ``first - 1`` (unless ``root``),
+    in events of ``EVENT_BLOCKS``, each chained to the one before."""
+    events: list[BlockStored] = []
+    for start in range(first, first + blocks, EVENT_BLOCKS):
+        hashes = list(range(start, min(start + EVENT_BLOCKS, first + blocks)))
+        parent = None if (root and start == first) or not start else start - 1
+        events.append(
+            BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[7] * len(hashes), block_size=1)
+        )
+    return encode_batch(KVEventBatch(ts=1.0, events=list(events)))
 
 
 def removals() -> str:

@@ -36,6 +36,8 @@ from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.kv_events import (
+    MAX_EVENT_BYTES,
+    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     ImageSpan,
@@ -47,7 +49,7 @@ from dynamo_prep.protocol.kv_events import (
 )
 from dynamo_prep.routing.follower import SKIPPED_EVENT_BLOCKS, InstanceFollower, PendingBudget
 from dynamo_prep.routing.hashing import request_block_hashes
-from dynamo_prep.routing.index import DROP_PER_APPLY, MAX_INSTANCE_BLOCKS, KvIndex
+from dynamo_prep.routing.index import BUCKET_ENTRIES, DROP_PER_APPLY, MAX_INSTANCE_BLOCKS, KvIndex, _Table
 from dynamo_prep.routing.metrics import KvMetrics
 from dynamo_prep.routing.subscriber import KvEventSubscriber
 
@@ -91,8 +93,14 @@ def lines_run(call: Callable[[], object], module: Any = index_module) -> int:
 # -- row 4: an event costs its own size, whatever the instance holds -------------------------------
 
 
+def same_cost(large: int, small: int) -> bool:
+    """Equal but for a few lines (a table bucket made on first use, or found empty)."""
+    return abs(large - small) <= 100
+
+
 def held_chains(chains: int, length: int = 10) -> KvIndex:
     index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+    index.set_capacity("w", 100_000)  # its tables' few buckets all exist after the first chains
     for chain in range(chains):
         index.apply("w", [stored(chain * 1000, length)])
     return index
@@ -111,9 +119,9 @@ def test_a_removal_costs_the_blocks_it_drops_not_the_blocks_held() -> None:
     cost_large = lines_run(lambda: large.apply("w", removals(50)))
     assert small.counters.orphaned_blocks == large.counters.orphaned_blocks == 50 * 9
     assert len(small) == 500 and len(large) == 9500
-    assert cost_large == cost_small, "the cost does not depend on the blocks held"
+    assert same_cost(cost_large, cost_small), "the cost does not depend on the blocks held"
     never_stored = [BlockRemoved(block_hashes=[10**9 + n]) for n in range(50)]
-    assert lines_run(lambda: large.apply("w", never_stored)) < 20 * 50
+    assert lines_run(lambda: large.apply("w", never_stored)) < 30 * 50  # a few dozen lines each
     assert large.counters.unknown_removed_blocks == 50
 
 
@@ -140,7 +148,9 @@ def test_a_reused_engine_hash_costs_the_blocks_it_drops() -> None:
     relinks = [stored(chain * 1000, 1) for chain in range(20)]  # same hash, other tokens: the chain goes
     for event in relinks:
         event.token_ids[0] += 1
-    assert lines_run(lambda: small.apply("w", relinks)) == lines_run(lambda: large.apply("w", relinks))
+    assert same_cost(
+        lines_run(lambda: small.apply("w", relinks)), lines_run(lambda: large.apply("w", relinks))
+    )
     assert large.counters.orphaned_blocks == 20 * 9
 
 
@@ -178,6 +188,63 @@ def test_over_capacity_stores_cost_nothing_past_the_bound() -> None:
     many = lines_run(lambda: index.apply("w", [stored(200, 1000)]))
     assert one == many, "refused before its hashes are computed"
     assert index.counters.over_capacity_blocks == 1002
+
+
+def test_a_reset_is_at_once_for_matches_and_its_entries_go_a_slice_at_a_time() -> None:
+    """A reset (a gap, a publisher restart) or ``AllBlocksCleared`` of an instance holding 2M
+    blocks took one step of their size. Matches stop crediting it at once; its entries leave the
+    table ``DROP_PER_APPLY`` per call; its bit goes to no other instance until they are all gone."""
+    index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+    blocks = 10 * DROP_PER_APPLY
+    chain = stored(0, blocks)
+    index.apply("a", [chain])
+    hashes = request_block_hashes(chain.token_ids, BS, [])
+    assert index.match(hashes) == {"a": blocks}
+    assert lines_run(lambda: index.reset("a")) < 15 * DROP_PER_APPLY, (
+        "one slice (the whole one: 16 lines a block)"
+    )
+    assert index.match(hashes) == {} and index.blocks_held("a") == 0
+    index.apply("b", [stored(0, blocks)])  # the same blocks, at once, by another instance
+    assert index.match(hashes) == {"b": blocks}
+    index.apply("a", [stored(0, 10)])  # a's old entries are not its new ones
+    assert index.match(hashes) == {"b": blocks, "a": 10}
+    for _ in range(10):
+        index.apply("c", [])
+    assert len(index) == blocks, "what b and a hold, the retired entries gone"
+    index.apply("c", [stored(10**6, 1)])  # the retired bit is free again: c may get it
+    assert index.match(hashes) == {"b": blocks, "a": 10}
+
+
+def test_all_blocks_cleared_retires_the_blocks_and_keeps_what_follows() -> None:
+    index = KvIndex(BS, limiter=RateLimiter(interval_s=3600))
+    first, second = stored(0, 3 * DROP_PER_APPLY), stored(10**6, 5)
+    index.apply("w", [first, AllBlocksCleared(), second])
+    assert index.match(request_block_hashes(first.token_ids, BS, [])) == {}
+    assert index.match(request_block_hashes(second.token_ids, BS, [])) == {"w": 5}
+    assert index.blocks_held("w") == 5 and index.counters.cleared == 1
+
+
+@pytest.mark.parametrize("keys", ["sequential", "random"])
+def test_no_insert_rehashes_more_than_a_few_buckets(keys: str) -> None:
+    """A dict of 1.4M entries rehashes all of them in one insert (60 ms; five such tables grew
+    together in one slice: 300 ms). A table's buckets reach their rehash sizes one after another,
+    whatever the keys (sequential keys fill evenly spread buckets evenly: all at once)."""
+    table: _Table[int, int] = _Table(MAX_INSTANCE_BLOCKS)
+    rng = random.Random(7)
+    sizes = [0] * len(table.buckets)
+    worst = 0
+    for start in range(0, 200 * 2048, 2048):  # a slice of blocks at a time
+        for n in range(start, start + 2048):
+            key = n if keys == "sequential" else rng.getrandbits(64)
+            table.of(key)[key] = n
+        now = [sys.getsizeof(bucket) if bucket is not None else 0 for bucket in table.buckets]
+        grown = [
+            len(bucket or ()) for bucket, old, new in zip(table.buckets, sizes, now, strict=True) if new > old
+        ]
+        worst = max(worst, sum(grown))
+        sizes = now
+    assert sum(len(bucket or ()) for bucket in table.buckets) == 200 * 2048
+    assert worst <= 3 * BUCKET_ENTRIES, f"{worst} entries rehashed in one slice"
 
 
 # -- row 5: long batches in slices --------------------------------------------------------------
@@ -382,6 +449,14 @@ def test_a_batch_of_a_million_one_byte_events_is_refused_whole() -> None:
     assert peak < len(data), "nothing per event"
 
 
+def test_an_event_above_max_event_bytes_is_skipped_and_the_rest_of_its_batch_applies() -> None:
+    """One event is decoded in one step: 750k blocks in one event took 30 ms, 16 MB 110 ms."""
+    huge = stored(0, MAX_EVENT_BYTES // 8, block_size=1)  # hashes and tokens: more than the bound
+    decoded = decode_batch(payload([huge, stored(10**9, 3)]))
+    assert decoded.skipped_counts == {"too_large": 1}
+    assert [len(event.block_hashes) for event in decoded.batch.events] == [3]  # type: ignore[union-attr]
+
+
 def test_skipped_events_are_a_count_per_reason() -> None:
     unknown = msgspec.msgpack.encode({"type": "X" * 9})  # 16 bytes: as small as events may be
     data = garbage_batch(20_000, unknown)
@@ -458,7 +533,7 @@ def test_a_hostile_publisher_is_bounded_by_its_card_and_the_frontend_keeps_servi
         }
         followed = lambda: bool(frontend.find("kv_events_subscribed", instance_id="hostile"))  # noqa: E731
         kv_target.flood([announce], followed, "the hostile instance followed")
-        big = payload([stored(0, 50_000, block_size=block_size)])
+        big = payload([stored(0, 5_000, block_size=block_size)])  # five times its card's capacity
         junk = garbage_batch(1_000_000, b"\x01")
         seq = 0
 

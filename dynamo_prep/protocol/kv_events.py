@@ -33,6 +33,7 @@ from dynamo_prep.protocol.decode import WireDecodeError, decoding
 __all__ = [
     "END_SEQ",
     "MAX_BATCH_BYTES",
+    "MAX_EVENT_BYTES",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
@@ -58,6 +59,9 @@ __all__ = [
 
 BlockHash = int | bytes
 MAX_BATCH_BYTES: Final = 16 << 20
+# One event is decoded in one step (its lists whole): above this it is skipped (``too_large``).
+# vLLM's largest, a 131,072-token prefill step, is under 1 MB; decoding 2 MB takes about 25 ms.
+MAX_EVENT_BYTES: Final = 2 << 20
 MAX_HASH_BYTES: Final = 64
 # The smallest event of either form is 18 bytes (``["AllBlocksCleared"]``), a future map event at
 # least ``{"type": ...}`` with a name: a batch with fewer bytes per event than this is garbage.
@@ -276,6 +280,8 @@ def _array_length(data: memoryview) -> int:
 def decode_event(raw: msgspec.Raw) -> KVEvent:
     """One typed, checked event of a batch (``KvEventDecodeError`` when it must be skipped)."""
     data = memoryview(raw)
+    if len(data) > MAX_EVENT_BYTES:
+        raise KvEventDecodeError("too_large", f"an event of {len(data)} bytes > {MAX_EVENT_BYTES}")
     if not data or not (_is_map(data[0]) or _is_array(data[0])):
         raise KvEventDecodeError("invalid", "an event must be a map or an array")
     event = _decode_map_event(raw) if _is_map(data[0]) else _decode_array_event(raw)

@@ -17,25 +17,37 @@ from dynamo_prep.protocol.discovery import KvEventsEndpoint
 
 __all__ = ["KvLog"]
 
+_log = structlog.get_logger("dynamo_prep.routing")
+
 
 class KvLog:
     """Log lines of one followed instance (``instance_id`` bound to each)."""
 
+    __slots__ = ("_instance_id", "_limiter")
+
     def __init__(self, instance_id: str, *, limiter: RateLimiter | None = None) -> None:
-        self._log = structlog.get_logger("dynamo_prep.routing").bind(instance_id=instance_id)
+        self._instance_id = instance_id
         self._limiter = limiter or RateLimiter()
 
     def subscribed(self, kv: KvEventsEndpoint) -> None:
-        self._log.info(
-            "kv_events_subscribed", endpoint=kv.endpoint, replay_endpoint=kv.replay_endpoint, topic=kv.topic
+        _log.info(
+            "kv_events_subscribed",
+            instance_id=self._instance_id,
+            endpoint=kv.endpoint,
+            replay_endpoint=kv.replay_endpoint,
+            topic=kv.topic,
         )
 
     def unsubscribed(self, reason: str) -> None:
-        self._log.info("kv_events_unsubscribed", reason=reason)
+        _log.info("kv_events_unsubscribed", instance_id=self._instance_id, reason=reason)
 
     def connect_failed(self, address: str, error: str, *, replay: bool) -> None:
-        self._log.error(
-            "kv_events_connect_failed", address=address, error=error[:DETAIL_CHARS], replay=replay
+        _log.error(
+            "kv_events_connect_failed",
+            instance_id=self._instance_id,
+            address=address,
+            error=error[:DETAIL_CHARS],
+            replay=replay,
         )
 
     def reconnected(self, endpoint: str) -> None:
@@ -89,4 +101,4 @@ class KvLog:
         """At most one ``event`` line per ``key`` (a reason or outcome) per interval."""
         suppressed = self._limiter.allow(f"{event}:{key}", now)
         if suppressed is not None:
-            getattr(self._log, level)(event, suppressed=suppressed, **fields)
+            getattr(_log, level)(event, instance_id=self._instance_id, suppressed=suppressed, **fields)

@@ -26,10 +26,15 @@ holds at most its engine's own capacity (``set_capacity``, from its card) and ne
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
+import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from typing import Final, Generic, TypeVar
 
 import structlog
 
@@ -43,7 +48,16 @@ __all__ = ["MAX_INSTANCE_BLOCKS", "IndexCounters", "KvIndex"]
 # any engine we know at the block sizes they use, and a bound on what one hostile card can claim.
 MAX_INSTANCE_BLOCKS: Final = 1 << 21
 # Descendants of removed blocks dropped per ``apply`` call (a few ms); the rest wait for the next.
+# Also the entries of reset instances taken out of the table per ``apply`` or ``reset``.
 DROP_PER_APPLY: Final = 4096
+# A table's bucket is sized for this many entries: rehashing one costs well under a millisecond.
+BUCKET_ENTRIES: Final = 1 << 14
+# Buckets of the table every instance's blocks are in (room for 16M distinct blocks at that size).
+HOLDERS_ENTRIES: Final = 1 << 24
+# Slots a table's buckets share (at least 32 per bucket): the granularity of their shares.
+ROUTE_SLOTS: Final = 1 << 12
+_MIX: Final = secrets.randbits(64) | 1  # odd: a bijection of the 64-bit hashes
+_MASK64: Final = (1 << 64) - 1
 
 log = structlog.get_logger("dynamo_prep.routing")
 
@@ -75,19 +89,83 @@ class IndexCounters:
     invalid_events: int = 0
 
 
+class _Table(Generic[_K, _V]):
+    """A dict split into buckets sized for about ``BUCKET_ENTRIES`` each, so that no insert rehashes
+    more than one of them (a plain dict of 1.4M entries rehashes them all in one insert: 60 ms).
+
+    A key's hash times a secret odd multiplier picks one of ``ROUTE_SLOTS`` slots (keys a peer
+    chooses do not pile up), and a slot one bucket. Bucket shares grow geometrically by a factor of
+    two from the first bucket to the last: buckets that filled evenly would reach their rehash
+    sizes together (in one slice of work, whatever the key distribution), these reach them one
+    after another across each doubling (docs/kv-events.md, "Costs and bounds")."""
+
+    __slots__ = ("buckets", "route", "shift")
+
+    def __init__(self, entries: int, *, made: bool = False) -> None:
+        """Buckets for ``entries``, all ``made`` now or each on first use (an instance that holds
+        little costs little)."""
+        count = max(-(-entries // BUCKET_ENTRIES), 1)
+        self.buckets: list[dict[_K, _V] | None] = [{} for _ in range(count)] if made else [None] * count
+        self.route = _route(count)
+        self.shift = 64 - (len(self.route).bit_length() - 1)  # 64 with one slot: always slot 0
+
+    def of(self, key: _K) -> dict[_K, _V]:
+        """The bucket ``key`` belongs in."""
+        return self.at((hash(key) * _MIX) & _MASK64)
+
+    def at(self, mixed: int) -> dict[_K, _V]:
+        """The bucket of a key whose ``_mixed`` hash is ``mixed``."""
+        index = self.route[mixed >> self.shift]
+        return self.buckets[index] or self.made(index)
+
+    def made(self, index: int) -> dict[_K, _V]:
+        """Bucket ``index``, made if it was not (or the empty one it is)."""
+        bucket = self.buckets[index]
+        if bucket is None:
+            bucket = self.buckets[index] = {}
+        return bucket
+
+
+def _mixed(key: object) -> int:
+    """The hash tables pick a key's bucket by (a secret odd multiple of it, on 64 bits)."""
+    return (hash(key) * _MIX) & _MASK64
+
+
+@functools.cache
+def _route(count: int) -> tuple[int, ...]:
+    """Slot -> bucket for ``count`` buckets, bucket ``i``'s share proportional to ``2 ** (i / count)``."""
+    if count == 1:
+        return (0,)
+    slots = max(ROUTE_SLOTS, 1 << (count * 32 - 1).bit_length())
+    weights = [2 ** (i / count) for i in range(count)]
+    total = sum(weights)
+    ends = list(itertools.accumulate(round(slots * weight / total) for weight in weights))
+    ends[-1] = slots
+    return tuple(bisect.bisect_right(ends, slot) for slot in range(slots))
+
+
 @dataclass(slots=True)
 class _Holder:
     """One instance: its bit, its bound, its blocks by engine hash, and the tree of the blocks it
-    holds. A value that is usually single is stored as is, and as a set only when there are several."""
+    holds. A value that is usually single is stored as is, and as a set only when there are several.
+    ``engine_hashes`` and ``blocks`` count the entries of ``own_of`` and ``engines``."""
 
     instance_id: str
     bit: int
     capacity: int
-    own_of: dict[BlockHash, int] = field(default_factory=dict)
-    engines: dict[int, BlockHash | set[BlockHash]] = field(default_factory=dict)  # own -> engine hash(es)
-    parent: dict[int, int] = field(default_factory=dict)  # own hash -> its parent's (or ROOT_HASH)
-    children: dict[int, int | set[int]] = field(default_factory=dict)  # own hash -> child(ren) held
+    own_of: _Table[BlockHash, int]  # engine hash -> own hash
+    engines: _Table[int, BlockHash | set[BlockHash]]  # own -> engine hash(es)
+    parent: _Table[int, int]  # own hash -> its parent's (or ROOT_HASH)
+    children: _Table[int, int | set[int]]  # own hash -> child(ren) held
+    engine_hashes: int = 0
+    blocks: int = 0
     doomed: list[int] = field(default_factory=list)  # removed blocks whose descendants are being dropped
+
+    @classmethod
+    def new(cls, instance_id: str, bit: int, capacity: int) -> _Holder:
+        return cls(
+            instance_id, bit, capacity, _Table(capacity), _Table(capacity), _Table(capacity), _Table(capacity)
+        )
 
 
 def _add(table: dict[_K, _V | set[_V]], key: _K, value: _V) -> None:
@@ -126,7 +204,7 @@ class _Held(Mapping[str, int]):
         self._instances = instances
 
     def __getitem__(self, instance_id: str) -> int:
-        return len(self._instances[instance_id].engines)
+        return self._instances[instance_id].blocks
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._instances)
@@ -153,10 +231,17 @@ class KvIndex:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.counters = IndexCounters()
-        self._holders: dict[int, int] = {}  # own hash -> bit mask of the instances holding it
+        self._holders: _Table[int, int] = _Table(
+            HOLDERS_ENTRIES, made=True
+        )  # own hash -> bit mask of its holders
+        self._distinct = 0  # entries of _holders
         self._instances: dict[str, _Holder] = {}
         self._capacity: dict[str, int] = {}  # instance id -> its bound, when its card says one
         self._slots: list[str | None] = []  # bit index -> instance id
+        self._retired: deque[_Holder] = (
+            deque()
+        )  # reset or cleared: their bits leave _holders a slice at a time
+        self._retiring = 0  # their bits, not given to another instance until then
         self._limiter = limiter or RateLimiter()
         self._on_refused = on_refused
 
@@ -171,19 +256,21 @@ class KvIndex:
             elif isinstance(event, BlockRemoved):
                 self._remove(instance_id, holder, event)
             elif isinstance(event, AllBlocksCleared):
-                self._clear(holder)
+                self._retire(holder)
+                holder = self._add(instance_id)
                 self.counters.cleared += 1
         if holder.doomed:
             self._drop_doomed(holder, DROP_PER_APPLY)
+        self._tidy(DROP_PER_APPLY)
 
     def reset(self, instance_id: str) -> None:
-        """Forget every block of ``instance_id`` (and its bit, which a later instance may reuse)."""
+        """Forget every block of ``instance_id``: at once for matches, its entries a slice at a time
+        (each later ``apply`` or ``reset`` takes one); its bit is free for a later instance then."""
         holder = self._instances.pop(instance_id, None)
         self.counters.resets += 1
-        if holder is None:
-            return
-        self._clear(holder)
-        self._slots[holder.bit.bit_length() - 1] = None
+        if holder is not None:
+            self._retire(holder)
+        self._tidy(DROP_PER_APPLY)
 
     # -- instances -----------------------------------------------------------------------------
 
@@ -215,15 +302,20 @@ class KvIndex:
         it holds; instances holding none are left out.
 
         One lookup when nobody holds the first block; else about log2(blocks) lookups per
-        instance whose run ends inside the request.
+        instance whose run ends inside the request. Bits of retired instances may still be set:
+        they are credited to nobody.
         """
         count = len(own_hashes)
-        get = self._holders.get
-        first = get(own_hashes[0], 0) if count else 0
+        buckets, route, shift = self._holders.buckets, self._holders.route, self._holders.shift
+
+        def holders(own: int) -> int:  # _Table.of inlined: its buckets are all made
+            return buckets[route[((hash(own) * _MIX) & _MASK64) >> shift]].get(own, 0)  # type: ignore[union-attr]
+
+        first = holders(own_hashes[0]) if count else 0
         if not first:
             return {}
         found: dict[str, int] = {}
-        last = get(own_hashes[-1], 0) & first
+        last = holders(own_hashes[-1]) & first
         self._credit(last, count, found)
         pending = [(0, first, count - 1, last)] if first != last else []
         while pending:
@@ -233,7 +325,7 @@ class KvIndex:
                 self._credit(low_mask & ~high_mask, high, found)
                 continue
             mid = (low + high) // 2
-            mid_mask = get(own_hashes[mid], 0) & low_mask | high_mask
+            mid_mask = holders(own_hashes[mid]) & low_mask | high_mask
             if mid_mask != low_mask:
                 pending.append((low, low_mask, mid, mid_mask))
             if mid_mask != high_mask:
@@ -243,7 +335,7 @@ class KvIndex:
     def blocks_held(self, instance_id: str) -> int:
         """Distinct blocks (own hashes) the instance holds."""
         holder = self._instances.get(instance_id)
-        return 0 if holder is None else len(holder.engines)
+        return 0 if holder is None else holder.blocks
 
     def held(self) -> Mapping[str, int]:
         """``blocks_held`` of every instance as a live read-only mapping (computed on access)."""
@@ -254,19 +346,20 @@ class KvIndex:
         return list(self._instances)
 
     def __len__(self) -> int:
-        """Distinct blocks held by any instance."""
-        return len(self._holders)
+        """Distinct blocks held by any instance (retired ones' included until they are tidied)."""
+        return self._distinct
 
     # -- internals -----------------------------------------------------------------------------
 
     def _add(self, instance_id: str) -> _Holder:
-        try:
-            slot = self._slots.index(None)
-        except ValueError:
-            slot = len(self._slots)
+        slot = next(
+            (n for n, owner in enumerate(self._slots) if owner is None and not self._retiring >> n & 1),
+            len(self._slots),
+        )
+        if slot == len(self._slots):
             self._slots.append(None)
         self._slots[slot] = instance_id
-        holder = _Holder(instance_id, 1 << slot, self.capacity(instance_id))
+        holder = _Holder.new(instance_id, 1 << slot, self.capacity(instance_id))
         self._instances[instance_id] = holder
         return holder
 
@@ -282,12 +375,13 @@ class KvIndex:
     def _store(self, instance_id: str, holder: _Holder, event: BlockStored) -> None:
         blocks = len(event.block_hashes)
         try:
-            known = None if event.parent_block_hash is None else holder.own_of.get(event.parent_block_hash)
-            if event.parent_block_hash is not None and known is None:
+            parent_hash = event.parent_block_hash
+            known = None if parent_hash is None else holder.own_of.of(parent_hash).get(parent_hash)
+            if parent_hash is not None and known is None:
                 self.counters.unknown_parent_blocks += blocks
                 self._refused(instance_id, "unknown_parent", blocks)
                 return
-            if len(holder.own_of) >= holder.capacity:  # refused before its hashes are computed
+            if holder.engine_hashes >= holder.capacity:  # refused before its hashes are computed
                 placed, full = 0, True
             else:
                 if event.block_size != self.block_size or len(event.token_ids) != blocks * self.block_size:
@@ -314,51 +408,89 @@ class KvIndex:
         placed and whether the instance's bound stopped it (else fewer only if relinking a reused
         engine hash dropped the parent). The hot path of ingestion: a new engine hash for a block
         the instance did not hold is handled inline."""
-        own_of, held, holders, bit = holder.own_of, holder.engines, self._holders, holder.bit
-        parents, children, limit = holder.parent, holder.children, holder.capacity
+        # Inlined ``_Table.at``: the four tables of an instance share one route (the same size).
+        route, shift = holder.engines.route, holder.engines.shift
+        own_of, held, parents, children = holder.own_of, holder.engines, holder.parent, holder.children
+        holders, bit, limit = self._holders, holder.bit, holder.capacity
+        masks_route, masks_shift, masks_buckets = holders.route, holders.shift, holders.buckets
+        parent_slot = route[_mixed(parent) >> shift]
         for placed, (engine, own) in enumerate(zip(engines, owns, strict=True)):
-            if engine not in own_of and len(own_of) >= limit:
+            own_mixed = (hash(own) * _MIX) & _MASK64
+            slot = route[own_mixed >> shift]
+            engine_slot = route[((hash(engine) * _MIX) & _MASK64) >> shift]
+            own_bucket = own_of.buckets[engine_slot] or own_of.made(engine_slot)
+            held_bucket = held.buckets[slot] or held.made(slot)
+            if engine not in own_bucket and holder.engine_hashes >= limit:
                 return placed, True
-            if engine in own_of or own in held:
+            if engine in own_bucket or own in held_bucket:
                 if not self._link(holder, engine, own, parent):
                     return placed, False
             else:
-                own_of[engine] = own
-                held[own] = engine
-                holders[own] = holders.get(own, 0) | bit
-                parents[own] = parent
-                _add(children, parent, own)
-            parent = own
+                own_bucket[engine] = own
+                held_bucket[own] = engine
+                holder.engine_hashes += 1
+                holder.blocks += 1
+                masks = masks_buckets[masks_route[own_mixed >> masks_shift]]
+                mask = masks.get(own, 0)  # type: ignore[union-attr]
+                if not mask:
+                    self._distinct += 1
+                masks[own] = mask | bit  # type: ignore[index]
+                (parents.buckets[slot] or parents.made(slot))[own] = parent
+                _add(children.buckets[parent_slot] or children.made(parent_slot), parent, own)
+            parent, parent_slot = own, slot
         return len(owns), False
+
+    def _hold(self, own: int, bit: int) -> None:
+        masks = self._holders.of(own)
+        mask = masks.get(own, 0)
+        if not mask:
+            self._distinct += 1
+        masks[own] = mask | bit
+
+    def _release(self, own: int, bit: int) -> None:
+        """``bit`` no longer holds ``own`` (the key goes with the last holder)."""
+        bucket = self._holders.of(own)
+        mask = bucket[own] & ~bit
+        if mask:
+            bucket[own] = mask
+        else:
+            del bucket[own]
+            self._distinct -= 1
 
     def _link(self, holder: _Holder, engine: BlockHash, own: int, parent: int) -> bool:
         """``engine`` now stands for ``own`` (child of ``parent``); False if the parent is gone."""
-        previous = holder.own_of.get(engine)
+        own_bucket = holder.own_of.of(engine)
+        previous = own_bucket.get(engine)
         if previous == own:
             return True
         if previous is not None:  # the engine reused a hash for other content: the old block is gone
-            del holder.own_of[engine]
+            del own_bucket[engine]
+            holder.engine_hashes -= 1
             self._unlink(holder, engine, previous)
-            if parent != ROOT_HASH and parent not in holder.engines:
+            if parent != ROOT_HASH and parent not in holder.engines.of(parent):
                 return False
-        holder.own_of[engine] = own
-        if own in holder.engines:  # another engine hash for a block already held
-            _add(holder.engines, own, engine)
+        own_bucket[engine] = own
+        holder.engine_hashes += 1
+        held_bucket = holder.engines.of(own)
+        if own in held_bucket:  # another engine hash for a block already held
+            _add(held_bucket, own, engine)
             return True
-        holder.engines[own] = engine
-        self._holders[own] = self._holders.get(own, 0) | holder.bit
-        holder.parent[own] = parent
-        _add(holder.children, parent, own)
+        held_bucket[own] = engine
+        holder.blocks += 1
+        self._hold(own, holder.bit)
+        holder.parent.of(own)[own] = parent
+        _add(holder.children.of(parent), parent, own)
         return True
 
     def _remove(self, instance_id: str, holder: _Holder, event: BlockRemoved) -> None:
         unknown = 0
         try:
             for engine in event.block_hashes:
-                own = holder.own_of.pop(engine, None)
+                own = holder.own_of.of(engine).pop(engine, None)
                 if own is None:
                     unknown += 1
                 else:
+                    holder.engine_hashes -= 1
                     self._unlink(holder, engine, own)
                     self.counters.removed_blocks += 1
         except TypeError:
@@ -371,21 +503,19 @@ class KvIndex:
     def _unlink(self, holder: _Holder, engine: BlockHash, own: int) -> None:
         """``engine`` no longer stands for ``own``; the block goes when its last engine hash does
         (after its descendants, when it has any: no engine we know removes a block before them)."""
-        if not _discard(holder.engines, own, engine):
+        if not _discard(holder.engines.of(own), own, engine):
             return
-        if own in holder.children:
+        holder.blocks -= 1
+        if own in holder.children.of(own):
             holder.doomed.append(own)
         else:
             self._drop(holder, own)
 
     def _drop(self, holder: _Holder, own: int) -> None:
         """``own`` leaves the instance (its engine hashes are gone already; it has no children)."""
-        mask = self._holders[own] & ~holder.bit
-        if mask:
-            self._holders[own] = mask
-        else:
-            del self._holders[own]
-        _discard(holder.children, holder.parent.pop(own), own)
+        self._release(own, holder.bit)
+        parent = holder.parent.of(own).pop(own)
+        _discard(holder.children.of(parent), parent, own)
 
     def _drop_doomed(self, holder: _Holder, budget: int) -> None:
         """Drop up to ``budget`` descendants of removed blocks, leaves first, so the instance's
@@ -393,8 +523,8 @@ class KvIndex:
         stack, orphaned = holder.doomed, 0
         while stack and budget > 0:
             block = stack[-1]
-            below = holder.children.get(block)
-            if block not in holder.parent:  # gone meanwhile (removed by an event)
+            below = holder.children.of(block).get(block)
+            if block not in holder.parent.of(block):  # gone meanwhile (removed by an event)
                 stack.pop()
             elif below is not None:
                 found = _values(below)
@@ -402,10 +532,12 @@ class KvIndex:
                 budget -= len(found)
             else:
                 stack.pop()
-                gone = holder.engines.pop(block, None)  # None: the removed block itself
+                gone = holder.engines.of(block).pop(block, None)  # None: the removed block itself
                 if gone is not None:
+                    holder.blocks -= 1
                     for engine in gone if isinstance(gone, set) else (gone,):
-                        del holder.own_of[engine]
+                        del holder.own_of.of(engine)[engine]
+                        holder.engine_hashes -= 1
                     orphaned += 1
                 self._drop(holder, block)
                 budget -= 1
@@ -413,19 +545,34 @@ class KvIndex:
             self.counters.orphaned_blocks += orphaned
             self._warn("kv_blocks_orphaned", holder.instance_id, "removed_before_descendants", orphaned)
 
-    def _clear(self, holder: _Holder) -> None:
-        holders, keep = self._holders, ~holder.bit
-        for own in holder.engines:
-            mask = holders[own] & keep
-            if mask:
-                holders[own] = mask
-            else:
-                del holders[own]
-        holder.engines.clear()
-        holder.own_of.clear()
-        holder.parent.clear()
-        holder.children.clear()
-        holder.doomed.clear()
+    def _retire(self, holder: _Holder) -> None:
+        """``holder``'s blocks are no one's from now on; ``_tidy`` takes its bit out of the table."""
+        slot = holder.bit.bit_length() - 1
+        self._slots[slot] = None
+        self._retiring |= holder.bit
+        self._retired.append(holder)
+
+    def _tidy(self, budget: int) -> None:
+        """Take up to ``budget`` entries of retired instances out of the table (and free their
+        buckets, one at a time: a dropped dict of a million entries is freed in one go); the bit of
+        one whose entries are all gone is free for a later instance."""
+        while self._retired and budget > 0:
+            holder = self._retired[0]
+            engines = holder.engines.buckets
+            while engines and budget > 0:
+                bucket = engines[-1]
+                while bucket and budget > 0:
+                    self._release(bucket.popitem()[0], holder.bit)
+                    budget -= 1
+                if not bucket:
+                    engines.pop()
+            for table in (holder.own_of.buckets, holder.parent.buckets, holder.children.buckets):
+                while table and budget > 0:
+                    budget -= len(table.pop() or ()) + 1
+            if engines or holder.own_of.buckets or holder.parent.buckets or holder.children.buckets:
+                return
+            self._retired.popleft()
+            self._retiring &= ~holder.bit
 
     def _refused(self, instance_id: str, reason: str, blocks: int) -> None:
         if self._on_refused is not None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,22 +84,31 @@ SOCKETS_PER_INSTANCE = 3
 # plane (a DEALER per worker), discovery and file transfers, whatever the number of KV publishers.
 KV_SOCKET_SHARE = 0.75
 ERROR_BACKOFF_S = 1.0
+# A timed pass runs this late: never a hair before the deadline it is for.
+TIMER_SLACK_S = 0.001
 _monitor_ids = itertools.count()
 log = structlog.get_logger("dynamo_prep.routing")
 
 
 class _DealerChannel:
     """The ``ReplayChannel`` of one instance: a DEALER while a replay is outstanding (and a new one
-    for each replay), closed by its owner after the replay."""
+    for each replay), closed by its owner after the replay. ``watch``/``unwatch`` put its socket on
+    the event loop and take it off (before the socket is closed)."""
 
     def __init__(
-        self, context: zmq.asyncio.Context, address: str, on_exhausted: Callable[[str], None]
+        self,
+        context: zmq.Context[Any],
+        address: str,
+        on_exhausted: Callable[[str], None],
+        watch: Callable[[zmq.Socket[Any]], None],
+        unwatch: Callable[[zmq.Socket[Any]], None],
     ) -> None:
         self.address = address
-        self.socket: zmq.asyncio.Socket | None = None
-        self.shadow: zmq.Socket[Any] | None = None
+        self.socket: zmq.Socket[Any] | None = None
         self._context = context
         self._on_exhausted = on_exhausted
+        self._watch = watch
+        self._unwatch = unwatch
 
     def open(self) -> None:
         """Create and connect the DEALER (raises ``zmq.ZMQError`` on a bad address or no socket left)."""
@@ -118,13 +126,13 @@ class _DealerChannel:
             socket.close(linger=0)
             raise
         self.socket = socket
-        self.shadow = zmq.Socket.shadow(socket.underlying)
+        self._watch(socket)
 
     def request(self, start_seq: int) -> None:
         try:
             self.open()
-            assert self.shadow is not None
-            self.shadow.send_multipart(replay_request(start_seq), zmq.NOBLOCK)
+            assert self.socket is not None
+            self.socket.send_multipart(replay_request(start_seq), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # no answer will come: the follower's deadline resets the instance
             if is_exhausted(exc):
                 self._on_exhausted(str(exc))
@@ -133,43 +141,34 @@ class _DealerChannel:
         self.close()
 
     def close(self) -> None:
-        if self.socket is not None:
-            self.socket.close(linger=0)
-        self.socket = None
-        self.shadow = None
+        socket, self.socket = self.socket, None
+        if socket is not None:
+            self._unwatch(socket)
+            socket.close(linger=0)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Followed:
-    """One followed instance: its sockets, its ordering state and the task serving them.
+    """One followed instance: its sockets and its ordering state.
 
-    ``monitor`` is a PAIR receiving the SUB's disconnect events (libzmq's socket monitor).
+    ``monitor`` is a PAIR receiving the SUB's disconnect events (libzmq's socket monitor). The
+    sockets are plain (synchronous) ones whose descriptors the event loop watches; ``scheduled``:
+    a pass over them is queued; ``timer``: the pass queued for the replay deadline or the reconnect.
     """
 
+    instance_id: str
     kv: KvEventsEndpoint
     follower: InstanceFollower
-    socket: zmq.asyncio.Socket
-    shadow: zmq.Socket[Any]
-    monitor: zmq.asyncio.Socket
-    monitor_shadow: zmq.Socket[Any]
+    socket: zmq.Socket[Any]
+    monitor: zmq.Socket[Any]
     channel: _DealerChannel | None
     log: KvLog
-    task: asyncio.Task[None] | None = None
+    scheduled: bool = False
+    timer: asyncio.TimerHandle | None = None
     reconnect_at: float | None = None
     connected_at: float = field(default_factory=time.monotonic)
     drops: int = 0  # connections dropped in a row, each lasting less than RECONNECT_MAX_S
-    closed: bool = field(default=False)
-
-    def close_sockets(self) -> None:
-        if self.socket.closed:
-            return
-        self.closed = True
-        with contextlib.suppress(zmq.ZMQError):
-            self.socket.monitor(None, 0)
-        self.monitor.close(linger=0)
-        self.socket.close(linger=0)
-        if self.channel is not None:
-            self.channel.close()
+    closed: bool = False
 
     def monitor_disconnects(self) -> None:
         """On a disconnect of the SUB (events drained from the monitor): stop libzmq's own retries
@@ -178,7 +177,7 @@ class _Followed:
         disconnected = False
         while True:
             try:
-                self.monitor_shadow.recv_multipart(zmq.NOBLOCK)
+                self.monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             disconnected = True
@@ -221,7 +220,8 @@ class KvEventSubscriber:
         self.sink = sink
         self.metrics = metrics if metrics is not None else KvMetrics()
         self.rules = rules if rules is not None else KvEndpointRules()
-        self._context = context or zmq.asyncio.Context.instance()
+        shared = context or zmq.asyncio.Context.instance()
+        self._context: zmq.Context[Any] = zmq.Context.shadow(shared.underlying)  # plain sockets
         self.max_instances = int(self._context.get(zmq.MAX_SOCKETS) * KV_SOCKET_SHARE) // SOCKETS_PER_INSTANCE
         self._clock = clock
         self._timeout_s = replay_timeout_s
@@ -230,7 +230,7 @@ class KvEventSubscriber:
         self._waiting: dict[str, Instance] = {}  # refused for now (socket limit, endpoint in use)
         self._budget = PendingBudget()  # the bytes every follower holds, together
         self._limiter = RateLimiter()
-        self._running = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # while ``run()`` serves
         self._stop = asyncio.Event()
 
     @property
@@ -291,8 +291,8 @@ class KvEventSubscriber:
         self.metrics.instances.set(len(self._followed))
         followed.log.subscribed(kv)
         followed.follower.start()
-        if self._running:
-            self._start(instance.instance_id, followed)
+        if self._loop is not None:
+            self._start(followed)
         return None
 
     def remove(self, instance_id: str, *, reason: str = "removed") -> None:
@@ -303,11 +303,7 @@ class KvEventSubscriber:
             return
         self.rules.release(instance_id)
         followed.follower.close()
-        if followed.task is not None and followed.task is not asyncio.current_task():
-            followed.task.cancel()  # its ``finally`` closes the sockets, off any pending poll
-        else:
-            followed.close_sockets()
-        followed.closed = True
+        self._close(followed)
         self.metrics.instances.set(len(self._followed))
         self.metrics.resets.labels(reason=reason).inc()
         followed.log.unsubscribed(reason)
@@ -318,22 +314,18 @@ class KvEventSubscriber:
 
     async def run(self) -> None:
         """Serve every followed instance until ``close()`` or cancellation, then close them all."""
-        self._running = True
-        for instance_id, followed in self._followed.items():
-            self._start(instance_id, followed)
+        self._loop = asyncio.get_running_loop()
+        for followed in self._followed.values():
+            self._start(followed)
         try:
             while not self._stop.is_set():
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), RETRY_S)
                 self._retry_waiting()
         finally:
-            self._running = False
-            tasks = [f.task for f in self._followed.values() if f.task is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
             for followed in self._followed.values():
-                followed.close_sockets()
+                self._close(followed)
+            self._loop = None
             self._followed.clear()
             self._waiting.clear()
             self.metrics.instances.set(0)
@@ -387,7 +379,13 @@ class KvEventSubscriber:
             return None
         channel = None
         if kv.replay_endpoint is not None:
-            channel = _DealerChannel(self._context, kv.replay_endpoint, self._replay_exhausted(instance_id))
+            channel = _DealerChannel(
+                self._context,
+                kv.replay_endpoint,
+                self._replay_exhausted(instance_id),
+                watch=lambda replay: self._watch_replay(instance_id, replay),
+                unwatch=self._unwatch,
+            )
             try:
                 channel.open()  # for the catch-up replay at once
             except zmq.ZMQError as exc:  # follow live only: a gap then resets instead of replaying
@@ -408,11 +406,9 @@ class KvEventSubscriber:
             budget=self._budget,
             slice_blocks=APPLY_SLICE_BLOCKS,
         )
-        shadow: zmq.Socket[Any] = zmq.Socket.shadow(socket.underlying)
-        monitor_shadow: zmq.Socket[Any] = zmq.Socket.shadow(monitor.underlying)
-        return _Followed(kv, follower, socket, shadow, monitor, monitor_shadow, channel, log)
+        return _Followed(instance_id, kv, follower, socket, monitor, channel, log)
 
-    def _sub(self, topic: bytes) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+    def _sub(self, topic: bytes) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
         """A SUB subscribed to ``topic`` and the PAIR its disconnects are reported to."""
         socket = self._context.socket(zmq.SUB)
         try:
@@ -439,39 +435,100 @@ class KvEventSubscriber:
 
         return refused
 
-    def _start(self, instance_id: str, followed: _Followed) -> None:
-        followed.task = asyncio.get_running_loop().create_task(
-            self._serve(followed), name=f"kv-events:{instance_id}"
-        )
+    # -- on the event loop: no task per instance, its descriptors watched ------------------------
 
-    async def _serve(self, followed: _Followed) -> None:
-        try:
-            while not followed.closed:
-                try:
-                    await self._wake(followed)
-                except Exception as exc:  # a bug here must not end the instance's stream for good
-                    followed.log.serve_failed(exc, now=self._clock())
-                    await asyncio.sleep(ERROR_BACKOFF_S)
-        finally:
-            followed.close_sockets()
+    def _start(self, followed: _Followed) -> None:
+        """Watch the instance's sockets and make a first pass (messages may be waiting already)."""
+        for socket in (followed.socket, followed.monitor, _replay_socket(followed)):
+            if socket is not None:
+                self._watch(socket, followed)
+        self._again(followed)
 
-    async def _wake(self, followed: _Followed) -> None:
-        """Wait for a socket, the replay deadline or a reconnect; drain both sockets; act on time."""
-        follower, channel = followed.follower, followed.channel
-        poller = zmq.asyncio.Poller()
-        poller.register(followed.socket, zmq.POLLIN)
-        poller.register(followed.monitor, zmq.POLLIN)
-        if channel is not None and channel.socket is not None:
-            poller.register(channel.socket, zmq.POLLIN)
-        await poller.poll(self._timeout_ms(followed))
-        follower.refill()
-        drained = self._drain(followed, followed.shadow, follower.on_live)
-        if channel is not None:
-            drained = max(drained, self._drain(followed, channel.shadow, follower.on_replay, channel))
-        while follower.backlogged and not followed.closed:  # a long batch, a slice at a time
-            await asyncio.sleep(0)
-            follower.settle()
+    def _watch(self, socket: zmq.Socket[Any], followed: _Followed) -> None:
+        assert self._loop is not None
+        self._loop.add_reader(socket.fileno(), self._ready, followed)
+
+    def _watch_replay(self, instance_id: str, socket: zmq.Socket[Any]) -> None:
+        """A replay DEALER was opened: watched at once while serving (else by ``_start``)."""
+        followed = self._followed.get(instance_id)
+        if followed is not None and self._loop is not None:
+            self._watch(socket, followed)
+
+    def _unwatch(self, socket: zmq.Socket[Any]) -> None:
+        """Before a socket is closed: the loop forgets its descriptor."""
+        if self._loop is not None and not socket.closed:
+            self._loop.remove_reader(socket.fileno())
+
+    def _close(self, followed: _Followed) -> None:
         if followed.closed:
+            return
+        followed.closed = True
+        if followed.timer is not None:
+            followed.timer.cancel()
+        if followed.channel is not None:
+            followed.channel.close()
+        for socket in (followed.monitor, followed.socket):
+            self._unwatch(socket)
+        _close_sub(followed.socket, followed.monitor)
+
+    def _ready(self, followed: _Followed) -> None:
+        """The loop saw one of the instance's descriptors readable (libzmq signals edges: a pass
+        reads until a socket is empty, or queues another pass)."""
+        if not followed.scheduled:
+            self._pump(followed)
+
+    def _again(self, followed: _Followed) -> None:
+        """Queue another pass after what else is ready (a flooded instance lets the others run)."""
+        if not followed.scheduled and self._loop is not None:
+            followed.scheduled = True
+            self._loop.call_soon(self._queued, followed)
+
+    def _queued(self, followed: _Followed) -> None:
+        followed.scheduled = False
+        self._pump(followed)
+
+    def _timed(self, followed: _Followed) -> None:
+        followed.timer = None
+        if not followed.scheduled:
+            self._pump(followed)
+
+    def _pump(self, followed: _Followed) -> None:
+        if followed.closed:
+            return
+        try:
+            self._pass(followed)
+        except Exception as exc:  # a bug here must not end the instance's stream for good
+            followed.log.serve_failed(exc, now=self._clock())
+            self._pause(followed)
+
+    def _pause(self, followed: _Followed) -> None:
+        """After a failed pass: its sockets unwatched for ``ERROR_BACKOFF_S``, then served again."""
+        for socket in (followed.socket, followed.monitor, _replay_socket(followed)):
+            if socket is not None:
+                self._unwatch(socket)
+        if followed.timer is not None:
+            followed.timer.cancel()
+        assert self._loop is not None
+        followed.timer = self._loop.call_later(ERROR_BACKOFF_S, self._resume, followed)
+
+    def _resume(self, followed: _Followed) -> None:
+        followed.timer = None
+        if not followed.closed:
+            self._start(followed)
+
+    def _pass(self, followed: _Followed) -> None:
+        """Drain both sockets, or apply one slice of a long batch; then act on time."""
+        follower, channel = followed.follower, followed.channel
+        follower.refill()
+        drained = 0
+        if follower.backlogged:
+            follower.settle()
+        else:
+            drained = self._drain(followed, followed.socket, follower.on_live)
+            if channel is not None:
+                drained = max(drained, self._drain(followed, channel.socket, follower.on_replay, channel))
+        if follower.backlogged:  # a long batch: a slice per pass, the rest waits in the pipe
+            self._again(followed)
             return
         if channel is not None and channel.socket is not None and not follower.replaying:
             channel.close()  # between replays an instance holds no DEALER
@@ -479,36 +536,42 @@ class KvEventSubscriber:
         followed.monitor_disconnects()
         if followed.reconnect_at is not None and time.monotonic() >= followed.reconnect_at:
             followed.reconnect()
-        if drained >= self._max_drain:
-            await asyncio.sleep(0)  # a flooded instance lets the others run
+        if drained >= self._max_drain or _readable(followed.socket) or _readable(_replay_socket(followed)):
+            self._again(followed)
+        self._arm(followed)
 
-    def _timeout_ms(self, followed: _Followed) -> int | None:
-        """Until the replay deadline or the reconnect, whichever is first (None: no timeout)."""
+    def _arm(self, followed: _Followed) -> None:
+        """A pass at the replay deadline or the reconnect, whichever is first."""
         waits = []
         deadline = followed.follower.deadline()
         if deadline is not None:
             waits.append(deadline - self._clock())
         if followed.reconnect_at is not None:
             waits.append(followed.reconnect_at - time.monotonic())
-        return max(0, math.ceil(min(waits) * 1000)) if waits else None
+        if followed.timer is not None:
+            followed.timer.cancel()
+            followed.timer = None
+        if waits and self._loop is not None:
+            delay = max(0.0, min(waits)) + TIMER_SLACK_S
+            followed.timer = self._loop.call_later(delay, self._timed, followed)
 
     def _drain(
         self,
         followed: _Followed,
-        shadow: zmq.Socket[Any] | None,
+        socket: zmq.Socket[Any] | None,
         handle: Callable[[list[bytes]], None],
         channel: _DealerChannel | None = None,
     ) -> int:
-        """Up to ``max_drain`` messages of one socket, without Futures. The follower may give a
-        replay up mid-drain, which replaces ``channel``'s DEALER: the old one is not read again."""
+        """Up to ``max_drain`` messages of one socket. The follower may give a replay up
+        mid-drain, which closes ``channel``'s DEALER: the old one is not read again."""
         received = 0
-        while shadow is not None and received < self._max_drain and not followed.closed:
-            if followed.follower.backlogged:  # applied first (``_wake``); the rest waits in the pipe
+        while socket is not None and received < self._max_drain and not followed.closed:
+            if followed.follower.backlogged:  # applied first; the rest waits in the pipe
                 break
-            if channel is not None and channel.shadow is not shadow:
+            if channel is not None and channel.socket is not socket:
                 break
             try:
-                frames = shadow.recv_multipart(zmq.NOBLOCK)
+                frames = socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
             received += 1
@@ -516,7 +579,16 @@ class KvEventSubscriber:
         return received
 
 
-def _close_sub(socket: zmq.asyncio.Socket, monitor: zmq.asyncio.Socket) -> None:
+def _replay_socket(followed: _Followed) -> zmq.Socket[Any] | None:
+    return followed.channel.socket if followed.channel is not None else None
+
+
+def _readable(socket: zmq.Socket[Any] | None) -> bool:
+    """A message waits (libzmq's descriptor will not signal it again)."""
+    return socket is not None and not socket.closed and bool(int(socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+
+
+def _close_sub(socket: zmq.Socket[Any], monitor: zmq.Socket[Any]) -> None:
     with contextlib.suppress(zmq.ZMQError):
         socket.monitor(None, 0)
     monitor.close(linger=0)
