@@ -14,8 +14,9 @@ instance of its own model (block size 1; ``--capacity N``: its card says N block
 directory with a copy of ``benchmarks/``.
 
 Cases: ``removals`` (row 4: 500 removals of blocks whose descendants are held, against 100k held
-blocks), ``big_batches`` (row 5: four batches of 750k blocks, in ``BlockStored`` events of 50k; with ``capacity`` the
-card says 100k blocks), ``pending_fill`` (row 5: live batches of 750k blocks buffered during a replay,
+blocks), ``big_batches`` (row 5: ten batches of 300k blocks, in ``BlockStored`` events of 50k, the issue's
+750k-block batches being above ``MAX_BATCH_BYTES`` now; with ``capacity`` the card says 100k blocks),
+``pending_fill`` (row 5: live batches of 300k blocks buffered during a replay,
 then applied), ``unknown_events`` (row 16: one 1 MB batch of 1,000,000 one-byte events, and one of
 62,500 sixteen-byte events of an unknown type).
 """
@@ -92,6 +93,8 @@ def _feed(follower: InstanceFollower, timed: _Timed, frames: list[bytes], *, rep
 
 
 EVENT_BLOCKS = 50_000  # blocks per event: about 500 KB, under MAX_EVENT_BYTES (a bigger one is skipped)
+BATCH_BLOCKS = 300_000  # blocks per batch: about 3 MB, under MAX_BATCH_BYTES (4 MB; the old code took 16)
+BATCHES = 10  # 3M blocks, past any instance's bound
 
 
 def _stored_batch(first: int, blocks: int, *, root: bool = False) -> bytes:
@@ -102,7 +105,9 @@ def _stored_batch(first: int, blocks: int, *, root: bool = False) -> bytes:
         hashes = list(range(start, min(start + EVENT_BLOCKS, first + blocks)))
         parent = None if (root and start == first) or not start else start - 1
         events.append(
-            BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=[7] * len(hashes), block_size=1)
+            BlockStored(
+                block_hashes=hashes, parent_block_hash=parent, token_ids=[7] * len(hashes), block_size=1
+            )
         )
     return encode_batch(KVEventBatch(ts=1.0, events=list(events)))
 
@@ -128,11 +133,11 @@ def big_batches(capacity: int | None = None) -> str:
         index.set_capacity("w", capacity)
     follower = _follower(index)
     timed = _Timed()
-    for seq in range(4):
-        _feed(follower, timed, [b"", encode_seq(seq), _stored_batch(seq * 750_000, 750_000)])
-    return (
-        f"4 batches of 750k blocks: longest step {timed.longest:.1f} ms, {index.blocks_held('w')} blocks held"
-    )
+    for seq in range(BATCHES):
+        _feed(follower, timed, [b"", encode_seq(seq), _stored_batch(seq * BATCH_BLOCKS, BATCH_BLOCKS)])
+    held = index.blocks_held("w")
+    longest = timed.longest
+    return f"{BATCHES} batches of {BATCH_BLOCKS:,} blocks: longest step {longest:.1f} ms, {held} blocks held"
 
 
 def pending_fill() -> str:
@@ -145,7 +150,7 @@ def pending_fill() -> str:
         if not follower.replaying:
             break
         sent += 1
-        _feed(follower, timed, [b"", encode_seq(seq), _stored_batch(seq * 750_000, 750_000)])
+        _feed(follower, timed, [b"", encode_seq(seq), _stored_batch(seq * BATCH_BLOCKS, BATCH_BLOCKS)])
     buffered = len(follower.pending)
     end = (-1).to_bytes(8, "big", signed=True)
     _feed(follower, timed, [b"", b"", end, b""], replay=True)
@@ -302,8 +307,8 @@ def frontend_run(capacity: int | None) -> None:
             removed = [BlockRemoved(block_hashes=[hashes[0]]) for hashes in chains[:500]]
             batch = encode_batch(KVEventBatch(ts=1.0, events=list(removed)))
             print(stack.attack("row 4: 500 removals of 100k", [batch], removals=500), flush=True)
-            big = [_stored_batch(10**9 + seq * 750_000, 750_000, root=not seq) for seq in range(4)]
-            print(stack.attack("row 5: 4 x 750k blocks", big), flush=True)
+            big = [_stored_batch(10**9 + n * BATCH_BLOCKS, BATCH_BLOCKS, root=not n) for n in range(BATCHES)]
+            print(stack.attack(f"row 5: {BATCHES} x {BATCH_BLOCKS // 1000}k blocks", big), flush=True)
         finally:
             stack.close()
 

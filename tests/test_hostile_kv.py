@@ -369,7 +369,8 @@ async def test_the_subscriber_yields_between_slices(context: zmq.asyncio.Context
     try:
         subscriber.add(Instance(instance_id="w", endpoint="tcp://127.0.0.1:1", kv_events=publisher.kv_events))
         await publisher.wait_subscribed()
-        publisher.publish(payload([stored(0, 100_000)]))
+        chained = [stored(n, 20_000, parent=n - 1 if n else None) for n in range(0, 100_000, 20_000)]
+        publisher.publish(payload(chained))  # five events of 500 kB, under MAX_EVENT_BYTES
         await until(lambda: sink.index.blocks_held("w") == 100_000, "the whole batch applied")
         assert len(sink.calls) > 10 and max(sink.calls) <= 4096
         assert sink.ticks_seen[-1] > sink.ticks_seen[0], "another task ran while the batch was applied"
@@ -450,8 +451,9 @@ def test_a_batch_of_a_million_one_byte_events_is_refused_whole() -> None:
 
 
 def test_an_event_above_max_event_bytes_is_skipped_and_the_rest_of_its_batch_applies() -> None:
-    """One event is decoded in one step: 750k blocks in one event took 30 ms, 16 MB 110 ms."""
-    huge = stored(0, MAX_EVENT_BYTES // 8, block_size=1)  # hashes and tokens: more than the bound
+    """One event is decoded in one step: 750k blocks in one event took 30 ms, 16 MB 110 ms (and the
+    event loop waits up to two such steps)."""
+    huge = stored(0, MAX_EVENT_BYTES // 4, block_size=1)  # 5 bytes a hash, 5 a token: 2.5 MB
     decoded = decode_batch(payload([huge, stored(10**9, 3)]))
     assert decoded.skipped_counts == {"too_large": 1}
     assert [len(event.block_hashes) for event in decoded.batch.events] == [3]  # type: ignore[union-attr]

@@ -58,10 +58,11 @@ __all__ = [
 ]
 
 BlockHash = int | bytes
-MAX_BATCH_BYTES: Final = 16 << 20
-# One event is decoded in one step (its lists whole): above this it is skipped (``too_large``).
-# vLLM's largest, a 131,072-token prefill step, is under 1 MB; decoding 2 MB takes about 25 ms.
-MAX_EVENT_BYTES: Final = 2 << 20
+# A batch is scanned in one step (about 2.5 ms per MB) and one event decoded in one step (its lists
+# whole: about 12 ms per MB): above these they are skipped (``too_large``). vLLM publishes a batch
+# per engine step, one event per request: at 131,072 tokens a step both stay under 1 MB.
+MAX_BATCH_BYTES: Final = 4 << 20
+MAX_EVENT_BYTES: Final = 1 << 20
 MAX_HASH_BYTES: Final = 64
 # The smallest event of either form is 18 bytes (``["AllBlocksCleared"]``), a future map event at
 # least ``{"type": ...}`` with a name: a batch with fewer bytes per event than this is garbage.

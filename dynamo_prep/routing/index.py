@@ -49,7 +49,7 @@ __all__ = ["MAX_INSTANCE_BLOCKS", "IndexCounters", "KvIndex"]
 MAX_INSTANCE_BLOCKS: Final = 1 << 21
 # Descendants of removed blocks dropped per ``apply`` call (a few ms); the rest wait for the next.
 # Also the entries of reset instances taken out of the table per ``apply`` or ``reset``.
-DROP_PER_APPLY: Final = 4096
+DROP_PER_APPLY: Final = 2048
 # A table's bucket is sized for this many entries: rehashing one costs well under a millisecond.
 BUCKET_ENTRIES: Final = 1 << 14
 # Buckets of the table every instance's blocks are in (room for 16M distinct blocks at that size).
