@@ -91,6 +91,7 @@ class EngineOutput(Protocol):
     def cached_tokens(self) -> int:
         """Prompt tokens the engine's prefix cache served (0 when it does not say)."""
         ...
+
     @property
     def logprobs(self) -> list[TokenLogprob] | None:
         """One record per token id when the request asked for logprobs, else None."""
