@@ -1,8 +1,8 @@
 """The frontend's side of the request plane: transport only (which instance, and what to do when
 one is lost, is ``migration.py``'s policy).
 
-One DEALER per worker endpoint carries every request to it; a single receive task per endpoint
-routes replies to per-request queues by ``request_id``. A worker that dies says nothing, so each
+One DEALER per worker endpoint carries every request to it; the event loop's reader callback on
+its descriptor routes replies to per-request queues by ``request_id``. A worker that dies says nothing, so each
 endpoint has a watchdog: when a busy endpoint has been silent for a while it is pinged (a slow
 worker still answers), and after ``stall_timeout_s`` of silence every request on it fails with
 ``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
@@ -13,9 +13,9 @@ passes.
 
 An endpoint without requests for ``idle_close_s`` is closed by the same watchdog: a worker that
 stopped gracefully is withdrawn, never expired, so nothing else would ever close its socket, its
-two tasks and libzmq's reconnect attempts to its dead port. The next request reopens it.
+watchdog task and libzmq's reconnect attempts to its dead port. The next request reopens it.
 
-Per message the cost is kept small: the receive task wakes once per batch of arrived replies and
+Per message the cost is kept small: the channel wakes once per batch of arrived replies and
 drains them with the synchronous shadow socket (no Future per message); a request's consumer
 takes everything queued for it at once, and consecutive Outputs are merged into one (token ids
 concatenated, the last usage and finish reason), so a busy frontend handles a burst of tokens as
@@ -88,7 +88,7 @@ FLOOD_BURST, FLOOD_PER_S = 10_000, 1_000
 GARBAGE_BURST, GARBAGE_PER_S = 100, 10
 # Replies of one stream that carry no token and do not end it; more count as unsolicited.
 MAX_EMPTY_OUTPUTS = 64
-# Replies (and their bytes) taken per wake of a channel's receive task before the other tasks run.
+# Replies (and their bytes) taken per wake of a channel before the other callbacks and tasks run.
 DRAIN_BATCH, DRAIN_BYTES = 1024, 1 << 20
 # A stream the frontend cancelled may have many replies in flight (ZeroMQ's and TCP's buffers hold
 # tens of thousands of frames): for this long they are dropped without counting against the worker.
@@ -256,13 +256,22 @@ class _Inbox:
 
 
 class _Channel:
-    """One worker endpoint: its DEALER, receive task, watchdog, and the queues of its requests."""
+    """One worker endpoint: its DEALER, watchdog, and the queues of its requests.
 
-    def __init__(self, endpoint: str, socket: zmq.asyncio.Socket, client: RequestPlaneClient) -> None:
+    The DEALER is a plain socket whose descriptor the event loop watches (``_ready``): no task,
+    poller or future waits on it (a thousand idle channels were 100,000 objects for the collector
+    to walk). ``send`` awaits only when the socket's queue is full.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        socket: zmq.Socket[bytes],
+        client: RequestPlaneClient,
+        on_hostile: Callable[[str, str], None],
+    ) -> None:
         self.endpoint = endpoint
         self.socket = socket
-        # Cancel and Ping must go out from ``finally`` blocks without awaiting: a sync shadow.
-        self._shadow: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
         self.stall_timeout_s = client.stall_timeout_s
         self.idle_close_s = client.idle_close_s
         self.connect_timeout_s = client.connect_timeout_s
@@ -278,9 +287,11 @@ class _Channel:
         self._late: dict[str, float] = {}  # streams cancelled here -> until when their replies are late
         self._flood = _Allowance(FLOOD_BURST, FLOOD_PER_S, self._opened_at)
         self._junk = _Allowance(GARBAGE_BURST, GARBAGE_PER_S, self._opened_at)
-        self._readable: asyncio.Future[None] | None = None  # the receive loop, waiting
-        self._polling: asyncio.Future[Any] | None = None
+        self._on_hostile = on_hostile  # (endpoint, reason): drop a flooding worker
+        self._scheduled = False  # a pass over the socket is queued
+        self._writable: asyncio.Future[None] | None = None  # a send waiting for room
         self.tasks: list[asyncio.Task[None]] = []
+        self._loop.add_reader(socket.fileno(), self._ready)
 
     @property
     def heard(self) -> bool:
@@ -296,9 +307,19 @@ class _Channel:
         return inbox
 
     async def send(self, message: wire.ToWorker) -> None:
-        if self.closed:
-            raise WorkerLost(self.endpoint, "closed")
-        await self.socket.send(wire.encode(message))
+        data = wire.encode(message)
+        while True:
+            if self.closed:
+                raise WorkerLost(self.endpoint, "closed")
+            try:
+                self.socket.send(data, zmq.NOBLOCK)
+                break
+            except zmq.Again:  # its queue is full: wait for room (``_pass`` sees it)
+                self._writable = self._loop.create_future()
+                try:
+                    await self._writable
+                finally:
+                    self._writable = None
         self._kick()
 
     def send_nowait(self, message: wire.ToWorker) -> None:
@@ -306,20 +327,22 @@ class _Channel:
         if self.closed:
             return
         with contextlib.suppress(zmq.Again, zmq.ZMQError):
-            self._shadow.send(wire.encode(message), zmq.NOBLOCK)
+            self.socket.send(wire.encode(message), zmq.NOBLOCK)
             self._kick()
 
     def _kick(self) -> None:
-        """Wake the receive loop if replies are waiting. ZeroMQ's descriptor is edge-triggered and
-        any call on the socket (a send too) may consume the edge of replies that just arrived:
-        without this check they would wait unseen until the next edge, which may never come."""
-        waiter = self._readable
-        if waiter is not None and not waiter.done() and self._waiting():
-            waiter.set_result(None)
+        """Queue a pass if replies are waiting. ZeroMQ's descriptor is edge-triggered and any call
+        on the socket (a send too) may consume the edge of replies that just arrived: without this
+        check they would wait unseen until the next edge, which may never come."""
+        if self._waiting():
+            self._again()
+
+    def _events(self) -> int:
+        events = self.socket.get(zmq.EVENTS)
+        return events if isinstance(events, int) else 0
 
     def _waiting(self) -> bool:
-        events = self._shadow.get(zmq.EVENTS)
-        return isinstance(events, int) and bool(events & zmq.POLLIN)
+        return bool(self._events() & zmq.POLLIN)
 
     def fail_all(self, error: WorkerLost) -> None:
         """Replace whatever is queued with ``error``: the failure is reported at once."""
@@ -343,18 +366,35 @@ class _Channel:
             del self._late[reply.request_id]
         return not expired
 
-    async def receive(self, on_hostile: Callable[[str, str], None]) -> None:
-        """Wake when replies are waiting, take up to ``DRAIN_BATCH`` of them without awaiting, and
-        judge the worker by what it sent; ``on_hostile(endpoint, reason)`` drops a flooding one."""
-        while True:
-            await self._until_readable()
-            unsolicited, pongs, garbage, first_error, full = self._drain()
-            reason = self._judge(unsolicited, pongs, garbage, first_error)
-            if reason is not None:
-                on_hostile(self.endpoint, reason)
-                return
-            if full:
-                await asyncio.sleep(0)  # more may be waiting: the other tasks run first
+    def _ready(self) -> None:
+        """The loop saw the socket's descriptor readable."""
+        if not self._scheduled:
+            self._pass()
+
+    def _again(self) -> None:
+        """Queue another pass after what else is ready (more may be waiting: the others run first)."""
+        if not self._scheduled and not self.closed:
+            self._scheduled = True
+            self._loop.call_soon(self._queued)
+
+    def _queued(self) -> None:
+        self._scheduled = False
+        self._pass()
+
+    def _pass(self) -> None:
+        """Wake a send waiting for room, take up to ``DRAIN_BATCH`` replies without awaiting, and
+        judge the worker by what it sent: a flooding one is dropped (``on_hostile``)."""
+        if self.closed:
+            return
+        writable = self._writable
+        if writable is not None and not writable.done() and self._events() & zmq.POLLOUT:
+            writable.set_result(None)
+        unsolicited, pongs, garbage, first_error, full = self._drain()
+        reason = self._judge(unsolicited, pongs, garbage, first_error)
+        if reason is not None:
+            self._on_hostile(self.endpoint, reason)
+        elif full or self._waiting():
+            self._again()
 
     def _drain(self) -> tuple[int, int, int, Exception | None, bool]:
         """Take waiting replies, at most ``DRAIN_BATCH`` or ``DRAIN_BYTES``: (unsolicited, pongs,
@@ -362,7 +402,7 @@ class _Channel:
 
         Per reply this is the frontend's hottest loop (a reply per token): the receive, the
         decode, a dict lookup and the inbox's check; an undecodable reply costs a count."""
-        recv, decode, queues = self._shadow.recv, wire.from_worker_decoder.decode, self.queues
+        recv, decode, queues = self.socket.recv, wire.from_worker_decoder.decode, self.queues
         unsolicited = pongs = garbage = size = 0
         first_error: Exception | None = None
         heard = full = False
@@ -422,26 +462,6 @@ class _Channel:
             reply.message = f"{reply.message[:MAX_WORKER_MESSAGE_CHARS]}... ({len(reply.message)} characters)"
             self._client.refused_replies("message_truncated", 1)
 
-    async def _until_readable(self) -> None:
-        """Replies are waiting: the descriptor said so (one poll kept pending across waits: a
-        cancelled poll would leave its watcher queued in pyzmq ahead of the next one), or a send
-        found them (``_kick``)."""
-        if self._waiting():
-            return
-        if self._polling is None or self._polling.done():
-            self._polling = asyncio.ensure_future(self.socket.poll())  # POLLIN
-            self._polling.add_done_callback(self._polled)
-        self._readable = self._loop.create_future()
-        try:
-            await self._readable
-        finally:
-            self._readable = None
-
-    def _polled(self, _: object) -> None:
-        waiter = self._readable
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
     def finish(self, request_id: str) -> None:
         """Forget a request; the endpoint's idle time starts with its last request."""
         self.queues.pop(request_id, None)
@@ -478,11 +498,14 @@ class _Channel:
                 self.send_nowait(Ping(request_id=f"ping-{next(self._pings)}"))
 
     def close(self) -> None:
+        if self.closed:
+            return
         self.closed = True
         for task in self.tasks:
             task.cancel()
-        if self._polling is not None:
-            self._polling.cancel()
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)  # the send sees ``closed``
+        self._loop.remove_reader(self.socket.fileno())
         self.socket.close(linger=0)
 
 
@@ -526,7 +549,8 @@ class RequestPlaneClient:
         timeouts = (stall_timeout_s, idle_close_s, connect_timeout_s, first_token_timeout_s)
         if min(timeouts) <= 0:
             raise ValueError(f"timeouts must be positive, got {', '.join(map(str, timeouts))}")
-        self._context = context or zmq.asyncio.Context.instance()
+        shared = context or zmq.asyncio.Context.instance()
+        self._sync: zmq.Context[Any] = zmq.Context.shadow(shared.underlying)  # plain sockets
         self.stall_timeout_s = stall_timeout_s
         self.idle_close_s = idle_close_s
         self.connect_timeout_s = connect_timeout_s
@@ -648,7 +672,7 @@ class RequestPlaneClient:
         if channel is not None:
             return channel
         try:
-            socket = self._context.socket(zmq.DEALER)
+            socket: zmq.Socket[bytes] = self._sync.socket(zmq.DEALER)
         except zmq.ZMQError as exc:
             if not is_exhausted(exc):
                 raise
@@ -661,9 +685,8 @@ class RequestPlaneClient:
         except zmq.ZMQError as exc:  # no ZeroMQ address ("nonsense://x"): nothing will ever answer
             socket.close(linger=0)
             raise self._bad_address(endpoint, exc) from None
-        channel = _Channel(endpoint, socket, self)
+        channel = _Channel(endpoint, socket, self, self._drop)
         channel.tasks = [
-            asyncio.create_task(channel.receive(self._drop), name=f"request-plane-recv-{endpoint}"),
             asyncio.create_task(
                 channel.watch(self._lose, self._close_idle), name=f"request-plane-watch-{endpoint}"
             ),

@@ -206,6 +206,11 @@ class _Held(Mapping[str, int]):
     def __getitem__(self, instance_id: str) -> int:
         return self._instances[instance_id].blocks
 
+    def get(self, instance_id: str, default: int = 0) -> int:  # type: ignore[override]
+        """Without ``Mapping.get``'s KeyError for every instance that holds nothing."""
+        holder = self._instances.get(instance_id)
+        return default if holder is None else holder.blocks
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._instances)
 

@@ -101,26 +101,36 @@ def choose(
         raise ValueError("no candidate instance")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    queued = prefilling or {}
+    # Each figure read once per candidate, from plain dicts of the instances that have one: a
+    # decision among 2,000 instances took 7 ms of Mapping lookups.
+    queued = _present(prefilling or {})
+    active = _present(active_blocks)
     sizes = capacity or {}
-    ordered = _with_room(sorted(set(candidates)), prompt_blocks, active_blocks, queued, sizes)
+    ordered = _with_room(sorted(set(candidates)), prompt_blocks, active, queued, sizes)
     weight = _weights(ordered, sizes)
-    best_overlap = max([overlaps.get(instance_id, 0) for instance_id in ordered])
+    found = [overlaps.get(instance_id, 0) for instance_id in ordered]
+    best_overlap = max(found)
     balance = not best_overlap or 2 * best_overlap < prompt_blocks
+    waiting = [queued.get(instance_id, 0) for instance_id in ordered]
+    weighted = [active.get(instance_id, 0) * weight[instance_id] for instance_id in ordered]
     costs = [
-        overlap_score_weight * (prompt_blocks - overlaps.get(instance_id, 0) + queued.get(instance_id, 0))
-        + active_blocks.get(instance_id, 0) * weight[instance_id]
-        for instance_id in ordered
+        overlap_score_weight * (prompt_blocks - overlap + wait) + held
+        for overlap, wait, held in zip(found, waiting, weighted, strict=True)
     ]
     if not balance and temperature > 0:
         index = _sample(costs, temperature, rng or random.Random())
     else:
-        load = [(active_blocks.get(i, 0) + queued.get(i, 0)) * weight[i] for i in ordered]
+        load = [held + wait * weight[i] for held, wait, i in zip(weighted, waiting, ordered, strict=True)]
         primary = load if balance else costs
         index = _least(primary, ordered, blocks_held, turn)
     chosen = ordered[index]
     reason: Reason = "balance" if balance else "overlap"
     return Decision(chosen, overlaps.get(chosen, 0), prompt_blocks, costs[index], reason)
+
+
+def _present(figures: Mapping[str, int]) -> dict[str, int]:
+    """``figures`` as a dict of its non-zero entries (a live view has few: the busy instances)."""
+    return {key: value for key, value in figures.items() if value}
 
 
 def _with_room(
@@ -144,9 +154,9 @@ def _with_room(
 
 def _weights(ordered: list[str], capacity: Mapping[str, int]) -> dict[str, float]:
     """Each instance's weight on its load: the largest capacity over its own (1 without figures)."""
-    known = [capacity[i] for i in ordered if capacity.get(i)]
-    largest = max(known, default=0)
-    return {i: largest / capacity[i] if capacity.get(i) else 1.0 for i in ordered}
+    get = capacity.get
+    largest = max((size for i in ordered if (size := get(i))), default=0)
+    return {i: largest / size if (size := get(i)) else 1.0 for i in ordered}
 
 
 def _least(primary: Sequence[float], ordered: list[str], blocks_held: Mapping[str, int], turn: int) -> int:
@@ -156,7 +166,11 @@ def _least(primary: Sequence[float], ordered: list[str], blocks_held: Mapping[st
         return primary.index(lowest)
     start = turn % len(ordered)
     tied = [i for i, value in enumerate(primary) if value == lowest]
-    return min(tied, key=lambda i: (blocks_held.get(ordered[i], 0), (i - start) % len(ordered)))
+    get = blocks_held.get
+    held = [get(ordered[i], 0) for i in tied]
+    fewest = min(held)
+    tied = [i for i, count in zip(tied, held, strict=True) if count == fewest]  # in index order
+    return next((i for i in tied if i >= start), tied[0])  # the first from the turn on, cyclically
 
 
 def _sample(costs: list[float], temperature: float, rng: random.Random) -> int:
@@ -280,6 +294,11 @@ class _View(Mapping[str, int]):
 
     def __getitem__(self, instance_id: str) -> int:
         return self._figure(self._instances[instance_id])
+
+    def get(self, instance_id: str, default: int = 0) -> int:  # type: ignore[override]
+        """Without ``Mapping.get``'s KeyError for every instance without load."""
+        load = self._instances.get(instance_id)
+        return default if load is None else self._figure(load)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._instances)
