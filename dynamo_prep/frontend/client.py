@@ -2,10 +2,10 @@
 one is lost, is ``migration.py``'s policy).
 
 One DEALER per worker endpoint carries every request to it; the event loop's reader callback on
-its descriptor routes replies to per-request queues by ``request_id``. A worker that dies says nothing, so each
-endpoint has a watchdog: when a busy endpoint has been silent for a while it is pinged (a slow
-worker still answers), and after ``stall_timeout_s`` of silence every request on it fails with
-``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
+its descriptor routes replies to per-request queues by ``request_id``. A worker that dies says
+nothing, so each endpoint has a watchdog: when a busy endpoint has been silent for a while it is
+pinged (a slow worker still answers), and after ``stall_timeout_s`` of silence every request on it
+fails with ``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
 instance expires. An endpoint that has never answered anything ``connect_timeout_s`` after its
 first request is ``unreachable`` (a black-holed or forged announce): its requests fail at once, and
 it is kept out of routing (``unreachable_endpoints``) until it answers or ``UNREACHABLE_HOLD_S``
@@ -16,7 +16,7 @@ stopped gracefully is withdrawn, never expired, so nothing else would ever close
 watchdog task and libzmq's reconnect attempts to its dead port. The next request reopens it.
 
 Per message the cost is kept small: the channel wakes once per batch of arrived replies and
-drains them with the synchronous shadow socket (no Future per message); a request's consumer
+drains them without awaiting (no Future per message); a request's consumer
 takes everything queued for it at once, and consecutive Outputs are merged into one (token ids
 concatenated, the last usage and finish reason), so a busy frontend handles a burst of tokens as
 one step. The request's deadline is one timer, not a timeout per message.

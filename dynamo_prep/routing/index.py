@@ -413,18 +413,25 @@ class KvIndex:
         placed and whether the instance's bound stopped it (else fewer only if relinking a reused
         engine hash dropped the parent). The hot path of ingestion: a new engine hash for a block
         the instance did not hold is handled inline."""
-        # Inlined ``_Table.at``: the four tables of an instance share one route (the same size).
-        route, shift = holder.engines.route, holder.engines.shift
+        # Inlined ``_Table.at`` and ``_add``, every name a local: the four tables of an instance
+        # share one route (they have the same size).
+        route, shift, mix, mask64 = holder.engines.route, holder.engines.shift, _MIX, _MASK64
         own_of, held, parents, children = holder.own_of, holder.engines, holder.parent, holder.children
+        own_buckets, held_buckets, parent_buckets, child_buckets = (
+            own_of.buckets,
+            held.buckets,
+            parents.buckets,
+            children.buckets,
+        )
         holders, bit, limit = self._holders, holder.bit, holder.capacity
         masks_route, masks_shift, masks_buckets = holders.route, holders.shift, holders.buckets
         parent_slot = route[_mixed(parent) >> shift]
         for placed, (engine, own) in enumerate(zip(engines, owns, strict=True)):
-            own_mixed = (hash(own) * _MIX) & _MASK64
+            own_mixed = (hash(own) * mix) & mask64
             slot = route[own_mixed >> shift]
-            engine_slot = route[((hash(engine) * _MIX) & _MASK64) >> shift]
-            own_bucket = own_of.buckets[engine_slot] or own_of.made(engine_slot)
-            held_bucket = held.buckets[slot] or held.made(slot)
+            engine_slot = route[((hash(engine) * mix) & mask64) >> shift]
+            own_bucket = own_buckets[engine_slot] or own_of.made(engine_slot)
+            held_bucket = held_buckets[slot] or held.made(slot)
             if engine not in own_bucket and holder.engine_hashes >= limit:
                 return placed, True
             if engine in own_bucket or own in held_bucket:
@@ -440,8 +447,15 @@ class KvIndex:
                 if not mask:
                     self._distinct += 1
                 masks[own] = mask | bit  # type: ignore[index]
-                (parents.buckets[slot] or parents.made(slot))[own] = parent
-                _add(children.buckets[parent_slot] or children.made(parent_slot), parent, own)
+                (parent_buckets[slot] or parents.made(slot))[own] = parent
+                siblings = child_buckets[parent_slot] or children.made(parent_slot)
+                current = siblings.get(parent)
+                if current is None:
+                    siblings[parent] = own
+                elif isinstance(current, set):
+                    current.add(own)
+                else:
+                    siblings[parent] = {current, own}
             parent, parent_slot = own, slot
         return len(owns), False
 

@@ -3,7 +3,8 @@
 Per instance: a SUB connected to ``kv_events.endpoint`` (subscribed to its topic) and, while a
 replay is outstanding, a DEALER to its ``replay_endpoint`` (opened for the replay, closed after it).
 Each instance is served by its own reader callbacks on the event loop, so a slow or hostile
-publisher can only delay or reset its own blocks. Rules (``follower.py`` has the details, docs/kv-events.md the reasons):
+publisher can only delay or reset its own blocks. Rules (``follower.py`` has the details,
+docs/kv-events.md the reasons):
 
 * An instance is followed only at addresses no other followed instance claims and on its own host
   (``endpoints.py``), and only while it has a socket to spare (KV following takes at most
