@@ -413,7 +413,7 @@ class KvIndex:
         placed and whether the instance's bound stopped it (else fewer only if relinking a reused
         engine hash dropped the parent). The hot path of ingestion: a new engine hash for a block
         the instance did not hold is handled inline."""
-        # Inlined ``_Table.at`` and ``_add``, every name a local: the four tables of an instance
+        # Inlined ``_Table.at``, every name a local: the four tables of an instance
         # share one route (they have the same size).
         route, shift, mix, mask64 = holder.engines.route, holder.engines.shift, _MIX, _MASK64
         own_of, held, parents, children = holder.own_of, holder.engines, holder.parent, holder.children
@@ -448,14 +448,7 @@ class KvIndex:
                     self._distinct += 1
                 masks[own] = mask | bit  # type: ignore[index]
                 (parent_buckets[slot] or parents.made(slot))[own] = parent
-                siblings = child_buckets[parent_slot] or children.made(parent_slot)
-                current = siblings.get(parent)
-                if current is None:
-                    siblings[parent] = own
-                elif isinstance(current, set):
-                    current.add(own)
-                else:
-                    siblings[parent] = {current, own}
+                _add(child_buckets[parent_slot] or children.made(parent_slot), parent, own)
             parent, parent_slot = own, slot
         return len(owns), False
 
