@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from support.logs import until
 from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
@@ -478,3 +479,50 @@ async def test_a_worker_streaming_past_max_tokens_is_cut_there_and_cancelled(
         server.cancel()
         rogue.close(linger=0)
         context.term()
+
+
+async def _fill(client: RequestPlaneClient, endpoint: str) -> tuple[int, asyncio.Task[None]]:
+    """Queue a channel's high-water mark of Pings for an address nobody listens at (they go at once),
+    then one more: (the mark, the send that waits for room)."""
+    channel = client._channel(endpoint)
+    hwm = channel.socket.getsockopt(zmq.SNDHWM)
+    assert isinstance(hwm, int) and hwm > 0
+    for n in range(hwm):
+        await channel.send(wire.Ping(request_id=f"queued-{n}"))
+    waiting = asyncio.create_task(channel.send(wire.Ping(request_id="waiting")))
+    await until(lambda: channel._writable is not None, "the send past the high-water mark waits")
+    assert not waiting.done()
+    return hwm, waiting
+
+
+async def test_a_send_waits_for_room_and_goes_out_once_a_worker_listens() -> None:
+    """The channel's DEALER queues up to its high-water mark for a worker not there yet; the next
+    send waits (no error, no busy loop) and goes out once the worker binds the address."""
+    endpoint = tcp_endpoint()
+    client = RequestPlaneClient(stall_timeout_s=60, idle_close_s=60, connect_timeout_s=60)
+    router = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        hwm, waiting = await _fill(client, endpoint)
+        router.bind(endpoint)
+        received = []
+        while len(received) <= hwm:
+            _, payload = await asyncio.wait_for(router.recv_multipart(), 10)
+            received.append(wire.to_worker_decoder.decode(payload).request_id)
+        await asyncio.wait_for(waiting, 10)
+        assert received == [f"queued-{n}" for n in range(hwm)] + ["waiting"], "every message, in order"
+    finally:
+        router.close(linger=0)
+        await client.close()
+
+
+async def test_a_send_waiting_for_room_fails_as_lost_when_its_channel_closes() -> None:
+    endpoint = tcp_endpoint()
+    client = RequestPlaneClient(stall_timeout_s=60, idle_close_s=60, connect_timeout_s=60)
+    try:
+        _, waiting = await _fill(client, endpoint)
+        client.endpoint_lost(endpoint)
+        with pytest.raises(WorkerLost):
+            await asyncio.wait_for(waiting, 10)
+    finally:
+        await client.close()
