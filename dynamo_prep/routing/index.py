@@ -111,7 +111,7 @@ class _Table(Generic[_K, _V]):
 
     def of(self, key: _K) -> dict[_K, _V]:
         """The bucket ``key`` belongs in."""
-        return self.at((hash(key) * _MIX) & _MASK64)
+        return self.at(_mixed(key))
 
     def at(self, mixed: int) -> dict[_K, _V]:
         """The bucket of a key whose ``_mixed`` hash is ``mixed``."""
@@ -236,16 +236,14 @@ class KvIndex:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.counters = IndexCounters()
-        self._holders: _Table[int, int] = _Table(
-            HOLDERS_ENTRIES, made=True
-        )  # own hash -> bit mask of its holders
+        # own hash -> bit mask of the instances holding it
+        self._holders: _Table[int, int] = _Table(HOLDERS_ENTRIES, made=True)
         self._distinct = 0  # entries of _holders
         self._instances: dict[str, _Holder] = {}
         self._capacity: dict[str, int] = {}  # instance id -> its bound, when its card says one
         self._slots: list[str | None] = []  # bit index -> instance id
-        self._retired: deque[_Holder] = (
-            deque()
-        )  # reset or cleared: their bits leave _holders a slice at a time
+        # reset or cleared: their bits leave _holders a slice at a time
+        self._retired: deque[_Holder] = deque()
         self._retiring = 0  # their bits, not given to another instance until then
         self._limiter = limiter or RateLimiter()
         self._on_refused = on_refused
@@ -314,7 +312,7 @@ class KvIndex:
         buckets, route, shift = self._holders.buckets, self._holders.route, self._holders.shift
 
         def holders(own: int) -> int:  # _Table.of inlined: its buckets are all made
-            return buckets[route[((hash(own) * _MIX) & _MASK64) >> shift]].get(own, 0)  # type: ignore[union-attr]
+            return buckets[route[_mixed(own) >> shift]].get(own, 0)  # type: ignore[union-attr]
 
         first = holders(own_hashes[0]) if count else 0
         if not first:
@@ -442,18 +440,14 @@ class KvIndex:
                 held_bucket[own] = engine
                 holder.engine_hashes += 1
                 holder.blocks += 1
-                masks = masks_buckets[masks_route[own_mixed >> masks_shift]]
-                mask = masks.get(own, 0)  # type: ignore[union-attr]
-                if not mask:
-                    self._distinct += 1
-                masks[own] = mask | bit  # type: ignore[index]
+                self._hold(masks_buckets[masks_route[own_mixed >> masks_shift]], own, bit)  # type: ignore[arg-type]
                 (parent_buckets[slot] or parents.made(slot))[own] = parent
                 _add(child_buckets[parent_slot] or children.made(parent_slot), parent, own)
             parent, parent_slot = own, slot
         return len(owns), False
 
-    def _hold(self, own: int, bit: int) -> None:
-        masks = self._holders.of(own)
+    def _hold(self, masks: dict[int, int], own: int, bit: int) -> None:
+        """``bit`` holds ``own`` too; ``masks`` is ``own``'s bucket of the table."""
         mask = masks.get(own, 0)
         if not mask:
             self._distinct += 1
@@ -489,7 +483,7 @@ class KvIndex:
             return True
         held_bucket[own] = engine
         holder.blocks += 1
-        self._hold(own, holder.bit)
+        self._hold(self._holders.of(own), own, holder.bit)
         holder.parent.of(own)[own] = parent
         _add(holder.children.of(parent), parent, own)
         return True

@@ -160,7 +160,6 @@ class _Followed:
     a pass over them is queued; ``timer``: the pass queued for the replay deadline or the reconnect.
     """
 
-    instance_id: str
     kv: KvEventsEndpoint
     follower: InstanceFollower
     socket: zmq.Socket[Any]
@@ -410,7 +409,7 @@ class KvEventSubscriber:
             budget=self._budget,
             slice_blocks=APPLY_SLICE_BLOCKS,
         )
-        return _Followed(instance_id, kv, follower, socket, monitor, channel, log)
+        return _Followed(kv, follower, socket, monitor, channel, log)
 
     def _sub(self, topic: bytes) -> tuple[zmq.Socket[Any], zmq.Socket[Any]]:
         """A SUB subscribed to ``topic`` and the PAIR its disconnects are reported to."""
@@ -443,9 +442,8 @@ class KvEventSubscriber:
 
     def _start(self, followed: _Followed) -> None:
         """Watch the instance's sockets and make a first pass (messages may be waiting already)."""
-        for socket in (followed.socket, followed.monitor, _replay_socket(followed)):
-            if socket is not None:
-                self._watch(socket, followed)
+        for socket in _sockets(followed):
+            self._watch(socket, followed)
         self._again(followed)
 
     def _watch(self, socket: zmq.Socket[Any], followed: _Followed) -> None:
@@ -507,9 +505,8 @@ class KvEventSubscriber:
 
     def _pause(self, followed: _Followed) -> None:
         """After a failed pass: its sockets unwatched for ``ERROR_BACKOFF_S``, then served again."""
-        for socket in (followed.socket, followed.monitor, _replay_socket(followed)):
-            if socket is not None:
-                self._unwatch(socket)
+        for socket in _sockets(followed):
+            self._unwatch(socket)
         if followed.timer is not None:
             followed.timer.cancel()
         assert self._loop is not None
@@ -581,6 +578,14 @@ class KvEventSubscriber:
             received += 1
             handle(frames)
         return received
+
+
+def _sockets(followed: _Followed) -> list[zmq.Socket[Any]]:
+    """The sockets the loop watches for ``followed``: its SUB, its monitor, a replay DEALER if open."""
+    replay = _replay_socket(followed)
+    return (
+        [followed.socket, followed.monitor] if replay is None else [followed.socket, followed.monitor, replay]
+    )
 
 
 def _replay_socket(followed: _Followed) -> zmq.Socket[Any] | None:
