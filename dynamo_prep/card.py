@@ -30,9 +30,23 @@ __all__ = [
 ]
 
 LEGACY_RUNTIME_KEYS = ("expands_image_pad_token",)
-TOKENIZER_FILE = "tiktoken.model"
-REQUIRED_JSON_FILES = ("config.json", "tokenizer_config.json")
-OPTIONAL_FILES = ("chat_template.jinja", "generation_config.json")
+# A model directory's tokenizer, by the file that holds it (its logical name on the card).
+TIKTOKEN_FILE = "tiktoken.model"  # Kimi-style tiktoken ranks (or exactly one ``*.tiktoken``)
+HF_TOKENIZER_FILE = "tokenizer.json"  # Hugging Face ``tokenizers``
+TOKENIZER_FILES = (TIKTOKEN_FILE, HF_TOKENIZER_FILE)
+SENTENCEPIECE_FILE = "tokenizer.model"  # read by no one here: named in the error when it is alone
+REQUIRED_JSON_FILES = ("config.json",)
+# Read when present: templates, special tokens, stop ids, processors (which image token they expand).
+OPTIONAL_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+CARD_FILE_NAMES = frozenset((*REQUIRED_JSON_FILES, *TOKENIZER_FILES, *OPTIONAL_FILES))
 _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
 
 
@@ -125,7 +139,7 @@ class ModelDeploymentCard(msgspec.Struct, kw_only=True, gc=False):
         model_dir = resolve_model_dir(path)
         files = model_files(model_dir)
         config = read_json(model_dir / "config.json")
-        tokenizer_config = read_json(model_dir / "tokenizer_config.json")
+        tokenizer_config = read_optional_json(files, "tokenizer_config.json")
         display_name = served_name or model_dir.resolve().name
         return cls(
             display_name=display_name,
@@ -210,23 +224,39 @@ def model_files(model_dir: Path) -> dict[str, Path]:
         if not path.is_file():
             raise ModelCardError(f"{path}: required file is missing")
         files[name] = path
-    files[TOKENIZER_FILE] = _tokenizer_file(model_dir)
+    name, path = _tokenizer_file(model_dir)
+    files[name] = path
     for name in OPTIONAL_FILES:
         if (model_dir / name).is_file():
             files[name] = model_dir / name
+    if TIKTOKEN_FILE in files and "tokenizer_config.json" not in files:
+        raise ModelCardError(f"{model_dir / 'tokenizer_config.json'}: required file is missing")
     return files
 
 
-def _tokenizer_file(model_dir: Path) -> Path:
+def _tokenizer_file(model_dir: Path) -> tuple[str, Path]:
+    """The directory's one tokenizer, by its logical name: ``tokenizer.json`` or tiktoken ranks."""
     candidates = sorted(model_dir.glob("*.tiktoken"))
-    if (model_dir / TOKENIZER_FILE).is_file():
-        candidates.insert(0, model_dir / TOKENIZER_FILE)
-    if not candidates:
-        raise ModelCardError(f"{model_dir}: no tokenizer file (expected tiktoken.model or one *.tiktoken)")
+    if (model_dir / TIKTOKEN_FILE).is_file():
+        candidates.insert(0, model_dir / TIKTOKEN_FILE)
+    if (model_dir / HF_TOKENIZER_FILE).is_file():
+        candidates.insert(0, model_dir / HF_TOKENIZER_FILE)
     if len(candidates) > 1:
         names = ", ".join(c.name for c in candidates)
         raise ModelCardError(f"{model_dir}: two or more tokenizer files ({names}); keep exactly one")
-    return candidates[0]
+    if not candidates:
+        raise ModelCardError(f"{model_dir}: {_no_tokenizer(model_dir)}")
+    found = candidates[0]
+    return (HF_TOKENIZER_FILE if found.name == HF_TOKENIZER_FILE else TIKTOKEN_FILE), found
+
+
+def _no_tokenizer(model_dir: Path) -> str:
+    if (model_dir / SENTENCEPIECE_FILE).is_file():
+        return (
+            f"{SENTENCEPIECE_FILE} (SentencePiece) has no {HF_TOKENIZER_FILE} beside it; convert it once "
+            "with transformers: AutoTokenizer.from_pretrained(DIR).save_pretrained(DIR)"
+        )
+    return f"no tokenizer file (expected {HF_TOKENIZER_FILE}, {TIKTOKEN_FILE} or one *.tiktoken)"
 
 
 def file_ref(path: Path) -> FileRef:
@@ -251,6 +281,11 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
+def read_optional_json(files: dict[str, Path], name: str) -> dict[str, Any]:
+    """A JSON object from one of the card's optional files, empty when the directory has none."""
+    return read_json(files[name]) if name in files else {}
+
+
 def slugify(name: str) -> str:
     """URL- and subject-safe form of a model name."""
     return re.sub(r"[^a-z0-9._-]+", "-", name.lower()).strip("-") or "model"
@@ -267,7 +302,7 @@ def _context_length(config: dict[str, Any], tokenizer_config: dict[str, Any], mo
             if isinstance(value, int) and value > 0:
                 return value
     value = tokenizer_config.get("model_max_length")
-    if isinstance(value, int) and 0 < value < 1 << 40:
+    if isinstance(value, int) and 0 < value < 1 << 40:  # transformers writes 1e30 for "no limit"
         return value
     raise ModelCardError(
         f"{model_dir / 'config.json'}: no context length "

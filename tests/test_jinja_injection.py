@@ -24,7 +24,7 @@ from dynamo_prep.formatter import JinjaFormatter, PromptRenderError, Segment
 from dynamo_prep.formatter.jinja.injection import _Marked
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
-from dynamo_prep.tokenizer import Tokenizer
+from dynamo_prep.tokenizer import TiktokenTokenizer, Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
 ATTACKS = (
@@ -254,7 +254,7 @@ def tokenizer_with(base: Tokenizer, specials: tuple[str, ...]) -> Tokenizer:
         mergeable_ranks=base.encoding._mergeable_ranks,
         special_tokens=ids,
     )
-    return Tokenizer(
+    return TiktokenTokenizer(
         name="test",
         model_type=None,
         encoding=encoding,

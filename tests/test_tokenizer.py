@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies_hostile import reference_pieces, reference_split
 
-import dynamo_prep.tokenizer as tokenizer_module
+import dynamo_prep.tokenizer._tiktoken as tokenizer_module
 from dynamo_prep.formatter import KimiK3Formatter, Segment
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.prompt import Run

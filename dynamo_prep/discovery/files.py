@@ -25,9 +25,7 @@ import structlog
 import zmq
 
 from dynamo_prep.card import (
-    OPTIONAL_FILES,
-    REQUIRED_JSON_FILES,
-    TOKENIZER_FILE,
+    CARD_FILE_NAMES,
     ModelDeploymentCard,
     file_ref,
     model_files,
@@ -52,7 +50,7 @@ log = structlog.get_logger("dynamo_prep.discovery")
 CACHE_DIR_ENV = "DYN_PREP_CACHE_DIR"
 CACHE_MAX_BYTES_ENV = "DYN_PREP_CACHE_MAX_BYTES"
 DEFAULT_CACHE_MAX_BYTES = 4 << 30  # 16 files of the largest size the request plane carries
-KNOWN_FILE_NAMES = frozenset((*REQUIRED_JSON_FILES, TOKENIZER_FILE, *OPTIONAL_FILES))
+KNOWN_FILE_NAMES = CARD_FILE_NAMES
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 REPLY_OVERHEAD_BYTES = 4096  # a FileData's envelope around the file's bytes
 

@@ -26,7 +26,7 @@ from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.protocol.wire import TokenLogprob
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["ContentLogprobs", "LegacyLogprobs", "LoggedContent", "content_logprobs_for", "token_bytes"]
+__all__ = ["ContentLogprobs", "LegacyLogprobs", "LoggedContent", "content_logprobs_for"]
 
 # The logprob of an impossible token (-inf, or a value JSON cannot carry), as vLLM writes it.
 FLOOR_LOGPROB = -9999.0
@@ -36,15 +36,6 @@ class LoggedContent(ContentDelta, frozen=True):
     """A content delta with the logprobs of the tokens whose text it carries."""
 
     logprobs: list[ContentLogprob] = msgspec.field(default_factory=list)
-
-
-def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
-    """A token's exact bytes (empty for an id outside the vocabulary)."""
-    try:
-        data: bytes = tokenizer.encoding.decode_single_token_bytes(token_id)
-    except (KeyError, OverflowError):  # tiktoken: unknown id, or a negative one
-        return b""
-    return data
 
 
 def _logprob(value: float) -> float:
@@ -59,7 +50,7 @@ class _Render:
         self.top = top
 
     def top_entry(self, token_id: int, logprob: float) -> TopLogprob:
-        data = token_bytes(self.tokenizer, token_id)
+        data = self.tokenizer.token_bytes(token_id)
         text = data.decode("utf-8", errors="replace")
         return TopLogprob(token=text, bytes=list(data), logprob=_logprob(logprob))
 
@@ -106,7 +97,7 @@ class ContentLogprobs:
             records = None
         deltas: list[AnswerDelta] = []
         for index, token_id in enumerate(token_ids):
-            data = token_bytes(self._render.tokenizer, token_id)
+            data = self._render.tokenizer.token_bytes(token_id)
             start = self._base + len(self._text)
             self._text += self._utf8.decode(data)
             record = None if records is None else records[index]
@@ -171,7 +162,7 @@ class LegacyLogprobs:
             records = None
         rendered = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
         for index, token_id in enumerate(token_ids):
-            data = token_bytes(self._render.tokenizer, token_id)
+            data = self._render.tokenizer.token_bytes(token_id)
             text = data.decode("utf-8", errors="replace")
             record = None if records is None else records[index]
             rendered.tokens.append(text)
@@ -186,6 +177,6 @@ class LegacyLogprobs:
         gives it: up to ``top`` + 1 entries; alternatives with the same text keep the first)."""
         top = {text: _logprob(record.logprob)}
         for other, logprob in record.top[: self._render.top]:
-            text = token_bytes(self._render.tokenizer, other).decode("utf-8", errors="replace")
+            text = self._render.tokenizer.token_bytes(other).decode("utf-8", errors="replace")
             top.setdefault(text, _logprob(logprob))
         return top

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import codecs
 import weakref
-from collections.abc import Sequence
 
 from dynamo_prep.parsing._recoveries import INVALID_TOKEN, SPECIAL_TOKEN
 from dynamo_prep.tokenizer import Tokenizer
 
 
 class Vocab:
-    """What a parser needs to know about a tokenizer's ids, computed once per tokenizer."""
+    """What a parser needs to know about a tokenizer's ids, computed once per tokenizer.
 
-    __slots__ = ("__weakref__", "encoding", "n_vocab", "special_tokens", "specials", "stops")
+    ``special_tokens`` are the strings a parser may match on their id (every one-id token: markers
+    such as Qwen's ``<tool_call>`` are non-special added tokens); ``specials`` are the ids that are
+    no text (the control tokens)."""
+
+    __slots__ = ("__weakref__", "bytes_of", "n_vocab", "special_tokens", "specials", "stops")
 
     def __init__(self, tokenizer: Tokenizer) -> None:
-        self.encoding = tokenizer.encoding
+        self.bytes_of = tokenizer.decode_bytes
         self.n_vocab = tokenizer.n_vocab
-        self.special_tokens = tokenizer.special_tokens
+        self.special_tokens = tokenizer.added_tokens
         self.specials = frozenset(tokenizer.special_tokens.values())
         self.stops = frozenset(tokenizer.eos_token_ids)
 
@@ -30,10 +33,6 @@ class Vocab:
         if token_id in self.stops:
             return None
         return SPECIAL_TOKEN if 0 <= token_id < self.n_vocab else INVALID_TOKEN
-
-    def bytes_of(self, token_ids: Sequence[int]) -> bytes:
-        data: bytes = self.encoding.decode_bytes(list(token_ids))
-        return data
 
 
 _VOCABS: weakref.WeakKeyDictionary[Tokenizer, Vocab] = weakref.WeakKeyDictionary()

@@ -313,7 +313,7 @@ class MockEngine:
         budget = len(text[: min(hits)].encode("utf-8"))
         kept = 0
         for token_id in token_ids:
-            budget -= len(self.tokenizer.encoding.decode_single_token_bytes(token_id))
+            budget -= len(self.tokenizer.token_bytes(token_id))
             if budget < 0:
                 break
             kept += 1

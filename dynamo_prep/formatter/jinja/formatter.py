@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -10,12 +11,13 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import structlog
 
 from dynamo_prep.card import read_json
 from dynamo_prep.formatter.jinja.bounds import RENDER_LIMITS, TemplateLimits, bounded
 from dynamo_prep.formatter.jinja.checkpoint import (
     find_templates,
-    image_token_from_config,
+    image_token_of,
     registered_specials_from_config,
     special_tokens_from_config,
 )
@@ -31,6 +33,8 @@ from dynamo_prep.prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 __all__ = ["JinjaFormatter"]
+
+log = structlog.get_logger("dynamo_prep.formatter")
 
 _RESERVED_ARGS = ("messages", "tools")
 # Formatters cutting at the same specials (the names of one checkpoint) share one SpecialTokens: its
@@ -167,7 +171,7 @@ class JinjaFormatter:
         """
         model_dir = resolve_model_dir(path)
         if tokenizer_config is None:
-            tokenizer_config = read_json(model_dir / "tokenizer_config.json")
+            tokenizer_config = _tokenizer_config(model_dir)
         if config is None:
             config_path = model_dir / "config.json"
             config = read_json(config_path) if config_path.is_file() else {}
@@ -175,7 +179,7 @@ class JinjaFormatter:
         return cls.from_template(
             templates.default,
             special_tokens=special_tokens_from_config(tokenizer_config),
-            image_token=image_token_from_config(config, tokenizer_config),
+            image_token=image_token_of(model_dir, config, tokenizer_config),
             exclude_tools_when_tool_choice_none=exclude_tools_when_tool_choice_none,
             tool_use_template=templates.tool_use,
             source=templates.source,
@@ -268,12 +272,46 @@ class JinjaFormatter:
         return template, context
 
 
+def _tokenizer_config(model_dir: Path) -> dict[str, Any]:
+    """``tokenizer_config.json`` over ``special_tokens_map.json``, as transformers merges them; either
+    may be missing (a ``tokenizer.json`` checkpoint needs neither)."""
+    merged: dict[str, Any] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        if (model_dir / name).is_file():
+            merged.update(read_json(model_dir / name))
+    return merged
+
+
 def _hf_message(message: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI content parts the way HF processors expect them: ``image_url`` -> ``{"type": "image"}``."""
+    """An OpenAI message as vLLM hands it to a template: ``image_url`` parts -> ``{"type": "image"}``;
+    assistant tool calls with ``arguments`` as an object (a JSON string parsed; empty, malformed or
+    not an object -> ``{}``, so a bad call in the history never blocks the conversation); an empty
+    ``tool_calls`` list dropped."""
     content = message.get("content")
-    if not isinstance(content, list):
-        return message
-    return {**message, "content": [_hf_part(part) for part in content]}
+    if isinstance(content, list):
+        message = {**message, "content": [_hf_part(part) for part in content]}
+    calls = message.get("tool_calls")
+    if message.get("role") == "assistant" and isinstance(calls, list):
+        if not calls:
+            return {key: value for key, value in message.items() if key != "tool_calls"}
+        message = {**message, "tool_calls": [_hf_call(call) for call in calls]}
+    return message
+
+
+def _hf_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or isinstance(function.get("arguments"), dict):
+        return call
+    arguments = function.get("arguments")
+    parsed: Any = arguments
+    if isinstance(arguments, str) and arguments:
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            log.warning(
+                "tool_call_arguments_not_json", function=str(function.get("name"))[:80], chars=len(arguments)
+            )
+    return {**call, "function": {**function, "arguments": parsed if isinstance(parsed, dict) else {}}}
 
 
 def _hf_part(part: Any) -> Any:

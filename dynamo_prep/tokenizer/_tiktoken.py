@@ -1,4 +1,4 @@
-"""tiktoken tokenizers loaded from a model directory, the way Kimi's ``TikTokenTokenizer`` does.
+"""tiktoken vocabularies loaded from a model directory, the way Kimi's ``TikTokenTokenizer`` does.
 
 The base vocabulary is ``tiktoken.model`` (``base64(token) rank`` lines); the 256 ids above it are
 reserved specials, named by ``tokenizer_config.json`` ``added_tokens_decoder`` or
@@ -24,11 +24,11 @@ from typing import Any, NamedTuple
 import structlog
 import tiktoken
 
-from dynamo_prep.card import TOKENIZER_FILE, ModelCardError, model_files, read_json
-from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.prompt import Piece, Run
+from dynamo_prep.card import TIKTOKEN_FILE
+from dynamo_prep.prompt import Run
+from dynamo_prep.tokenizer._base import Tokenizer, TokenizerError, token_content
 
-__all__ = ["KNOWN_MODEL_TYPES", "NUM_RESERVED_SPECIAL_TOKENS", "Tokenizer", "TokenizerError"]
+__all__ = ["KNOWN_MODEL_TYPES", "NUM_RESERVED_SPECIAL_TOKENS", "TiktokenTokenizer"]
 
 log = structlog.get_logger()
 
@@ -98,10 +98,6 @@ _SPACE_RUN = re.compile(r"\s*")
 _WORD_RUN = re.compile(r"\S*")
 
 
-class TokenizerError(ValueError):
-    """A tokenizer cannot be loaded or used; the message names the file or the model_type."""
-
-
 class _Vocab(NamedTuple):
     encoding: tiktoken.Encoding
     num_base_tokens: int
@@ -118,8 +114,10 @@ _BY_FILE: weakref.WeakValueDictionary[str, tiktoken.Encoding] = weakref.WeakValu
 _BUILD_LOCK = threading.Lock()
 
 
-class Tokenizer:
+class TiktokenTokenizer(Tokenizer):
     """One model's tiktoken encoding, its special tokens and its stop ids."""
+
+    kind = "tiktoken"
 
     def __init__(
         self,
@@ -136,9 +134,8 @@ class Tokenizer:
         self.n_vocab = num_base_tokens + len(special_tokens)
         self._specials = dict(special_tokens)
         self.special_tokens: Mapping[str, int] = MappingProxyType(self._specials)
+        self.added_tokens = self.special_tokens  # every registered token is a control token
         self.all_special_ids = all_special_ids
-        self.bos_token_id: int | None = None
-        self.eos_token_ids: tuple[int, ...] = ()
         self._encoding = encoding
         self._num_base_tokens = num_base_tokens
         self._special_names = {token_id: text for text, token_id in special_tokens.items()}
@@ -152,28 +149,21 @@ class Tokenizer:
         self._lines_seen: dict[int, int] = {}  # line hash -> sightings before it is kept
 
     @classmethod
-    def from_model_dir(cls, path: str | Path, *, config: dict[str, Any] | None = None) -> Tokenizer:
-        """Load a model directory (or a demo model name) exactly as Kimi's TikTokenTokenizer does.
-
-        ``config`` is the parsed ``config.json`` when the caller has already read it.
-        """
+    def load(
+        cls,
+        model_dir: Path,
+        files: Mapping[str, Path],
+        config: dict[str, Any],
+        tokenizer_config: dict[str, Any],
+        generation_config: dict[str, Any],
+    ) -> TiktokenTokenizer:
+        """Load a model directory's tiktoken ranks exactly as Kimi's TikTokenTokenizer does."""
         started = time.perf_counter()
-        model_dir = resolve_model_dir(path)
-        try:
-            files = model_files(model_dir)
-            if config is None:
-                config = read_json(files["config.json"])
-            tokenizer_config = read_json(files["tokenizer_config.json"])
-            generation_config = (
-                read_json(files["generation_config.json"]) if "generation_config.json" in files else {}
-            )
-        except ModelCardError as exc:
-            raise TokenizerError(str(exc)) from exc
-        tokenizer_file = files[TOKENIZER_FILE]
         model_type = _model_type(config)
-        pat_str = _pat_str(model_type, tokenizer_config, files["tokenizer_config.json"], files["config.json"])
-        added = _added_tokens(tokenizer_config, files["tokenizer_config.json"])
-        vocab, cached = _vocab(tokenizer_file, pat_str, added, files["tokenizer_config.json"])
+        tc_path = files["tokenizer_config.json"]
+        pat_str = _pat_str(model_type, tokenizer_config, tc_path, files["config.json"])
+        added = _added_tokens(tokenizer_config, tc_path)
+        vocab, cached = _vocab(files[TIKTOKEN_FILE], pat_str, added, tc_path)
         tokenizer = cls(
             name=model_dir.resolve().name,
             model_type=model_type,
@@ -182,13 +172,11 @@ class Tokenizer:
             special_tokens=vocab.special_tokens,
             all_special_ids=_all_special_ids(vocab.special_tokens, added, tokenizer_config),
         )
-        tokenizer.bos_token_id = tokenizer._bos_token_id(
-            config, tokenizer_config, files["tokenizer_config.json"]
-        )
-        tokenizer.eos_token_ids = tokenizer._eos_token_ids(config, tokenizer_config, generation_config, files)
+        tokenizer._set_stop_ids(config, tokenizer_config, generation_config, files)
         log.debug(
             "tokenizer_loaded",
             model_dir=str(model_dir),
+            kind=cls.kind,
             model_type=model_type,
             n_vocab=tokenizer.n_vocab,
             encoding_cached=cached,
@@ -210,7 +198,7 @@ class Tokenizer:
             ids.extend(self._encode_run(piece, allow_special))
         return ids
 
-    def encode_pieces(self, pieces: Iterable[Piece]) -> list[int]:
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool] | Run]) -> list[int]:
         """A rendered prompt's ids: each ``Run`` served whole from its kept ids, each segment as
         ``encode_segments`` encodes it."""
         return self._encode(pieces)
@@ -256,18 +244,20 @@ class Tokenizer:
         data: bytes = self._encoding.decode_bytes(list(ids))
         return data.decode("utf-8", errors="replace")
 
-    def first_unknown_id(self, ids: Sequence[int]) -> int | None:
-        """The first of ``ids`` outside the vocabulary ``[0, n_vocab)``, or None when all are in it."""
-        if not ids or (min(ids) >= 0 and max(ids) < self.n_vocab):
-            return None
-        return next(token_id for token_id in ids if not 0 <= token_id < self.n_vocab)
+    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Kimi's tokenizer adds no BOS; its specials are ids only when asked for."""
+        return self.encode(text, allow_special=add_special_tokens)
 
-    def unknown_id_error(self, ids: Sequence[int]) -> str | None:
-        """What is wrong with ``ids`` for this vocabulary, worded for a client, or None."""
-        bad, size = self.first_unknown_id(ids), self.n_vocab
-        if bad is None:
-            return None
-        return f"token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})"
+    def token_bytes(self, token_id: int) -> bytes:
+        try:
+            data: bytes = self._encoding.decode_single_token_bytes(token_id)
+        except (KeyError, OverflowError):  # tiktoken: unknown id, or a negative one
+            return b""
+        return data
+
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        data: bytes = self._encoding.decode_bytes(list(ids))
+        return data
 
     def token_to_id(self, text: str) -> int | None:
         """The id of a registered special, or of text that is exactly one base-vocabulary token."""
@@ -288,10 +278,6 @@ class Tokenizer:
             return None
         data: bytes = self._encoding.decode_single_token_bytes(token_id)
         return data.decode("utf-8", errors="replace")
-
-    def is_special_token(self, text: str) -> bool:
-        """Whether ``text`` is a registered special token string (one id under allow_special)."""
-        return text in self._specials
 
     def _encode_run(self, text: str, allow_special: bool) -> list[int]:
         if allow_special:
@@ -367,49 +353,6 @@ class Tokenizer:
         ids = self._line_ids[line] = tuple(self._encoding.encode_ordinary(line))
         self._line_chars += len(line)
         return ids
-
-    def _bos_token_id(
-        self, config: dict[str, Any], tokenizer_config: dict[str, Any], path: Path
-    ) -> int | None:
-        if "bos_token" in tokenizer_config:
-            name = _token_content(tokenizer_config["bos_token"])
-            return None if name is None else self._resolve(name, path, "bos_token")
-        return self._checked_id(config.get("bos_token_id"), path.parent / "config.json", "bos_token_id")
-
-    def _eos_token_ids(
-        self,
-        config: dict[str, Any],
-        tokenizer_config: dict[str, Any],
-        generation_config: dict[str, Any],
-        files: Mapping[str, Path],
-    ) -> tuple[int, ...]:
-        """Every stop id: generation_config, then config.json, then tokenizer_config's eos_token."""
-        ids: list[int] = []
-        for source, name in ((generation_config, "generation_config.json"), (config, "config.json")):
-            value = source.get("eos_token_id")
-            for item in value if isinstance(value, list) else [value]:
-                token_id = self._checked_id(item, files.get(name, Path(name)), "eos_token_id")
-                if token_id is not None:
-                    ids.append(token_id)
-        eos_name = _token_content(tokenizer_config.get("eos_token"))
-        if eos_name is not None:
-            ids.append(self._resolve(eos_name, files["tokenizer_config.json"], "eos_token"))
-        return tuple(dict.fromkeys(ids))
-
-    def _checked_id(self, value: object, path: Path, key: str) -> int | None:
-        if value is None:
-            return None
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < self.n_vocab:
-            raise TokenizerError(f"{path}: {key} {value!r} is not a token id in [0, {self.n_vocab})")
-        return value
-
-    def _resolve(self, name: str, path: Path, key: str) -> int:
-        token_id = self.token_to_id(name)
-        if token_id is None:
-            raise TokenizerError(
-                f"{path}: {key} {name!r} is neither a registered special nor a vocabulary token"
-            )
-        return token_id
 
 
 def split_for_encoding(
@@ -579,16 +522,9 @@ def _all_special_ids(
 ) -> frozenset[int]:
     """HF semantics: added tokens flagged special, plus bos/eos/unk/pad and additional_special_tokens."""
     ids = {token_id for token_id, (_, special) in added.items() if special}
-    names = [_token_content(tokenizer_config.get(key)) for key in _HF_SPECIAL_KEYS]
+    names = [token_content(tokenizer_config.get(key)) for key in _HF_SPECIAL_KEYS]
     additional = tokenizer_config.get("additional_special_tokens")
     if isinstance(additional, list):
-        names.extend(_token_content(item) for item in additional)
+        names.extend(token_content(item) for item in additional)
     ids.update(specials[name] for name in names if name is not None and name in specials)
     return frozenset(ids)
-
-
-def _token_content(value: object) -> str | None:
-    """A token given as a string or as a serialized AddedToken (``{"content": ...}``)."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None

@@ -1,0 +1,160 @@
+"""The one interface every tokenizer kind implements, and what the kinds share (stop ids, range checks)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from dynamo_prep.prompt import Run
+
+__all__ = ["Tokenizer", "TokenizerError", "token_content"]
+
+
+class TokenizerError(ValueError):
+    """A tokenizer cannot be loaded or used; the message names the file and the field."""
+
+
+class Tokenizer(ABC):
+    """One model's vocabulary, whatever file it comes from.
+
+    ``special_tokens`` are the control tokens: one id where a formatter writes them (a control
+    segment), plain text where a user typed them. ``added_tokens`` are every string that is one id
+    (the control tokens and, for Hugging Face vocabularies, the non-special added tokens, which are
+    one id wherever they appear). ``all_special_ids`` are what ``skip_special_tokens`` drops.
+    """
+
+    name: str
+    model_type: str | None
+    kind: str
+    n_vocab: int
+    special_tokens: Mapping[str, int]
+    added_tokens: Mapping[str, int]
+    all_special_ids: frozenset[int]
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    context_length: int | None = None  # the tokenizer's own model_max_length, when it states one
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path, *, config: dict[str, Any] | None = None) -> Tokenizer:
+        """The tokenizer a model directory (or demo model name) holds: ``tokenizer.json`` (Hugging
+        Face ``tokenizers``) or tiktoken ranks (Kimi). ``config`` is the parsed ``config.json`` when
+        the caller has already read it."""
+        from dynamo_prep.tokenizer._load import load_tokenizer  # noqa: PLC0415 (the kinds import this module)
+
+        return load_tokenizer(path, config=config)
+
+    # -- encoding -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Ids of ``text`` alone; control-token text is plain text unless ``allow_special``. No BOS/EOS."""
+
+    @abstractmethod
+    def encode_pieces(self, pieces: Iterable[tuple[str, bool] | Run]) -> list[int]:
+        """A rendered prompt's ids: control segments may be control tokens, text segments never."""
+
+    def encode_segments(self, segments: Iterable[tuple[str, bool]]) -> list[int]:
+        """``encode_pieces`` of ``(text, allow_special)`` segments."""
+        return self.encode_pieces(segments)
+
+    @abstractmethod
+    def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """A raw prompt as the model's own tokenizer encodes it (``/tokenize``, completions)."""
+
+    # -- decoding -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``ids`` as the model's own tokenizer decodes it; an unknown id raises."""
+
+    @abstractmethod
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id contributes to streamed text (empty outside the vocabulary)."""
+
+    @abstractmethod
+    def decode_bytes(self, ids: Sequence[int]) -> bytes:
+        """The bytes ``ids`` contribute to streamed text: ``token_bytes`` of each, joined."""
+
+    @abstractmethod
+    def token_to_id(self, text: str) -> int | None:
+        """The id of a string that is exactly one token, or None."""
+
+    @abstractmethod
+    def id_to_token(self, token_id: int) -> str | None:
+        """An added token's text or a vocabulary token's text; None when out of range."""
+
+    # -- shared -------------------------------------------------------------------------------
+
+    def is_special_token(self, text: str) -> bool:
+        """Whether ``text`` is a registered token string that is always one id (never shattered)."""
+        return text in self.added_tokens
+
+    def first_unknown_id(self, ids: Sequence[int]) -> int | None:
+        """The first of ``ids`` outside the vocabulary ``[0, n_vocab)``, or None when all are in it."""
+        if not ids or (min(ids) >= 0 and max(ids) < self.n_vocab):
+            return None
+        return next(token_id for token_id in ids if not 0 <= token_id < self.n_vocab)
+
+    def unknown_id_error(self, ids: Sequence[int]) -> str | None:
+        """What is wrong with ``ids`` for this vocabulary, worded for a client, or None."""
+        bad, size = self.first_unknown_id(ids), self.n_vocab
+        if bad is None:
+            return None
+        return f"token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})"
+
+    def _set_stop_ids(
+        self,
+        config: Mapping[str, Any],
+        tokenizer_config: Mapping[str, Any],
+        generation_config: Mapping[str, Any],
+        files: Mapping[str, Path],
+    ) -> None:
+        """``bos_token_id`` and every stop id: generation_config, then config.json, then the tokenizer's
+        own ``eos_token`` (tokenizer_config.json, else special_tokens_map.json)."""
+        tc_path = files.get("tokenizer_config.json", Path("tokenizer_config.json"))
+        if (name := token_content(tokenizer_config.get("bos_token"))) is not None:
+            self.bos_token_id = self._resolve(name, tc_path, "bos_token")
+        elif "bos_token" not in tokenizer_config:
+            self.bos_token_id = self._checked_id(
+                config.get("bos_token_id"), files.get("config.json", Path("config.json")), "bos_token_id"
+            )
+        ids: list[int] = []
+        for source, name in ((generation_config, "generation_config.json"), (config, "config.json")):
+            value = source.get("eos_token_id")
+            for item in value if isinstance(value, list) else [value]:
+                token_id = self._checked_id(item, files.get(name, Path(name)), "eos_token_id")
+                if token_id is not None:
+                    ids.append(token_id)
+        if (eos_name := token_content(tokenizer_config.get("eos_token"))) is not None:
+            ids.append(self._resolve(eos_name, tc_path, "eos_token"))
+        self.eos_token_ids = tuple(dict.fromkeys(ids))
+
+    def _checked_id(self, value: object, path: Path, key: str) -> int | None:
+        if value is None:
+            return None
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < self.n_vocab:
+            raise TokenizerError(f"{path}: {key} {value!r} is not a token id in [0, {self.n_vocab})")
+        return value
+
+    def _resolve(self, name: str, path: Path, key: str) -> int:
+        token_id = self.token_to_id(name)
+        if token_id is None:
+            raise TokenizerError(
+                f"{path}: {key} {name!r} is neither a registered special nor a vocabulary token"
+            )
+        return token_id
+
+
+def token_content(value: object) -> str | None:
+    """A token given as a string or as a serialized AddedToken (``{"content": ...}``)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def frozen(mapping: Mapping[str, int]) -> Mapping[str, int]:
+    """A read-only view of a private dict."""
+    return MappingProxyType(dict(mapping))
