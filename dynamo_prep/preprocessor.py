@@ -116,9 +116,10 @@ class OpenAIPreprocessor:
     def new_with_parts(
         cls, card: ModelDeploymentCard, formatter: PromptFormatter, tokenizer: Tokenizer
     ) -> OpenAIPreprocessor:
-        """Join separately built parts; warn once if the declared image token is not a special."""
+        """Join separately built parts; warn once if the declared image token is not registered (it
+        would shatter into several BPE ids)."""
         declared = card.runtime_config.image_placeholder_token
-        unregistered = declared if declared is not None and not tokenizer.is_special_token(declared) else None
+        unregistered = declared if declared is not None and not tokenizer.is_registered(declared) else None
         if unregistered is not None:
             log.warning(
                 "declared_image_token_unregistered",

@@ -6,9 +6,10 @@ size, small enough that vLLM's CPU build starts in about 30 s and streams a toke
 with ``--load-format dummy --skip-tokenizer-init`` (random weights, no download, ids in and out).
 CPU attention needs ``head_dim`` >= 64 and a ``--block-size`` that is a multiple of 32.
 
-With ``--tokenizer-json`` it also writes a ``tokenizer.json`` converted from the demo vocabulary
-(transformers' TikTokenConverter: the same ids as ours), so the engine can load its own tokenizer
-(no ``--skip-tokenizer-init``), as structured outputs need: grammars are built over its vocabulary.
+With ``--tokenizer-json`` it writes a ``tokenizer.json`` converted from the demo vocabulary
+(transformers' TikTokenConverter: the same ids) in place of ``tiktoken.model``, so the engine loads
+its own tokenizer (no ``--skip-tokenizer-init``), as structured outputs need (grammars are built
+over its vocabulary), and the frontend reads the same file through ``tokenizers``.
 
 Usage: python scripts/make_engine_model.py OUT_DIR [--max-position-embeddings N] [--tokenizer-json]
 """
@@ -52,7 +53,8 @@ def write_engine_model(
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for name in COPIED:
-        shutil.copyfile(DEMO / name, out / name)
+        if not (tokenizer_json and name == "tiktoken.model"):  # a directory holds one tokenizer
+            shutil.copyfile(DEMO / name, out / name)
     demo = json.loads((DEMO / "config.json").read_text(encoding="utf-8"))
     config = engine_config(demo, max_position_embeddings)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -83,7 +85,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--max-position-embeddings", type=int, default=4096)
-    parser.add_argument("--tokenizer-json", action="store_true", help="also write tokenizer.json")
+    parser.add_argument("--tokenizer-json", action="store_true", help="tokenizer.json, not tiktoken.model")
     args = parser.parse_args()
     out = write_engine_model(
         args.out, max_position_embeddings=args.max_position_embeddings, tokenizer_json=args.tokenizer_json

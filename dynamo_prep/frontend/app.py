@@ -200,7 +200,8 @@ class _Handlers:
         preprocessor = self._serving(record, chat.model).preprocessor
         begun: list[Choice] = []
         with completion_params():
-            for index, render in enumerate(renders(prompts, preprocessor)):
+            specials = asked.add_special_tokens
+            for index, render in enumerate(renders(prompts, preprocessor, add_special_tokens=specials)):
                 begun += await self._begin(request, body, chat, "cmpl-", render=render, prompt_index=index)
         choices = await _firsts(begun)
         shaped = TextChoices(asked, choices, prompts, preprocessor.tokenizer, record)
@@ -301,17 +302,22 @@ class _Handlers:
         with decoding(RequestError.of):
             tokenize = msgspec.json.decode(body, type=TokenizeRequest)
         model = self._live_model(tokenize.model)
-        preprocessor = model.preprocessor
+        preprocessor, tokenizer = model.preprocessor, model.preprocessor.tokenizer
         if tokenize.messages is not None:
             tokens = await _off_loop(len(body), lambda: preprocessor.tokenize(body).token_ids)
+            if tokenize.add_special_tokens:
+                tokens = tokenizer.with_special_tokens(tokens)
         elif tokenize.prompt is not None:
-            text, specials = tokenize.prompt, tokenize.add_special_tokens
+            text, specials = tokenize.prompt, tokenize.add_special_tokens is not False
             tokens = await _off_loop(
-                len(body), lambda: preprocessor.tokenizer.encode(text, allow_special=specials)
+                len(body), lambda: tokenizer.encode_prompt(text, add_special_tokens=specials)
             )
         else:
             raise OpenAIError(400, "give either messages (a chat) or prompt (text)", param="messages")
-        answer = TokenizeResponse(count=len(tokens), max_model_len=preprocessor.context_length, tokens=tokens)
+        strs = [tokenizer.id_to_token(t) or "" for t in tokens] if tokenize.return_token_strs else None
+        answer = TokenizeResponse(
+            count=len(tokens), max_model_len=preprocessor.context_length, tokens=tokens, token_strs=strs
+        )
         return Response(_encoder.encode(answer), media_type=_JSON)
 
     async def detokenize(self, request: Request) -> Response:

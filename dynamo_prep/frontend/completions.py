@@ -113,23 +113,26 @@ def chat_of(asked: CompletionRequest) -> ChatCompletionRequest:
     )
 
 
-def renders(prompts: Sequence[Prompt], preprocessor: OpenAIPreprocessor) -> list[Render]:
-    """Each prompt's render: its text tokenized as it is (special-token text is the special token)
-    or its ids checked against the vocabulary; the context is checked by ``preprocess_ids``."""
-    return [_render(prompt, preprocessor) for prompt in prompts]
+def renders(
+    prompts: Sequence[Prompt], preprocessor: OpenAIPreprocessor, *, add_special_tokens: bool
+) -> list[Render]:
+    """Each prompt's render: its text tokenized as the model's tokenizer encodes a prompt (special-token
+    text is the special token; ``add_special_tokens``: a BOS where the tokenizer adds one) or its ids
+    checked against the vocabulary; the context is checked by ``preprocess_ids``."""
+    return [_render(prompt, preprocessor, add_special_tokens) for prompt in prompts]
 
 
-def _render(prompt: Prompt, preprocessor: OpenAIPreprocessor) -> Render:
+def _render(prompt: Prompt, preprocessor: OpenAIPreprocessor, add_special_tokens: bool) -> Render:
     def render(chat: ChatCompletionRequest) -> tuple[PreprocessedRequest, TokenizedPrompt]:
-        ids, text = _tokenized(prompt, preprocessor.tokenizer)
+        ids, text = _tokenized(prompt, preprocessor.tokenizer, add_special_tokens)
         return preprocessor.preprocess_ids(chat, ids, text)
 
     return render
 
 
-def _tokenized(prompt: Prompt, tokenizer: Tokenizer) -> tuple[list[int], str]:
+def _tokenized(prompt: Prompt, tokenizer: Tokenizer, add_special_tokens: bool) -> tuple[list[int], str]:
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, allow_special=True)
+        ids = tokenizer.encode_prompt(prompt, add_special_tokens=add_special_tokens)
         text = prompt
     else:
         unknown = tokenizer.unknown_id_error(prompt)

@@ -60,6 +60,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     user: Tag | None = None
+    add_special_tokens: bool = True  # vLLM's: a text prompt gets the tokenizer's BOS
 
 
 def parse_completion_request(body: bytes) -> CompletionRequest:

@@ -306,18 +306,23 @@ class ErrorBody(msgspec.Struct, kw_only=True):
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """vLLM's ``POST /tokenize``: a chat (``messages``) or a plain ``prompt``; other keys are chat fields."""
+    """vLLM's ``POST /tokenize``: a chat (``messages``) or a plain ``prompt``; other keys are chat fields.
+
+    ``add_special_tokens`` defaults as vLLM's: on for a prompt (a BOS where the tokenizer adds one),
+    off for a chat (its template writes them)."""
 
     model: Name
     messages: list[dict[str, Any]] | None = None
     prompt: str | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
 
 
 class TokenizeResponse(msgspec.Struct, kw_only=True):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

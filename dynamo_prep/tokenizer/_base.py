@@ -6,8 +6,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, ClassVar
 
+from dynamo_prep.card import ModelCardError, model_files, read_json, read_optional_json
+from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.prompt import Run
 
 __all__ = ["Tokenizer", "TokenizerError", "token_content"]
@@ -26,6 +28,9 @@ class Tokenizer(ABC):
     one id wherever they appear). ``all_special_ids`` are what ``skip_special_tokens`` drops.
     """
 
+    # Each kind names the file it reads (its logical name on the card) and registers itself by it.
+    source_file: ClassVar[str]
+    _kinds: ClassVar[dict[str, type[Tokenizer]]] = {}
     name: str
     model_type: str | None
     kind: str
@@ -37,14 +42,43 @@ class Tokenizer(ABC):
     eos_token_ids: tuple[int, ...] = ()
     context_length: int | None = None  # the tokenizer's own model_max_length, when it states one
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "source_file" in cls.__dict__:
+            Tokenizer._kinds[cls.source_file] = cls
+
     @classmethod
     def from_model_dir(cls, path: str | Path, *, config: dict[str, Any] | None = None) -> Tokenizer:
-        """The tokenizer a model directory (or demo model name) holds: ``tokenizer.json`` (Hugging
-        Face ``tokenizers``) or tiktoken ranks (Kimi). ``config`` is the parsed ``config.json`` when
-        the caller has already read it."""
-        from dynamo_prep.tokenizer._load import load_tokenizer  # noqa: PLC0415 (the kinds import this module)
+        """The tokenizer a model directory (or demo model name) holds, by its file (``tokenizer.json``:
+        Hugging Face ``tokenizers``; tiktoken ranks: Kimi). ``config`` is the parsed ``config.json``
+        when the caller has already read it. A bad layout or file raises ``TokenizerError`` naming
+        the file."""
+        model_dir = resolve_model_dir(path)
+        try:
+            files = model_files(model_dir)
+            if config is None:
+                config = read_json(files["config.json"])
+            tokenizer_config = {
+                **read_optional_json(files, "special_tokens_map.json"),
+                **read_optional_json(files, "tokenizer_config.json"),
+            }
+            generation_config = read_optional_json(files, "generation_config.json")
+        except ModelCardError as exc:
+            raise TokenizerError(str(exc)) from exc
+        kind = next(kind for name, kind in Tokenizer._kinds.items() if name in files)
+        return kind.load(model_dir, files, config, tokenizer_config, generation_config)
 
-        return load_tokenizer(path, config=config)
+    @classmethod
+    @abstractmethod
+    def load(
+        cls,
+        model_dir: Path,
+        files: Mapping[str, Path],
+        config: dict[str, Any],
+        tokenizer_config: dict[str, Any],
+        generation_config: dict[str, Any],
+    ) -> Tokenizer:
+        """This kind's tokenizer from the directory's files (their paths by logical name)."""
 
     # -- encoding -----------------------------------------------------------------------------
 
@@ -63,6 +97,10 @@ class Tokenizer(ABC):
     @abstractmethod
     def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """A raw prompt as the model's own tokenizer encodes it (``/tokenize``, completions)."""
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        """``ids`` with what the tokenizer adds around a sequence (a BOS), as ``add_special_tokens``."""
+        return list(ids)
 
     # -- decoding -----------------------------------------------------------------------------
 
@@ -91,6 +129,15 @@ class Tokenizer(ABC):
     def is_special_token(self, text: str) -> bool:
         """Whether ``text`` is a registered token string that is always one id (never shattered)."""
         return text in self.added_tokens
+
+    def is_registered(self, text: str) -> bool:
+        """Whether ``text`` is one or more registered tokens back to back (e.g. SGLang's Qwen-VL
+        ``<|vision_start|><|image_pad|><|vision_end|>``): no part of it is shattered into BPE pieces."""
+        if text in self.added_tokens:
+            return True
+        ids = self.encode(text, allow_special=True)
+        registered = set(self.added_tokens.values())
+        return bool(ids) and all(token_id in registered for token_id in ids)
 
     def first_unknown_id(self, ids: Sequence[int]) -> int | None:
         """The first of ``ids`` outside the vocabulary ``[0, n_vocab)``, or None when all are in it."""

@@ -9,6 +9,7 @@ whole string (see ``_spans``). The design and its proofs are in docs/tokenizers.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -71,6 +72,7 @@ class HfTokenizer(Tokenizer):
     pre-tokenizers, its prefix rule) for the length of one encode."""
 
     kind = "tokenizers"
+    source_file = HF_TOKENIZER_FILE
 
     def __init__(
         self,
@@ -153,6 +155,20 @@ class HfTokenizer(Tokenizer):
 
     def encode_prompt(self, text: str, *, add_special_tokens: bool) -> list[int]:
         return self._whole(text, add_special_tokens=add_special_tokens)
+
+    def with_special_tokens(self, ids: Sequence[int]) -> list[int]:
+        prefix, suffix = self._added_around
+        return [*prefix, *ids, *suffix]
+
+    @functools.cached_property
+    def _added_around(self) -> tuple[list[int], list[int]]:
+        """What the post-processor puts before and after a sequence, read off one probe."""
+        bare = self._whole("a", add_special_tokens=False)
+        wrapped = self._whole("a", add_special_tokens=True)
+        for start in range(len(wrapped) - len(bare) + 1):
+            if wrapped[start : start + len(bare)] == bare:
+                return wrapped[:start], wrapped[start + len(bare) :]
+        return [], []
 
     def encode_pieces(self, pieces: Iterable[tuple[str, bool] | Run]) -> list[int]:
         segments = list(_segments(pieces))

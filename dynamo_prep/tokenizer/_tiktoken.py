@@ -118,6 +118,7 @@ class TiktokenTokenizer(Tokenizer):
     """One model's tiktoken encoding, its special tokens and its stop ids."""
 
     kind = "tiktoken"
+    source_file = TIKTOKEN_FILE
 
     def __init__(
         self,
