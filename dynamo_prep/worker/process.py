@@ -23,10 +23,11 @@ import structlog
 import zmq
 import zmq.asyncio
 
-from dynamo_prep.card import ModelCardError
+from dynamo_prep.card import ModelCardError, ModelDeploymentCard
 from dynamo_prep.discovery.trust import TrustError
 from dynamo_prep.engines.base import EngineRuntime
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
+from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.engine import EngineArgsError, engine_card, engine_worker, start_runtime
 from dynamo_prep.worker.mock import mock_card, mock_engine, mock_worker
@@ -50,6 +51,11 @@ def run_worker(**options: Any) -> int:
     except (TrustError, ValueError) as exc:
         log.error("worker_start_failed", model_path=str(options.get("model_path")), error=str(exc))
         return EXIT_CONFIG
+    try:
+        check_servable(config)
+    except (ModelCardError, OSError, ValueError) as exc:
+        log.error("worker_start_failed", model_path=str(config.model_dir), error=str(exc))
+        return EXIT_FAILED
     if config.real_engine:
         return asyncio.run(_serve_engine(config))
     try:
@@ -59,6 +65,15 @@ def run_worker(**options: Any) -> int:
         log.error("worker_start_failed", model_path=str(config.model_dir), error=str(exc))
         return EXIT_FAILED
     return asyncio.run(_serve(lambda context: mock_worker(config, card, engine, context)))
+
+
+def check_servable(config: WorkerConfig) -> None:
+    """What a frontend builds from this directory (card, chat template, tokenizer), built once and
+    tried on a one-line chat, before any engine loads: a model it could not serve fails the start
+    with the file and the field (``ModelCardError``, ``TokenizerError``, a template error)."""
+    card = ModelDeploymentCard.from_model_dir(config.model_dir, served_name=config.served_name)
+    preprocessor = OpenAIPreprocessor.new(card, config.model_dir)
+    preprocessor.tokenize({"model": card.display_name, "messages": [{"role": "user", "content": "Hello"}]})
 
 
 def declared_token(config: WorkerConfig, engine_token: str | None) -> str | None:
