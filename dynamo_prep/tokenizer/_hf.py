@@ -137,7 +137,7 @@ class HfTokenizer(Tokenizer):
             source=path,
             decoder=spec.get("decoder"),
             mid_pre_tokenizer=_mid_pre_tokenizer(spec.get("pre_tokenizer"), path),
-            clean_up_tokenization_spaces=tokenizer_config.get("clean_up_tokenization_spaces") is True,
+            clean_up_tokenization_spaces=_cleans_up(spec, tokenizer_config),
         )
         hf._set_stop_ids(config, tokenizer_config, generation_config, files)
         log.debug(
@@ -285,6 +285,20 @@ class HfTokenizer(Tokenizer):
         with self._lock:
             token: str | None = self._tok.id_to_token(token_id)
         return token
+
+
+def _cleans_up(spec: dict[str, Any], tokenizer_config: Mapping[str, Any]) -> bool:
+    """transformers' decode cleans spaces before punctuation when asked, except for BPE models
+    (it would corrupt their text) unless forced."""
+    if tokenizer_config.get("clean_up_tokenization_spaces") is not True:
+        return False
+    model = spec.get("model")
+    bpe = isinstance(model, dict) and model.get("type") == "BPE"
+    return (
+        not bpe
+        or tokenizer_config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output")
+        is True
+    )
 
 
 def _segments(pieces: Iterable[tuple[str, bool] | Run]) -> Iterator[tuple[str, bool]]:
