@@ -31,7 +31,15 @@ from dynamo_prep.engines.media_policy import MediaPolicy, normal_host
 from dynamo_prep.logging import DETAIL_CHARS
 from dynamo_prep.protocol.preprocessed import ImageRef, fetched_image_uuid, image_uuid
 
-__all__ = ["FetchedImage", "ImageError", "ImageFailure", "ImageFetcher", "ImageLimits", "clip_url"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "FetchedImage",
+    "ImageError",
+    "ImageFailure",
+    "ImageFetcher",
+    "ImageLimits",
+    "clip_url",
+]
 
 log = structlog.get_logger("dynamo_prep.engines")
 
