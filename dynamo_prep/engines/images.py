@@ -328,8 +328,8 @@ class ImageFetcher:
         once the process has room; that room is freed when the thread ends, even after a timeout."""
         opened = await asyncio.to_thread(_open, data, self.limits)
         try:
-            job.charge(*opened.size)
-            pixels = opened.width * opened.height
+            job.charge(*opened.image.size)
+            pixels = opened.image.width * opened.image.height
             await self._decoding.take(pixels)
         except BaseException:
             opened.close()
@@ -565,10 +565,23 @@ def _data_image(url: str, max_bytes: int) -> tuple[bytes, str, str]:
     return data, _sha256(data), image_uuid(url)
 
 
-def _open(data: bytes, limits: ImageLimits) -> Image.Image:
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """An image whose header is read, and the encoded bytes Pillow reads its pixels from."""
+
+    image: Image.Image
+    source: io.BytesIO
+
+    def close(self) -> None:
+        self.image.close()
+        self.source.close()
+
+
+def _open(data: bytes, limits: ImageLimits) -> _Opened:
     """The image with its header read and its pixel count checked, not decoded (in a thread)."""
+    source = io.BytesIO(data)
     try:
-        image = Image.open(io.BytesIO(data), formats=limits.formats)
+        image = Image.open(source, formats=limits.formats)
     except Image.DecompressionBombError:
         raise _FaultError(
             "too_many_pixels", f"the image has more pixels than the {limits.max_pixels}-pixel limit"
@@ -578,20 +591,22 @@ def _open(data: bytes, limits: ImageLimits) -> Image.Image:
         raise _FaultError("not_an_image", f"not an image in an accepted format ({accepted})") from None
     except Exception as exc:  # Pillow's plugins raise many types on a corrupt header
         raise _FaultError("decode_failed", f"the image could not be decoded: {_describe(exc)}") from None
+    opened = _Opened(image, source)
     width, height = image.size
     if width * height > limits.max_pixels:
-        image.close()
+        opened.close()
         raise _FaultError(
             "too_many_pixels",
             f"the image is {width}x{height} pixels, more than the {limits.max_pixels}-pixel limit",
         )
-    return image
+    return opened
 
 
-def _rgb(image: Image.Image) -> Image.Image:
+def _rgb(opened: _Opened) -> Image.Image:
     """RGB pixels (in a thread): an RGB image as decoded, no copy; transparency composited onto white
-    as vLLM's own loader does, in one paste with the alpha band as the mask (no copy of the band)."""
-    kept = False
+    as vLLM's own loader does, in one paste with the alpha band as the mask (no copy of the band).
+    The encoded bytes are let go either way (PNG and TIFF images keep their reader)."""
+    image, kept = opened.image, False
     try:
         image.load()
         if image.mode == "RGB" and not getattr(image, "is_animated", False):
@@ -606,6 +621,7 @@ def _rgb(image: Image.Image) -> Image.Image:
     except Exception as exc:  # Pillow's decoders raise many types on corrupt data
         raise _FaultError("decode_failed", f"the image could not be decoded: {_describe(exc)}") from None
     finally:
+        opened.source.close()
         if not kept:
             image.close()
 
