@@ -293,7 +293,8 @@ class ImageFetcher:
 
     async def _download(self, source: _Http) -> bytes:
         """The body at the URL: a slot of its host, then one of the process (both waits count
-        against the image's deadline); every failure is logged in full and told as "not fetched"."""
+        against the image's deadline); what fails on the way is logged in full, and the client
+        reads only that the image could not be fetched."""
         async with self._host_slot(source.host), self._slots:
             try:
                 return await self._follow(source.url)
