@@ -27,7 +27,8 @@ mode, ``--router-mode round-robin`` then ``kv``, the same seeded workload:
 * ``--systems`` system prompts (1-2k tokens) x ``--users`` conversations of 3-8 turns; a turn sends
   the system prompt, the previous turns with the answers actually streamed, and a new question
   (20-150 tokens, a quarter of them after 300-900 pasted tokens); a tenth of the turns attach an
-  image (an http URL nobody fetches) that stays in the conversation. The mock answers from a
+  image (an http URL of its own, which the workers fetch from a server on loopback) that stays in
+  the conversation. The mock answers from a
   ``--replies`` file (80-320 tokens after a short reasoning, in K3's output format, picked by a
   ``(ref N)`` tag in the question), so conversations grow as real ones do, not by a one-line echo.
 * ``--concurrency`` clients stream (httpx, SSE), each taking turns in ``WINDOW`` conversations in
@@ -69,6 +70,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from benchmarks._images import LOOPBACK_MEDIA, image_server
 from benchmarks._plane import (
     DEMO_MODEL,
     FileProcess,
@@ -457,7 +459,8 @@ class Workload:
         return sum(len(conversation.turns) for conversation in self.conversations)
 
 
-def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
+def build_workload(args: argparse.Namespace, tokenizer: Tokenizer, images: str) -> Workload:
+    """The seeded conversations; their images are URLs under ``images`` (a server's base URL)."""
     rng = random.Random(args.seed)
     prose = Prose(tokenizer, rng)
     systems = tuple(
@@ -475,7 +478,7 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer) -> Workload:
         Conversation(
             system=rng.randrange(args.systems),
             turns=tuple(
-                Turn(question(prose, rng.randrange(REPLIES)), _image(rng, number, turn))
+                Turn(question(prose, rng.randrange(REPLIES)), _image(rng, images, number, turn))
                 for turn in range(rng.randint(*TURNS))
             ),
         )
@@ -493,8 +496,8 @@ def question(prose: Prose, reply: int) -> str:
     return f"{ask} (ref {reply})"
 
 
-def _image(rng: random.Random, conversation: int, turn: int) -> str | None:
-    return f"https://images.example/c{conversation}-t{turn}.png" if rng.random() < IMAGE_SHARE else None
+def _image(rng: random.Random, images: str, conversation: int, turn: int) -> str | None:
+    return f"{images}/c{conversation}-t{turn}.png" if rng.random() < IMAGE_SHARE else None
 
 
 def reply_ids(tokenizer: Tokenizer, reasoning: str, content: str) -> list[int]:
@@ -656,13 +659,13 @@ async def drive(port: int, workload: Workload, concurrency: int) -> tuple[list[S
         return samples, time.perf_counter() - began
 
 
-async def warm_up(port: int) -> None:
+async def warm_up(port: int, images: str) -> None:
     """A few short requests with an image, unrelated to the workload: connections opened, and the
     preprocessor of each declaration built (the kv router renders an image prompt for every one)."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=CHAT_TIMEOUT_S) as http:
         for number in range(WARMUP_REQUESTS):
             text = {"type": "text", "text": f"Warm-up request {number}. (ref 0)"}
-            image = {"type": "image_url", "image_url": {"url": "https://images.example/warm-up.png"}}
+            image = {"type": "image_url", "image_url": {"url": f"{images}/warm-up.png"}}
             messages = [{"role": "user", "content": [image, text]}]
             await stream_chat(http, chat_body(messages), Sample(-1, number, False))
 
@@ -700,7 +703,7 @@ def cluster(mode: str, args: argparse.Namespace, workdir: Path, replies: Path) -
                  "--discovery", address,
                  "--flavor", flavor, "--kv-events", "--kv-blocks", str(args.kv_blocks),
                  "--prefill-ms-per-1k", str(args.prefill_ms_per_1k), "--token-delay", str(args.token_delay),
-                 "--replies", str(replies), "--metrics-port", "0"],
+                 "--replies", str(replies), "--metrics-port", "0", *LOOPBACK_MEDIA],
                 workdir / f"{mode}-worker{number}-{flavor}.log",
             )  # fmt: skip
             procs.append(worker)
@@ -746,10 +749,10 @@ DECISION_SECONDS = "dynamo_frontend_kv_decision_seconds"
 
 
 def run_mode(
-    mode: str, workload: Workload, args: argparse.Namespace, workdir: Path, replies: Path
+    mode: str, workload: Workload, args: argparse.Namespace, workdir: Path, replies: Path, *, images: str
 ) -> ModeRun:
     with cluster(mode, args, workdir, replies) as plane:
-        asyncio.run(warm_up(plane.http_port))
+        asyncio.run(warm_up(plane.http_port, images))
         before = [scrape_metrics(port) for port in plane.metrics_ports]
         front_before = scrape_metrics(plane.http_port)
         pids = {"frontend": plane.frontend.pid, "client": os.getpid()}
@@ -1064,7 +1067,11 @@ def report_e2e(
 
 def bench_e2e(suite: Suite, args: argparse.Namespace) -> None:
     tokenizer = Tokenizer.from_model_dir(resolve_model_dir(DEMO_MODEL))
-    workload = build_workload(args, tokenizer)
+    with image_server() as images:
+        _run_e2e(suite, args, build_workload(args, tokenizer, images), images)
+
+
+def _run_e2e(suite: Suite, args: argparse.Namespace, workload: Workload, images: str) -> None:
     print(
         f"e2e: {len(workload.conversations)} conversations, {workload.requests()} turns, "
         f"{args.concurrency} clients",
@@ -1081,7 +1088,7 @@ def bench_e2e(suite: Suite, args: argparse.Namespace) -> None:
         write_replies(workload, replies)
         for mode in MODES:
             started = time.perf_counter()
-            runs[mode] = run_mode(mode, workload, args, workdir, replies)
+            runs[mode] = run_mode(mode, workload, args, workdir, replies, images=images)
             if args.log_dir:
                 samples = [dataclasses.asdict(sample) for sample in runs[mode].samples]
                 (workdir / f"{mode}-samples.json").write_text(json.dumps(samples), encoding="utf-8")

@@ -45,12 +45,13 @@ from typing import Any
 
 import httpx
 
+from benchmarks._images import PNG_DATA_URL
 from benchmarks._report import Suite
 from dynamo_prep.engines.base import FLAVORS
 from dynamo_prep.frontend.client import DEFAULT_IDLE_CLOSE_S
 
 DEMO = "kimi-k3-demo"
-IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+IMAGE = {"type": "image_url", "image_url": {"url": PNG_DATA_URL}}  # a real picture: workers decode it
 WORKER_OPTIONS = (
     "--token-delay", "0.01", "--heartbeat", "0.5", "--ttl-ms", "2000",
     "--migration-limit", "1", "--drain-timeout", "5",

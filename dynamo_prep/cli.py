@@ -81,6 +81,11 @@ def _addresses(value: str) -> list[str]:
     return [address.strip() for address in value.split(",") if address.strip()]
 
 
+def _listed(values: list[str] | None) -> list[str] | None:
+    """A repeatable flag's values, each space- or comma-separated, as one list (None: not given)."""
+    return None if values is None else [item for value in values for item in _addresses(value)]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynamo-prep", description="Frontend preprocessor for LLM serving.")
     _add_global(parser, level=_env("DYN_LOG_LEVEL", "info"), log_format=_env("DYN_LOG_FORMAT", "json"))
@@ -287,8 +292,31 @@ def _add_worker(commands: Any) -> None:
         "one after another, as on a GPU "
         f"(default {defaults.DEFAULT_PREFILL_MS_PER_1K:g})",
     )
+    _add_media(worker)
     _add_discovery_client(worker)
     worker.set_defaults(handler=_worker)
+
+
+def _add_media(worker: Any) -> None:
+    """Where the worker fetches request images from, whatever its engine (docs/engines.md)."""
+    worker.add_argument(
+        "--allowed-media-domains",
+        nargs="+",
+        action="extend",
+        default=None,
+        metavar="DOMAIN",
+        help="fetch request images only from these host names, exact matches, as vLLM's flag "
+        "(space- or comma-separated; default: any host whose addresses are allowed)",
+    )
+    worker.add_argument(
+        "--allowed-media-networks",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="CIDR",
+        help="private networks request images may also come from, e.g. 10.0.0.0/8 or 127.0.0.1/32 "
+        "(default none: only globally reachable addresses; 0.0.0.0 and multicast never)",
+    )
 
 
 def _add_frontend(commands: Any) -> None:
@@ -538,6 +566,8 @@ def _worker(args: argparse.Namespace) -> int:
         kv_events=args.kv_events,
         kv_blocks=args.kv_blocks,
         prefill_ms_per_1k=args.prefill_ms_per_1k,
+        allowed_media_domains=_listed(args.allowed_media_domains),
+        allowed_media_networks=_listed(args.allowed_media_networks) or (),
         engine_args=args.engine_args,
     )
 

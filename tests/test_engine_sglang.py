@@ -101,9 +101,9 @@ def test_images_go_as_decoded_images_with_one_hash_each_in_order() -> None:
     refs = [ImageRef(url="data:a", uuid="aa" * 16), ImageRef(url="data:b", uuid="bb" * 16)]
     req = request()
     req.images = refs
-    kwargs = generate_kwargs(req, {}, ["first", "second"], "dp-3")
+    kwargs = generate_kwargs(req, {}, ["first", "second"], "dp-3", uuids=["aa" * 16, "ab" * 32])
     assert kwargs["image_data"] == ["first", "second"]
-    assert kwargs["mm_hashes"] == ["aa" * 16, "bb" * 16]
+    assert kwargs["mm_hashes"] == ["aa" * 16, "ab" * 32]  # the fetcher's, not the frontend's
     assert (kwargs["input_ids"], kwargs["rid"], kwargs["stream"]) == ([1, 2, 3], "dp-3", True)
     assert "image_data" not in generate_kwargs(request(), {}, [], "dp-4")
 

@@ -40,6 +40,7 @@ from dynamo_prep.protocol.preprocessed import (
     SamplingOptions,
     StopConditions,
     StructuredOutput,
+    image_uuid,
 )
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, TokenLogprob
 from dynamo_prep.tokenizer import Tokenizer
@@ -280,13 +281,13 @@ def test_finish_reasons_that_are_no_answer_are_errors(reason: str, error: type[E
 
 def test_images_go_in_prompt_order_with_their_uuids() -> None:
     refs = [ImageRef(url="data:a", uuid="u1"), ImageRef(url="data:b", uuid="u2")]
-    fields = prompt_fields(request(images=refs), ["first", "second"])
+    fields = prompt_fields(request(images=refs), ["first", "second"], ["u1", "u2-bytes"])
     assert fields == {
         "prompt_token_ids": [1, 2, 3, 4, 5],
         "multi_modal_data": {"image": ["first", "second"]},
-        "multi_modal_uuids": {"image": ["u1", "u2"]},
+        "multi_modal_uuids": {"image": ["u1", "u2-bytes"]},  # the fetcher's, not the frontend's
     }
-    assert prompt_fields(request(), []) == {"prompt_token_ids": [1, 2, 3, 4, 5]}
+    assert prompt_fields(request(), [], []) == {"prompt_token_ids": [1, 2, 3, 4, 5]}
 
 
 def test_engine_facts_are_read_from_the_running_engine_s_config() -> None:
@@ -416,12 +417,13 @@ def test_n_other_than_one_is_refused_before_the_engine() -> None:
 
 async def test_images_are_fetched_decoded_and_handed_over_in_order() -> None:
     urls = [_png_url(3, 2), _png_url(5, 4)]
-    refs = [ImageRef(url=url, uuid=f"uuid-{i}") for i, url in enumerate(urls)]
+    refs = [ImageRef(url=url, uuid=image_uuid(url)) for url in urls]
     engine = FakeAsyncLLM([out([1], "length")])
     await steps(runtime(engine), request(images=refs))
     prompt = engine.calls[0][0]
     assert [image.size for image in prompt["multi_modal_data"]["image"]] == [(3, 2), (5, 4)]
-    assert prompt["multi_modal_uuids"] == {"image": ["uuid-0", "uuid-1"]}
+    # data: URLs are their own bytes: the engine gets the frontend's uuid of each
+    assert prompt["multi_modal_uuids"] == {"image": [image_uuid(url) for url in urls]}
 
 
 async def test_a_bad_image_is_a_400_naming_it_before_the_engine_sees_anything() -> None:

@@ -3,8 +3,9 @@ linear in the request's size.
 
 The cap is checked through a real ``dynamo-prep frontend --router-mode kv`` with a real mock worker:
 one image over it is a 400 (``param: "messages"``, the limit in the message), the limit itself is
-served and routed. Linearity is an operation count: the spans of a prompt's images are handed to
-the hashing as a sequence that counts every span read.
+routed to the worker, whose image fetcher has a lower cap of its own (``ImageLimits.max_images``).
+Linearity is an operation count: the spans of a prompt's images are handed to the hashing as a
+sequence that counts every span read.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from typing import Any, overload
 
 import httpx
 import pytest
+from support.images import png_data_url
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
+from dynamo_prep.engines.images import DEFAULT_LIMITS
 from dynamo_prep.preprocessor import MAX_IMAGES_PER_REQUEST
 from dynamo_prep.protocol.kv_events import ImageSpan, image_spans, mm_extra_keys
 from dynamo_prep.routing.hashing import ROOT_HASH, extra_key_id, request_block_hashes
@@ -27,7 +30,7 @@ PLACEHOLDER = 9
 
 
 def image(index: int) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": f"https://example.com/{index}.png"}}
+    return {"type": "image_url", "image_url": {"url": png_data_url((index % 256, 0, 0))}}
 
 
 def chat(images: int) -> dict[str, Any]:
@@ -50,16 +53,24 @@ def frontend(tmp_path: Path, procs: list[DynamoProcess]) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}"
 
 
-def test_one_image_over_the_cap_is_a_400_naming_it_and_the_cap_is_served(frontend: str) -> None:
+def test_one_image_over_the_cap_is_a_400_naming_it_and_the_cap_is_routed(frontend: str) -> None:
+    worker_cap = DEFAULT_LIMITS.max_images
     with httpx.Client(trust_env=False, timeout=60) as http:
         refused = http.post(f"{frontend}/v1/chat/completions", json=chat(MAX_IMAGES_PER_REQUEST + 1))
-        served = http.post(f"{frontend}/v1/chat/completions", json=chat(MAX_IMAGES_PER_REQUEST))
+        routed = http.post(f"{frontend}/v1/chat/completions", json=chat(MAX_IMAGES_PER_REQUEST))
+        served = http.post(f"{frontend}/v1/chat/completions", json=chat(worker_cap))
     assert refused.status_code == 400, refused.text
     error = refused.json()["error"]
     assert error["type"] == "invalid_request_error"
     assert error["param"] == "messages"
     assert str(MAX_IMAGES_PER_REQUEST) in error["message"]
     assert str(MAX_IMAGES_PER_REQUEST + 1) in error["message"]
+    # the worker's fetcher refuses more than its own cap before fetching any
+    assert routed.status_code == 400, routed.text
+    assert routed.json()["error"]["message"] == (
+        "the engine refused the request: "
+        f"too many images: {MAX_IMAGES_PER_REQUEST} in one request, the limit is {worker_cap}"
+    )
     assert served.status_code == 200, served.text
 
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import httpx
 import pytest
 import pytest_asyncio
+from support.images import png_data_url
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint
 
 from dynamo_prep.frontend.config import FrontendConfig
@@ -26,7 +27,7 @@ DEMO = "kimi-k3-demo"
 K3_CONTEXT = 8192  # the demo's context length
 BODY_LIMIT = 64 << 10
 TIMEOUT_S = 20.0
-DATA_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+DATA_IMAGE = {"type": "image_url", "image_url": {"url": png_data_url()}}  # a real picture: workers decode it
 T = TypeVar("T")
 
 

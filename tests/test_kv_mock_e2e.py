@@ -17,12 +17,13 @@ from typing import Any
 
 import httpx
 import pytest
+from support.images import BLUE, RED, png_data_url
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint
 
 K3 = "kimi-k3-demo"
 PREAMBLE = "You are the archivist of a very old library; answer with care and cite shelves. " * 12
-CAT = {"type": "image_url", "image_url": {"url": "data:image/png;base64,Y2F0"}}
-DOG = {"type": "image_url", "image_url": {"url": "data:image/png;base64,ZG9n"}}
+CAT = {"type": "image_url", "image_url": {"url": png_data_url(RED)}}  # real pictures: workers decode them
+DOG = {"type": "image_url", "image_url": {"url": png_data_url(BLUE)}}
 
 
 @dataclass

@@ -272,6 +272,7 @@ def test_a_migrated_stream_keeps_its_logprobs(tmp_path: Any) -> None:
         by_instance = {proc.wait_event("worker_started", timeout=20)["instance_id"]: proc for proc in workers}
         for instance in by_instance:
             frontend.wait_event("instance_added", timeout=30, instance_id=instance)
+        frontend.wait_event("model_added", timeout=30)  # served once built, a moment after its instance
         url = f"http://127.0.0.1:{port}"
         text = "please keep talking for a while, so that this stream lasts long enough to be interrupted"
         body = {

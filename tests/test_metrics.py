@@ -13,6 +13,7 @@ import httpx
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
+from support.images import png_data_url
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
 from dynamo_prep.frontend.metrics import MAX_MODEL_LABELS, OTHER_MODELS, UNKNOWN_MODEL, FrontendMetrics
@@ -20,7 +21,7 @@ from dynamo_prep.protocol.discovery import topic
 
 DEMO = "kimi-k3-demo"
 ODD = "odd-demo"
-IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+IMAGE = {"type": "image_url", "image_url": {"url": png_data_url()}}  # a real picture: workers decode it
 F = "dynamo_frontend_"
 W = "dynamo_worker_"
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import zmq
 import zmq.asyncio
+from support.images import png_data_url
 from support.logs import until
 from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
 
@@ -33,7 +34,7 @@ from dynamo_prep.protocol.wire import Cancel, Generate, Output
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
-IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+IMAGE = {"type": "image_url", "image_url": {"url": png_data_url()}}  # a real picture: workers decode it
 LONG_TEXT = "Please describe every detail of this picture, slowly and carefully, one by one."
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from support.images import png_data_url
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
@@ -28,7 +29,7 @@ from dynamo_prep.protocol.discovery import Instance
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
 KIMI_DEFAULT = "<|kimi_image_placeholder|>"
-IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+IMAGE = {"type": "image_url", "image_url": {"url": png_data_url()}}  # a real picture: workers decode it
 REPLY = re.compile(r"^\[mock (\w+)\] (\d+) image\(s\), (\d+) prompt tokens\.")
 
 

@@ -19,11 +19,13 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from support.images import CAT_PNG, png_data_url, served_images
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
 DEMO = "kimi-k3-demo"
-HTTP_IMAGE = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
-DATA_IMAGE = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+DATA_IMAGE = {"type": "image_url", "image_url": {"url": png_data_url()}}
+# The mixed cluster's workers fetch http images from this test's server on loopback.
+LOOPBACK_MEDIA = ("--allowed-media-networks", "127.0.0.1/32")
 REPLY = re.compile(r"^\[mock (\w+)\] (\d+) image\(s\)")
 
 
@@ -80,12 +82,19 @@ def _http() -> httpx.Client:
 
 
 @pytest.fixture(scope="module")
-def mixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def http_image() -> Iterator[dict[str, Any]]:
+    """An http image part whose picture a server on loopback serves while the module runs."""
+    with served_images({"/cat.png": CAT_PNG}) as base:
+        yield {"type": "image_url", "image_url": {"url": f"{base}/cat.png"}}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory, http_image: dict[str, Any]) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("mixed"))
     try:
         cluster.start_frontend()
-        cluster.worker("sglang", "--token-delay", "0")
-        cluster.worker("vllm", "--token-delay", "0")
+        cluster.worker("sglang", "--token-delay", "0", *LOOPBACK_MEDIA)
+        cluster.worker("vllm", "--token-delay", "0", *LOOPBACK_MEDIA)
         cluster.wait_instances(2)
         yield cluster
     finally:
@@ -116,13 +125,13 @@ def test_non_streaming_and_streaming(mixed: Cluster) -> None:
     assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == "stop"
 
 
-def test_two_images_are_served_by_each_flavor(mixed: Cluster) -> None:
+def test_two_images_are_served_by_each_flavor(mixed: Cluster, http_image: dict[str, Any]) -> None:
     client = mixed.client()
     served = set()
     for _ in range(2):
         answer = client.chat.completions.create(
             model=DEMO,
-            messages=ask(HTTP_IMAGE, DATA_IMAGE),  # type: ignore[arg-type]
+            messages=ask(http_image, DATA_IMAGE),  # type: ignore[arg-type]
         )
         match = REPLY.match(answer.choices[0].message.content or "")
         assert match is not None and match[2] == "2"
@@ -142,14 +151,16 @@ def test_errors_map_to_the_clients_exception_types(mixed: Cluster) -> None:
     assert [model.id for model in models.data] == [DEMO]
 
 
-def test_mixed_pool_serves_50_image_requests_without_contract_errors(mixed: Cluster) -> None:
+def test_mixed_pool_serves_50_image_requests_without_contract_errors(
+    mixed: Cluster, http_image: dict[str, Any]
+) -> None:
     async def run() -> list[str]:
         client = mixed.async_client()
         gate = asyncio.Semaphore(8)
 
         async def one(index: int) -> str:
             async with gate:
-                images = [HTTP_IMAGE] * (1 + index % 3)
+                images = [http_image] * (1 + index % 3)
                 answer = await client.chat.completions.create(
                     model=DEMO,
                     messages=ask(*images, text=f"request {index}"),  # type: ignore[arg-type]

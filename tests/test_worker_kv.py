@@ -3,12 +3,14 @@
 The client here speaks the engines' KV-event wire by hand (a SUB for ``[topic, seq, payload]``, a
 DEALER for replays, payloads read as plain msgpack), so the worker is checked against vLLM's
 format, not against the project's own decoder; the events are then fed to a real ``KvIndex``.
+Pictures come from a server on loopback, which the worker may fetch from (``--allowed-media-networks``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import signal
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -20,17 +22,22 @@ import zmq
 import zmq.asyncio
 from prometheus_client.parser import text_string_to_metric_families
 from support import kv_wire
+from support.images import BLUE, RED, encoded, served_images
 from support.kv_wire import END, be8
 from support.logs import until
 from support.plane import DynamoProcess, SubCollector, announces, start_dynamo, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.formatter.parts import image_uuid
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.discovery import Announce, KvEventsEndpoint
-from dynamo_prep.protocol.kv_events import decode_batch
-from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions
+from dynamo_prep.protocol.kv_events import decode_batch, image_spans
+from dynamo_prep.protocol.preprocessed import (
+    PreprocessedRequest,
+    StopConditions,
+    fetched_image_uuid,
+    image_uuid,
+)
 from dynamo_prep.routing.hashing import request_block_hashes
 from dynamo_prep.routing.index import KvIndex
 from dynamo_prep.tokenizer import Tokenizer
@@ -41,8 +48,8 @@ BLOCK = 16  # the demo card's kv_cache_block_size
 TIMEOUT_S = 10.0
 PREAMBLE = " ".join(f"rule {n}: answer in plain words and cite the page you used." for n in range(8))
 context = kv_wire.context  # fixture
-CAT = "https://example.com/cat.png"
-DOG = "https://example.com/dog.png"
+PICTURES = {"/cat.png": encoded((6, 6), RED), "/dog.png": encoded((6, 6), BLUE)}
+LOOPBACK_MEDIA = ("--allowed-media-networks", "127.0.0.1/32")
 
 
 def preprocess(content: str | list[dict[str, Any]], *, preamble: str = PREAMBLE) -> PreprocessedRequest:
@@ -177,7 +184,7 @@ async def test_a_kv_worker_publishes_its_cache_on_the_vllm_wire(
     client: RequestPlaneClient,
 ) -> None:
     media_pad_id = Tokenizer.from_model_dir(DEMO).special_tokens[MEDIA_PAD]
-    worker = KvWorker(procs, plane, "--prefill-ms-per-1k", "100", "--metrics-port", "0")
+    worker = KvWorker(procs, plane, "--prefill-ms-per-1k", "100", "--metrics-port", "0", *LOOPBACK_MEDIA)
     assert worker.kv.endpoint.startswith("tcp://127.0.0.1:") and worker.kv.topic == ""
     assert worker.kv.replay_endpoint is not None and worker.kv.replay_endpoint.startswith("tcp://127.0.0.1:")
     assert (worker.started["kv_events"], worker.started["kv_replay_endpoint"]) == (
@@ -221,11 +228,13 @@ async def test_a_kv_worker_publishes_its_cache_on_the_vllm_wire(
         assert 0 < second["prefill_ms"] < first["prefill_ms"]
 
         # Two prompts that differ only in an image: the image's block carries its identity.
-        cat, dog = pictured(CAT), pictured(DOG)
-        start = cat.token_ids.index(media_pad_id)
-        image_block = start // BLOCK
-        await worker.run(client, cat, "cat")
-        await worker.run(client, dog, "dog")
+        with served_images(PICTURES) as pictures:
+            urls = {path: f"{pictures}{path}" for path in PICTURES}
+            cat, dog = pictured(urls["/cat.png"]), pictured(urls["/dog.png"])
+            start = cat.token_ids.index(media_pad_id)
+            image_block = start // BLOCK
+            await worker.run(client, cat, "cat")
+            await worker.run(client, dog, "dog")
         last_seq = raw.live[-1][0]
 
         # Replay from 0: the whole history, in seq order, the same bytes as the live batches.
@@ -234,10 +243,14 @@ async def test_a_kv_worker_publishes_its_cache_on_the_vllm_wire(
         assert history[-1][0] >= last_seq
         assert all(history[seq] == (seq, payload) for seq, payload in raw.live)
 
+        # An image's identity in the engine: its URL's uuid and its bytes' digest (docs/engines.md).
         pictured_stores = [e for e in stored_of(history) if e.get("extra_keys")]
-        assert [e["extra_keys"][0] for e in pictured_stores] == [
-            [[image_uuid(url), start - image_block * BLOCK]] for url in (CAT, DOG)
+        identities = [
+            fetched_image_uuid(image_uuid(urls[path]), hashlib.sha256(PICTURES[path]).hexdigest())
+            for path in ("/cat.png", "/dog.png")
         ]
+        offset = start - image_block * BLOCK
+        assert [e["extra_keys"][0] for e in pictured_stores] == [[[name, offset]] for name in identities]
         cat_store, dog_store = pictured_stores  # the dog shares the blocks before its image only
         assert dog_store["parent_block_hash"] == cat_store["parent_block_hash"] is not None
         assert dog_store["token_ids"] == cat_store["token_ids"]
@@ -250,6 +263,10 @@ async def test_a_kv_worker_publishes_its_cache_on_the_vllm_wire(
         assert index.match(request_block_hashes(request.token_ids, BLOCK)) == {worker.instance_id: full}
         plain = index.match(request_block_hashes(dog.token_ids, BLOCK))  # images ignored: a text prefix
         assert plain == {worker.instance_id: image_block}
+        # The router names the image by its URL (it never sees the bytes): the blocks still match.
+        spans = image_spans(dog.token_ids, [media_pad_id], [image.uuid for image in dog.images])
+        pictured_match = index.match(request_block_hashes(dog.token_ids, BLOCK, spans))
+        assert pictured_match == {worker.instance_id: len(dog.token_ids) // BLOCK}
 
         metrics = scrape(worker.process.wait_event("worker_metrics_started")["port"])
         assert metrics["dynamo_worker_kv_cached_tokens_total"] == sum(

@@ -2,7 +2,8 @@
 
 * ``base``: the engine contract (``EngineOutput``, ``EngineError`` and its statuses,
   ``EngineFacts``, ``EngineRuntime``, ``Flavor``); ``steps``: what every real bridge shares (the
-  step it yields, stop ids, sampling values); ``images``: the bounded image fetcher.
+  step it yields, stop ids, sampling values); ``images``: the bounded image fetcher, with
+  ``media_policy`` (where images may come from) and ``image_net`` (its checked connections).
 * ``declare``: the declared token for an engine of either flavor.
 * ``vllm`` / ``sglang``: one bridge per real engine, in two parts: pure translation (request ->
   engine call, engine output -> ``EngineOutput``; no engine import) and a thin runtime adapter

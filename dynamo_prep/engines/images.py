@@ -1,9 +1,10 @@
-"""Request images for a real engine: fetched by the worker, checked, decoded to RGB, cached.
+"""Request images for an engine: fetched by the worker, checked, decoded to RGB, named by their bytes.
 
 Only http(s) URLs and base64 ``data:image/...`` URLs are accepted, and engines get decoded images
-only, never a string they would read as a file path or as base64 (SGLang does). ``ImageLimits``
-bounds bytes, pixels (read from the header, before decoding), time, redirects, concurrency and the
-cache. Only worker processes that run a real engine import this module (it loads Pillow and httpx).
+only, never a string they would read as a file path or as base64 (SGLang does). Where images may
+come from is the ``MediaPolicy``'s to say, checked at every connection (``image_net``); what they
+may cost is ``ImageLimits``'s. docs/engines.md ("Images") has the rules and why. Worker processes
+import this module (it loads Pillow and httpx); the frontend never does.
 """
 
 from __future__ import annotations
@@ -14,10 +15,9 @@ import hashlib
 import io
 import re
 import time
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Final, Literal
 from urllib.parse import urlsplit
 
@@ -26,10 +26,20 @@ import structlog
 from PIL import Image, UnidentifiedImageError
 
 from dynamo_prep.engines.base import EngineContractError
+from dynamo_prep.engines.image_net import FetchRefusedError, Resolve, checked_client
+from dynamo_prep.engines.media_policy import MediaPolicy, normal_host
 from dynamo_prep.logging import DETAIL_CHARS
-from dynamo_prep.protocol.preprocessed import ImageRef
+from dynamo_prep.protocol.preprocessed import ImageRef, fetched_image_uuid, image_uuid
 
-__all__ = ["ImageError", "ImageFailure", "ImageFetcher", "ImageLimits", "clip_url"]
+__all__ = [
+    "DEFAULT_LIMITS",
+    "FetchedImage",
+    "ImageError",
+    "ImageFailure",
+    "ImageFetcher",
+    "ImageLimits",
+    "clip_url",
+]
 
 log = structlog.get_logger("dynamo_prep.engines")
 
@@ -39,7 +49,6 @@ URL_CHARS: Final = 100  # the longest URL a message or a log line shows
 _DATA_HEADER: Final = re.compile(r"data:image/[A-Za-z0-9.+-]+(?:;[A-Za-z0-9=._+-]+)*;base64")
 _UNSAFE_URL_CHARS: Final = re.compile(r"[\x00-\x20\x7f]")
 _SPACE: Final = re.compile(r"\s")
-_HEADERS: Final = {"accept": "image/*, */*;q=0.5", "accept-encoding": "identity", "user-agent": "dynamo-prep"}
 _WHITE: Final = (255, 255, 255)
 
 ImageFailure = Literal[
@@ -47,6 +56,10 @@ ImageFailure = Literal[
     "unsupported_url",
     "bad_url",
     "bad_data_url",
+    "credentials",
+    "domain_not_allowed",
+    "address_refused",
+    "resolve_failed",
     "http_status",
     "too_many_redirects",
     "bad_redirect",
@@ -64,24 +77,37 @@ class ImageLimits:
     """What one worker process spends on request images; every default lives here."""
 
     max_bytes: int = 20 * MiB  # one encoded image (OpenAI's own per-image limit)
-    # width * height, read from the header before decoding; below Pillow's own bomb warning (89 M), and
-    # Pillow refuses more than twice that whatever this says
+    # width * height of one image, read from its header before decoding; below Pillow's own bomb
+    # warning (89 M), and Pillow refuses more than twice that whatever this says
     max_pixels: int = 50_000_000
-    fetch_timeout_s: float = 10.0  # one image's whole download, redirects included
+    # every image of one request together (3 bytes a pixel once decoded: 192 MB)
+    max_request_pixels: int = 64_000_000
+    # pixels being decoded at once in the process (a decode waits, inside its deadline, for room)
+    decode_pixels: int = 128_000_000
+    # one image: the waits for a download slot and for decode room, the download, redirects included,
+    # and the decode; its clock starts when the request lets it start (``max_per_request``)
+    fetch_timeout_s: float = 10.0
+    request_timeout_s: float = 30.0  # every image of one request
     max_redirects: int = 3
-    max_concurrent: int = 8  # downloads in flight per process
-    cache_items: int = 256  # decoded images kept (0: no cache)
+    max_concurrent: int = 16  # downloads in flight per process
+    max_per_request: int = 4  # images of one request fetched at once
+    max_per_host: int = 4  # downloads in flight from one host name
+    cache_items: int = 256  # decoded images kept, by the digest of their bytes (0: no cache)
     cache_bytes: int = 512 * MiB  # their RGB pixel bytes (a 50 M-pixel image is 150 MB)
     max_images: int = 64  # per request
     formats: tuple[str, ...] = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")  # Pillow's plugin ids
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_pixels", "max_concurrent", "max_images"):
+        for name in ("max_bytes", "max_pixels", "max_concurrent", "max_per_request", "max_per_host"):
             _require_at_least(name, getattr(self, name), 1)
+        for name in ("max_request_pixels", "decode_pixels"):  # room for the largest image
+            _require_at_least(name, getattr(self, name), self.max_pixels)
+        _require_at_least("max_images", self.max_images, 1)
         for name in ("max_redirects", "cache_items", "cache_bytes"):
             _require_at_least(name, getattr(self, name), 0)
-        if not self.fetch_timeout_s > 0:
-            raise ValueError(f"ImageLimits.fetch_timeout_s must be > 0, got {self.fetch_timeout_s}")
+        for name in ("fetch_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ImageLimits.{name} must be > 0, got {getattr(self, name)}")
         Image.init()  # registers every plugin Pillow has, so the ids can be checked
         if not self.formats or set(self.formats) - set(Image.OPEN):
             raise ValueError(f"ImageLimits.formats must be Pillow image ids, got {self.formats!r}")
@@ -90,6 +116,9 @@ class ImageLimits:
 def _require_at_least(name: str, value: int, floor: int) -> None:
     if value < floor:
         raise ValueError(f"ImageLimits.{name} must be >= {floor}, got {value}")
+
+
+DEFAULT_LIMITS: Final = ImageLimits()
 
 
 class ImageError(EngineContractError):
@@ -105,80 +134,105 @@ class ImageError(EngineContractError):
         self.index = index
 
 
-class _FaultError(Exception):
-    """Why one image failed, before it is named by a request position (fetches are shared)."""
+@dataclass(frozen=True, slots=True)
+class FetchedImage:
+    """A decoded image and the identity the engine gets for it (``multi_modal_uuids``, ``mm_hashes``):
+    the URL's uuid for a ``data:`` URL (the URL is the bytes), the URL's uuid and the bytes' digest
+    for an http(s) one. Decoded images are cached and shared between requests: read-only."""
 
-    def __init__(self, reason: ImageFailure, detail: str) -> None:
+    image: Image.Image
+    uuid: str
+
+
+class _FaultError(Exception):
+    """Why one image failed; ``public``: the detail may go to the client (it says nothing about what
+    the worker reached), else the client reads only that the image could not be fetched."""
+
+    def __init__(self, reason: ImageFailure, detail: str, *, public: bool = True) -> None:
         super().__init__(detail)
         self.reason: ImageFailure = reason
         self.detail = detail
+        self.public = public
 
 
 @dataclass(frozen=True, slots=True)
 class _Http:
     url: str
+    host: str
 
 
 @dataclass(frozen=True, slots=True)
 class _Data:
-    payload: str
+    url: str
 
 
 _Source = _Http | _Data
 
 
-@dataclass(slots=True)
-class _Flight:
-    """One fetch in progress and how many requests wait on it."""
+class _Job:
+    """One request's images: how many may be fetched at once, and the pixels they have left."""
 
-    task: asyncio.Task[Image.Image]
-    waiters: int = 0
+    def __init__(self, images: Sequence[ImageRef], limits: ImageLimits) -> None:
+        self.images = images
+        self.slots = asyncio.Semaphore(limits.max_per_request)
+        self.limit = limits.max_request_pixels
+        self.pixels_left = limits.max_request_pixels
 
-
-DEFAULT_LIMITS: Final = ImageLimits()
+    def charge(self, width: int, height: int) -> None:
+        pixels = width * height
+        if pixels > self.pixels_left:
+            raise _FaultError(
+                "too_many_pixels",
+                f"the image is {width}x{height} pixels: the request's images have more than the "
+                f"{self.limit}-pixel limit of a request",
+            )
+        self.pixels_left -= pixels
 
 
 class ImageFetcher:
     """Fetches and decodes request images, one per process; call ``aclose`` when done.
 
-    Images are cached and shared between requests: treat them as read-only.
+    ``policy``: where images may come from (the default: public addresses, any host name);
+    ``resolve``: the host-name lookup (the default: the C library's, in threads of its own).
     """
 
     def __init__(
-        self, limits: ImageLimits = DEFAULT_LIMITS, *, transport: httpx.AsyncBaseTransport | None = None
+        self,
+        limits: ImageLimits = DEFAULT_LIMITS,
+        *,
+        policy: MediaPolicy | None = None,
+        resolve: Resolve | None = None,
     ) -> None:
         self.limits = limits
-        self._client = httpx.AsyncClient(
-            transport=transport,
-            timeout=limits.fetch_timeout_s,
-            follow_redirects=False,  # followed by hand: counted, bodies unread, schemes checked
-            headers=_HEADERS,
-            # no cookie is ever kept: one request's cookies must not reach another's fetch
-            cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
-            limits=httpx.Limits(max_connections=limits.max_concurrent),
-        )
+        self.policy = policy or MediaPolicy()
+        self._client = checked_client(self.policy, limits.max_concurrent, limits.fetch_timeout_s, resolve)
         self._slots = asyncio.Semaphore(limits.max_concurrent)
+        self._hosts: dict[str, _HostSlot] = {}
+        self._decoding = _PixelBudget(limits.decode_pixels)
         self._cache = _ImageCache(limits.cache_items, limits.cache_bytes)
-        self._flights: dict[str, _Flight] = {}
 
-    async def fetch(self, images: Sequence[ImageRef]) -> list[Image.Image]:
-        """The request's images as RGB, in order; any refusal is an ``ImageError`` naming the image."""
+    async def fetch(self, images: Sequence[ImageRef]) -> list[FetchedImage]:
+        """The request's images in order; any refusal is an ``ImageError`` naming the image."""
         self._check_count(len(images))
         sources = [self._parse(index, images) for index in range(len(images))]
-        tasks = [asyncio.ensure_future(self._one(index, images, s)) for index, s in enumerate(sources)]
+        job = _Job(images, self.limits)
+        tasks = [asyncio.ensure_future(self._one(job, index, s)) for index, s in enumerate(sources)]
         try:
-            return list(await asyncio.gather(*tasks))
+            async with asyncio.timeout(self.limits.request_timeout_s) as scope:
+                return list(await asyncio.gather(*tasks))
+        except TimeoutError:
+            if not scope.expired():
+                raise
+            index = next(index for index, task in enumerate(tasks) if not task.done() or task.cancelled())
+            detail = f"the request's images were not all fetched within {self.limits.request_timeout_s:g} s"
+            raise _refusal(index, images, _FaultError("timeout", detail, public=False)) from None
         finally:
-            for task in tasks:  # after a failure, the rest are not needed (shared fetches go on)
+            for task in tasks:  # after a failure, the rest are not needed
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def aclose(self) -> None:
-        """Stop every fetch in progress, drop the cache and close the HTTP client."""
-        flights = [flight.task for flight in self._flights.values()]
-        self._flights.clear()
-        for task in flights:
-            task.cancel()
-        await asyncio.gather(*flights, return_exceptions=True)
+        """Drop the cache and close the HTTP client (its connections and its lookup threads)."""
         self._cache.clear()
         await self._client.aclose()
 
@@ -192,96 +246,176 @@ class ImageFetcher:
 
     def _parse(self, index: int, images: Sequence[ImageRef]) -> _Source:
         try:
-            return _source(images[index].url)
+            source = _source(images[index].url)
+            if isinstance(source, _Http):
+                _check_target(httpx.URL(source.url), self.policy, first=True)
         except _FaultError as fault:
             raise _refusal(index, images, fault) from None
+        return source
 
-    async def _one(self, index: int, images: Sequence[ImageRef], source: _Source) -> Image.Image:
-        ref = images[index]
-        key = ref.uuid or _url_key(ref.url)
-        image = self._cache.get(key)
-        if image is not None:
-            return image
-        try:
-            return await self._shared(key, source)
-        except _FaultError as fault:
-            raise _refusal(index, images, fault) from None
-
-    async def _shared(self, key: str, source: _Source) -> Image.Image:
-        """Wait on the one fetch of ``key``, starting it if none runs; the last waiter to leave stops it."""
-        flight = self._flights.get(key)
-        if flight is None:
-            flight = self._flights[key] = _Flight(asyncio.ensure_future(self._load(key, source)))
-            flight.task.add_done_callback(lambda task: self._landed(key, task))
-        flight.waiters += 1
-        try:
-            return await asyncio.shield(flight.task)  # a waiter's cancellation is its own
-        finally:
-            flight.waiters -= 1
-            if flight.waiters == 0 and not flight.task.done():
-                self._abandon(key, flight)
-
-    def _landed(self, key: str, task: asyncio.Task[Image.Image]) -> None:
-        flight = self._flights.get(key)
-        if flight is not None and flight.task is task:
-            del self._flights[key]
-        if not task.cancelled():
-            task.exception()  # retrieved: every waiter got it, or none was left to
-
-    def _abandon(self, key: str, flight: _Flight) -> None:
-        if self._flights.get(key) is flight:
-            del self._flights[key]  # a later request starts afresh instead of joining a cancelled fetch
-        flight.task.cancel()
-
-    async def _load(self, key: str, source: _Source) -> Image.Image:
-        started = time.monotonic()
-        if isinstance(source, _Http):
-            data = await self._download(source.url)
-            image = await asyncio.to_thread(_decode_image, data, self.limits)
-        else:
-            image = await asyncio.to_thread(_decode_data, source.payload, self.limits)
-        self._cache.put(key, image)
-        log.debug(
-            "image_loaded",
-            key=key,
-            source="http" if isinstance(source, _Http) else "data",
-            width=image.width,
-            height=image.height,
-            duration_ms=round((time.monotonic() - started) * 1000, 1),
-        )
-        return image
-
-    async def _download(self, url: str) -> bytes:
+    async def _one(self, job: _Job, index: int, source: _Source) -> FetchedImage:
         timeout_s = self.limits.fetch_timeout_s
-        async with self._slots:
-            try:
+        try:
+            async with job.slots:
+                started = time.monotonic()
                 async with asyncio.timeout(timeout_s):
-                    return await self._follow(url)
-            except (TimeoutError, httpx.TimeoutException):
+                    fetched = await self._load(job, source)
+        except TimeoutError:
+            fault = _FaultError("timeout", f"not fetched and decoded within {timeout_s:g} s", public=False)
+        except _FaultError as failed:
+            fault = failed
+        else:
+            log.debug(
+                "image_loaded",
+                index=index,
+                source="http" if isinstance(source, _Http) else "data",
+                width=fetched.image.width,
+                height=fetched.image.height,
+                duration_ms=round((time.monotonic() - started) * 1000, 1),
+            )
+            return fetched
+        raise _refusal(index, job.images, fault)
+
+    async def _load(self, job: _Job, source: _Source) -> FetchedImage:
+        if isinstance(source, _Http):
+            data = await self._download(source)
+            digest = await asyncio.to_thread(_sha256, data)
+            uuid = fetched_image_uuid(image_uuid(source.url), digest)
+        else:
+            data, digest, uuid = await asyncio.to_thread(_data_image, source.url, self.limits.max_bytes)
+        image = self._cache.get(digest)
+        if image is not None:
+            job.charge(image.width, image.height)
+        else:
+            image = await self._decode(job, data)
+            self._cache.put(digest, image)
+        return FetchedImage(image, uuid)
+
+    async def _download(self, source: _Http) -> bytes:
+        """The body at the URL: a slot of its host, then one of the process (both waits count
+        against the image's deadline); what fails on the way is logged in full, and the client
+        reads only that the image could not be fetched."""
+        async with self._host_slot(source.host), self._slots:
+            try:
+                return await self._follow(source.url)
+            except FetchRefusedError as fault:
+                raise _FaultError(fault.reason, f"fetch failed: {fault}", public=False) from None
+            except httpx.TimeoutException:
                 raise _FaultError(
-                    "timeout", f"fetch failed: no complete answer within {timeout_s:g} s"
-                ) from None
+                    "timeout", f"fetch failed: no complete answer within {self.limits.fetch_timeout_s:g} s",
+                    public=False,
+                ) from None  # fmt: skip
             except httpx.HTTPError as exc:
-                raise _FaultError("fetch_error", f"fetch failed: {_describe(exc)}") from None
+                raise _FaultError("fetch_error", f"fetch failed: {_describe(exc)}", public=False) from None
 
     async def _follow(self, url: str) -> bytes:
-        """The body at ``url`` after at most ``max_redirects`` redirects (whose bodies are never read)."""
+        """The body at ``url`` after at most ``max_redirects`` redirects (whose bodies are never
+        read), every target checked as the first URL was (its addresses when it connects)."""
         request = self._client.build_request("GET", url)
         for _ in range(self.limits.max_redirects + 1):
             response = await self._client.send(request, stream=True)
             try:
                 if response.next_request is None:
                     return await _body(response, self.limits.max_bytes)
-                request = _redirect(response.next_request)
+                request = response.next_request
+                _check_target(request.url, self.policy, first=False)
             finally:
                 await response.aclose()
-        raise _FaultError(
-            "too_many_redirects", f"fetch failed: more than {self.limits.max_redirects} redirects"
-        )
+        detail = f"fetch failed: more than {self.limits.max_redirects} redirects"
+        raise _FaultError("too_many_redirects", detail, public=False)
+
+    async def _decode(self, job: _Job, data: bytes) -> Image.Image:
+        """The header read (in a thread), its pixels charged to the request, then decoded in a thread
+        once the process has room; that room is freed when the thread ends, even after a timeout."""
+        opened = await asyncio.to_thread(_open, data, self.limits)
+        try:
+            job.charge(*opened.image.size)
+            pixels = opened.image.width * opened.image.height
+            await self._decoding.take(pixels)
+        except BaseException:
+            opened.close()
+            raise
+        decoding = asyncio.ensure_future(asyncio.to_thread(_rgb, opened))
+        decoding.add_done_callback(lambda task: self._decoded(task, pixels))
+        return await asyncio.shield(decoding)  # a deadline leaves the thread to finish
+
+    def _decoded(self, task: asyncio.Future[Image.Image], pixels: int) -> None:
+        self._decoding.give(pixels)
+        if not task.cancelled():
+            task.exception()  # retrieved: a waiter that left cannot
+
+    def _host_slot(self, host: str) -> _HostSlot:
+        slot = self._hosts.get(host)
+        if slot is None:
+            slot = _HostSlot(self.limits.max_per_host, lambda: self._hosts.pop(host, None))
+            self._hosts[host] = slot
+        return slot
+
+
+class _HostSlot:
+    """A semaphore of one host name, dropped from the fetcher's table when nobody holds or waits."""
+
+    def __init__(self, size: int, on_idle: Callable[[], object]) -> None:
+        self._semaphore = asyncio.Semaphore(size)
+        self._users = 0
+        self._on_idle = on_idle
+
+    async def __aenter__(self) -> None:
+        self._users += 1
+        try:
+            await self._semaphore.acquire()
+        except BaseException:
+            self._leave()
+            raise
+
+    async def __aexit__(self, *_: object) -> None:
+        self._semaphore.release()
+        self._leave()
+
+    def _leave(self) -> None:
+        self._users -= 1
+        if self._users == 0:
+            self._on_idle()
+
+
+class _PixelBudget:
+    """Pixels being decoded at once: ``take`` waits (first come, first served) until there is room."""
+
+    def __init__(self, limit: int) -> None:
+        self._free = limit
+        self._waiting: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    async def take(self, pixels: int) -> None:
+        if not self._waiting and pixels <= self._free:
+            self._free -= pixels
+            return
+        entry = (pixels, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            await entry[1]
+        except asyncio.CancelledError:
+            if entry[1].done() and not entry[1].cancelled():
+                self.give(pixels)  # granted as it was cancelled: handed on
+            else:
+                self._waiting.remove(entry)
+                self._wake()
+            raise
+
+    def give(self, pixels: int) -> None:
+        self._free += pixels
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiting and self._waiting[0][0] <= self._free:
+            pixels, future = self._waiting.popleft()
+            if not future.done():
+                self._free -= pixels
+                future.set_result(None)
 
 
 class _ImageCache:
-    """Decoded images by key, least recently used first out, bounded by count and by pixel bytes."""
+    """Decoded images by the digest of their bytes, least recently used first out, bounded by count
+    and by pixel bytes."""
 
     def __init__(self, max_items: int, max_bytes: int) -> None:
         self._max_items = max_items
@@ -349,67 +483,63 @@ def _refusal(index: int, images: Sequence[ImageRef], fault: _FaultError) -> Imag
         url=url,
         detail=fault.detail[:DETAIL_CHARS],
     )
-    message = f"image {index + 1} of {len(images)} ({url}): {fault.detail}"
+    if fault.public:
+        message = f"image {index + 1} of {len(images)} ({url}): {fault.detail}"
+    else:
+        message = f"image {index + 1} could not be fetched"
     return ImageError(message, reason=fault.reason, index=index)
 
 
 def _source(url: str) -> _Source:
     """What an accepted URL reads; any other string fails here and never reaches an engine."""
     if url.startswith("data:"):
-        header, comma, payload = url.partition(",")
+        header, comma, _ = url.partition(",")
         if not comma or not _DATA_HEADER.fullmatch(header):
             raise _FaultError(
                 "bad_data_url", "a data: image URL must be data:image/<type>;base64,<base64 data>"
             )
-        return _Data(payload)
+        return _Data(url)
     if url.startswith(("http://", "https://")):
-        _check_http_url(url)
-        return _Http(url)
+        return _Http(url, _http_host(url))
     raise _FaultError(
         "unsupported_url", "not an accepted image URL: only http(s) URLs and base64 data:image URLs are"
     )
 
 
-def _check_http_url(url: str) -> None:
+def _http_host(url: str) -> str:
     try:
-        valid = (
-            not _UNSAFE_URL_CHARS.search(url) and bool(urlsplit(url).hostname) and bool(httpx.URL(url).host)
-        )
+        host = urlsplit(url).hostname if not _UNSAFE_URL_CHARS.search(url) else None
+        checked = httpx.URL(url).host if host else ""
     except (ValueError, httpx.InvalidURL):
-        valid = False
-    if not valid:
+        checked = ""
+    if not checked:
         raise _FaultError("bad_url", "not a valid http(s) URL (a host, no spaces or control characters)")
+    return normal_host(checked)
 
 
-def _url_key(url: str) -> str:
-    """The cache key of an image the frontend sent without a uuid: a hash of its URL (bounded size)."""
-    return "url:" + hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _redirect(request: httpx.Request) -> httpx.Request:
-    if request.url.scheme not in ("http", "https"):
-        raise _FaultError("bad_redirect", f"fetch failed: redirected to a {request.url.scheme}: URL")
-    return request
+def _check_target(url: httpx.URL, policy: MediaPolicy, *, first: bool) -> None:
+    """A URL the worker is about to ask for: http(s), no credentials, a host the policy allows. The
+    first URL's faults are the client's to read; a redirect's are part of the fetch."""
+    if url.scheme not in ("http", "https"):
+        raise _FaultError("bad_redirect", f"fetch failed: redirected to a {url.scheme}: URL", public=False)
+    if url.userinfo:
+        detail = "a URL with credentials (user:password@host) is not fetched"
+        detail = detail if first else f"fetch failed: redirected to {detail}"
+        raise _FaultError("credentials", detail, public=first)
+    refused = policy.host_refusal(url.host)
+    if refused is not None:
+        detail = refused if first else f"fetch failed: redirected: {refused}"
+        raise _FaultError("domain_not_allowed", detail, public=first)
 
 
 async def _body(response: httpx.Response, max_bytes: int) -> bytes:
-    """A 2xx response's body, read no further than ``max_bytes``."""
+    """A 2xx response's body, read no further than ``max_bytes`` (the bytes as sent: identity was
+    asked for, so no decompression can inflate them past the cap)."""
     if not response.is_success:
-        raise _FaultError("http_status", f"fetch failed: HTTP {response.status_code}")
+        raise _FaultError("http_status", f"fetch failed: HTTP {response.status_code}", public=False)
     declared = response.headers.get("content-length", "")
     if declared.isascii() and declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
-    try:
-        body = response.content  # a transport that answered from memory (httpx.MockTransport)
-    except httpx.ResponseNotRead:
-        body = await _read_raw(response, max_bytes)
-    if len(body) > max_bytes:
-        raise _too_large(max_bytes)
-    return body
-
-
-async def _read_raw(response: httpx.Response, max_bytes: int) -> bytes:
-    """The bytes as sent (identity was asked for: no decompression can inflate them past the cap)."""
     body = bytearray()
     async for chunk in response.aiter_raw():
         body += chunk
@@ -418,30 +548,41 @@ async def _read_raw(response: httpx.Response, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def _decode_data(payload: str, limits: ImageLimits) -> Image.Image:
-    """A data: URL's image (runs in a worker thread: base64 and pixels are both CPU work)."""
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _data_image(url: str, max_bytes: int) -> tuple[bytes, str, str]:
+    """A data: URL's bytes, their digest and the URL's uuid (in a thread: all three are CPU work)."""
+    payload = url.partition(",")[2]
     if _SPACE.search(payload):  # the frontend allows line breaks in base64
         payload = "".join(payload.split())
-    if len(payload) * 3 // 4 - payload[-2:].count("=") > limits.max_bytes:
-        raise _too_large(limits.max_bytes)
+    if len(payload) * 3 // 4 - payload[-2:].count("=") > max_bytes:
+        raise _too_large(max_bytes)
     try:
         data = base64.b64decode(payload, validate=True)
     except ValueError:
         raise _FaultError("bad_data_url", "the data: URL's payload is not valid base64") from None
-    return _decode_image(data, limits)
+    return data, _sha256(data), image_uuid(url)
 
 
-def _decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
-    """Decoded RGB pixels, the pixel count checked from the header first (runs in a worker thread)."""
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    """An image whose header is read, and the encoded bytes Pillow reads its pixels from."""
+
+    image: Image.Image
+    source: io.BytesIO
+
+    def close(self) -> None:
+        self.image.close()
+        self.source.close()
+
+
+def _open(data: bytes, limits: ImageLimits) -> _Opened:
+    """The image with its header read and its pixel count checked, not decoded (in a thread)."""
+    source = io.BytesIO(data)
     try:
-        with Image.open(io.BytesIO(data), formats=limits.formats) as image:
-            width, height = image.size
-            if width * height > limits.max_pixels:
-                raise _FaultError(
-                    "too_many_pixels",
-                    f"the image is {width}x{height} pixels, more than the {limits.max_pixels}-pixel limit",
-                )
-            return _rgb(image)
+        image = Image.open(source, formats=limits.formats)
     except Image.DecompressionBombError:
         raise _FaultError(
             "too_many_pixels", f"the image has more pixels than the {limits.max_pixels}-pixel limit"
@@ -449,20 +590,41 @@ def _decode_image(data: bytes, limits: ImageLimits) -> Image.Image:
     except UnidentifiedImageError:
         accepted = ", ".join(limits.formats)
         raise _FaultError("not_an_image", f"not an image in an accepted format ({accepted})") from None
-    except _FaultError:
-        raise
+    except Exception as exc:  # Pillow's plugins raise many types on a corrupt header
+        raise _FaultError("decode_failed", f"the image could not be decoded: {_describe(exc)}") from None
+    opened = _Opened(image, source)
+    width, height = image.size
+    if width * height > limits.max_pixels:
+        opened.close()
+        raise _FaultError(
+            "too_many_pixels",
+            f"the image is {width}x{height} pixels, more than the {limits.max_pixels}-pixel limit",
+        )
+    return opened
+
+
+def _rgb(opened: _Opened) -> Image.Image:
+    """RGB pixels (in a thread): an RGB image as decoded, no copy; transparency composited onto white
+    as vLLM's own loader does, in one paste with the alpha band as the mask (no copy of the band).
+    The encoded bytes are let go either way (PNG and TIFF images keep their reader)."""
+    image, kept = opened.image, False
+    try:
+        image.load()
+        if image.mode == "RGB" and not getattr(image, "is_animated", False):
+            kept = True  # loaded, its file let go (an animated image keeps it for its frames)
+            return image
+        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+            with_alpha = image if image.mode == "RGBA" else image.convert("RGBA")
+            canvas = Image.new("RGB", image.size, _WHITE)
+            canvas.paste(with_alpha, mask=with_alpha)
+            return canvas
+        return image.convert("RGB")
     except Exception as exc:  # Pillow's decoders raise many types on corrupt data
         raise _FaultError("decode_failed", f"the image could not be decoded: {_describe(exc)}") from None
-
-
-def _rgb(image: Image.Image) -> Image.Image:
-    """RGB, with transparency composited onto white as vLLM's own image loader does."""
-    if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        canvas = Image.new("RGB", rgba.size, _WHITE)
-        canvas.paste(rgba, mask=rgba.getchannel("A"))
-        return canvas
-    return image.convert("RGB")
+    finally:
+        opened.source.close()
+        if not kept:
+            image.close()
 
 
 def _too_large(max_bytes: int) -> _FaultError:

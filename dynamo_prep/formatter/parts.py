@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
 from typing import Any, Final
 from urllib.parse import urlsplit
 
 from dynamo_prep.prompt import PromptRenderError
-from dynamo_prep.protocol.preprocessed import ImageRef
+from dynamo_prep.protocol.preprocessed import ImageRef, image_uuid
 
 __all__ = ["IMAGE_PART_TYPES", "TEXT_PART_TYPES", "collect_images", "image_uuid"]
 
@@ -76,8 +75,3 @@ def _check_image_url(url: str, where: str) -> None:
             f"{where}: image_url.url is not a valid http(s) URL (a host, no spaces or control characters, "
             f"at most {MAX_HTTP_URL_CHARS} characters): {url[:40]!r}"
         )
-
-
-def image_uuid(url: str) -> str:
-    """An image's identity: the first 128 bits of the sha256 of its URL, in hex."""
-    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:32]

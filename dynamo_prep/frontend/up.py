@@ -4,17 +4,21 @@ It starts the frontend (embedded discovery plane, HTTP on ``--http-port``, KV ro
 mock workers of the demo model with a prefix cache publishing KV events, one enforcing SGLang's
 image contract and one vLLM's, so the router's mixed pool is what you talk to: a new prompt goes
 where there is room, a repeated one where its prefix is cached, and each reply says which flavor
-served it. Children are plain ``dynamo-prep`` processes whose logs go to files (their
-directory is printed). Ctrl-C or SIGTERM stops the workers and the frontend (SIGTERM, a grace
-period, then SIGKILL for stragglers) and exits 0.
+served it. The printed image request names a picture this process serves on 127.0.0.1, which the
+workers fetch because they are started with ``--allowed-media-networks 127.0.0.1/32`` (a worker
+fetches from public addresses only by default). Children are plain ``dynamo-prep`` processes whose
+logs go to files (their directory is printed). Ctrl-C or SIGTERM stops the workers and the
+frontend (SIGTERM, a grace period, then SIGKILL for stragglers) and exits 0.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import shlex
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
@@ -22,6 +26,9 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -33,7 +40,7 @@ from dynamo_prep.engines.base import FLAVORS
 from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 
-__all__ = ["DEMO_IMAGE_URL", "curl_command", "run_up", "structured_curl_command", "tool_curl_commands"]
+__all__ = ["curl_command", "demo_png", "run_up", "structured_curl_command", "tool_curl_commands"]
 
 log = structlog.get_logger("dynamo_prep.up")
 
@@ -43,7 +50,9 @@ POLL_S = 0.2
 DEFAULT_UP_DISCOVERY = "tcp://127.0.0.1:7555"
 DEFAULT_UP_MODEL = "kimi-k3-demo"
 DEFAULT_WATCH_ADDRESS = "tcp://127.0.0.1:7557"
-DEMO_IMAGE_URL = "https://upload.wikimedia.org/wikipedia/commons/4/47/PNG_transparency_demonstration_1.png"
+DEMO_IMAGE_PATH = "/demo.png"
+# The workers may fetch from this process's image server, and from nothing else that is not public.
+UP_MEDIA_NETWORK = "127.0.0.1/32"
 # Loopback only: an http_proxy in the environment must not see (or break) the readiness probe.
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -72,8 +81,8 @@ def run_up(
         log.info("up_stopping", signal=signum.name)
         stopping.set()
 
-    with on_stop_signals(on_signal):
-        return _run(stopping, http_port, discovery_bind, model, log_dir, log_level, watch_address)
+    with on_stop_signals(on_signal), _image_server() as image_url:
+        return _run(stopping, http_port, discovery_bind, model, log_dir, log_level, watch_address, image_url)
 
 
 def _run(  # noqa: PLR0917 - run_up's options, passed on once
@@ -84,6 +93,7 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
     log_dir: Path | None,
     log_level: str,
     watch_address: str,
+    image_url: str,
 ) -> int:
     directory = log_dir or Path(tempfile.mkdtemp(prefix="dynamo-prep-up-"))
     directory.mkdir(parents=True, exist_ok=True)
@@ -107,13 +117,15 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
                 "--flavor",
                 flavor,
                 "--kv-events",
+                "--allowed-media-networks",
+                UP_MEDIA_NETWORK,
             ]
             children.append(_start(f"worker-{flavor}", directory, log_level, worker))
         log.info("up_starting", url=base_url, model=model, log_dir=str(directory))
         served_as = _wait_ready(base_url, model, children, stopping)
         if served_as is None:
             return EXIT_OK if stopping.is_set() else EXIT_FAILED
-        _print_banner(base_url, served_as, directory, watch_address)
+        _print_banner(base_url, served_as, directory, watch_address, image_url)
         return _run_until_stopped(children, stopping)
     finally:
         _stop_all(children)
@@ -125,7 +137,55 @@ def _frontend_args(discovery_bind: str, http_port: int) -> list[str]:
     return ["--discovery-bind", discovery_bind, "--http-port", str(http_port), "--router-mode", "kv"]
 
 
-def curl_command(base_url: str, model: str, image_url: str = DEMO_IMAGE_URL) -> str:
+@contextmanager
+def _image_server() -> Iterator[str]:
+    """The demo picture served on 127.0.0.1 (a free port) while the cluster runs; its URL."""
+    picture = demo_png()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            found = self.path == DEMO_IMAGE_PATH
+            body = picture if found else b"not found"
+            self.send_response(200 if found else 404)
+            self.send_header("content-type", "image/png" if found else "text/plain")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("up_image_served", request=format % args)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="up-image-server", daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}{DEMO_IMAGE_PATH}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def demo_png(width: int = 64, height: int = 48) -> bytes:
+    """A small RGBA PNG (a gradient with see-through stripes), encoded by hand: no imaging library."""
+    rows = b"".join(
+        b"\0"
+        + bytes(value for x in range(width) for value in (x * 4, y * 5, 160, 0 if (x + y) % 16 < 4 else 255))
+        for y in range(height)
+    )
+    header = struct.pack(">IIBBBBB", width, height, 8, 6, 0, 0, 0)  # 8-bit RGBA
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + _chunk(b"IHDR", header)
+        + _chunk(b"IDAT", zlib.compress(rows))
+        + _chunk(b"IEND", b"")
+    )
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def curl_command(base_url: str, model: str, image_url: str) -> str:
     """A ready-to-paste streaming chat request with one image."""
     body = {
         "model": model,
@@ -265,15 +325,17 @@ def _served_models(base_url: str) -> set[str]:
     return {entry["id"] for entry in body.get("data", []) if isinstance(entry, dict) and "id" in entry}
 
 
-def _print_banner(base_url: str, model: str, directory: Path, watch_address: str) -> None:
+def _print_banner(base_url: str, model: str, directory: Path, watch_address: str, image_url: str) -> None:
     lines = [
         "",
         f"dynamo-prep is up: {base_url}  (model {model}; mock workers: {', '.join(FLAVORS)})",
         f"logs: {directory}/{{frontend,worker-sglang,worker-vllm}}.log",
         "Try (run it twice: the second run goes to the worker whose KV cache holds the prompt;",
-        "the frontend log's request_finished says kv_overlap_blocks):",
+        "the frontend log's request_finished says kv_overlap_blocks). The workers fetch the picture",
+        f"from this process: they were started with --allowed-media-networks {UP_MEDIA_NETWORK}",
+        "(by default a worker fetches from public addresses only):",
         "",
-        curl_command(base_url, model),
+        curl_command(base_url, model, image_url),
         "",
         "A tool call (the mock calls the first tool a request declares, as a model would), then the",
         "answer once the tool has run (the call and its result sent back):",

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+import re
+from typing import Any, Final
 
 import msgspec
+
+# An image's identity as the engine gets it for a fetched http(s) image: the frontend's uuid (of the
+# URL), a dash, and the digest of the bytes fetched (docs/engines.md, "Images and their identity").
+_FETCHED_UUID: Final = re.compile(r"[0-9a-f]{32}-[0-9a-f]{32}")
+_UUID_CHARS: Final = 32
 
 
 class StopConditions(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -57,9 +64,9 @@ class OutputOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
 class ImageRef(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One image of the request, in prompt order: an http(s) URL or a ``data:`` URL.
 
-    ``uuid`` is the image's identity, a content hash of its URL (a ``data:`` URL is the image
-    itself): the frontend routes by it and hands it to the engine (vLLM's multimodal UUID), so
-    the engine's KV-cache events name the same image.
+    ``uuid`` is the frontend's identity of the image, the hash of its URL (``image_uuid``): the KV
+    router names the image by it. The worker hands the engine an identity of what it fetched
+    (``fetched_image_uuid``), which the router reads back with ``routing_image_uuid``.
     """
 
     url: str
@@ -79,3 +86,22 @@ class PreprocessedRequest(msgspec.Struct, kw_only=True, omit_defaults=True):
     images: list[ImageRef] = []
     mdcsum: str = ""
     annotations: dict[str, Any] = {}
+
+
+def image_uuid(url: str) -> str:
+    """The frontend's identity of an image: the first 128 bits of the sha256 of its URL, in hex.
+
+    For a ``data:`` URL that is the image's own bytes, and the engine gets it as is."""
+    return hashlib.sha256(url.encode("utf-8", "surrogatepass")).hexdigest()[:_UUID_CHARS]
+
+
+def fetched_image_uuid(url_uuid: str, digest: str) -> str:
+    """The engine's identity of an http(s) image: its URL's uuid and the sha256 ``digest`` (hex) of
+    the bytes fetched, so another image at the same URL is another image to the engine's caches."""
+    return f"{url_uuid}-{digest[:_UUID_CHARS]}"
+
+
+def routing_image_uuid(identifier: str) -> str:
+    """The part of an engine's image identity the router knows before any fetch: a fetched image's
+    URL uuid; any other identifier unchanged."""
+    return identifier[:_UUID_CHARS] if _FETCHED_UUID.fullmatch(identifier) else identifier

@@ -8,6 +8,11 @@ int standing for the block's extra-key entry. It is computed identically from a 
 parent's own hash, token ids and ``extra_keys`` as sent), so the same tokens and images give the
 same hashes on both sides whatever hash function the engine uses.
 
+An image is named by what the frontend knows before any fetch: the uuid of its URL. A worker hands
+its engine a fetched image's uuid with the digest of the bytes appended (``fetched_image_uuid``), so
+the engine's caches tell two images at one URL apart; its events are read back to the URL's part
+(``routing_image_uuid``), so the blocks match the request's hashes whatever the bytes were.
+
 Determinism: only ints and tuples of ints are ever passed to Python's ``hash()``. Those hashes are
 not salted (``PYTHONHASHSEED`` salts str and bytes only) and are 64-bit on 64-bit CPython; since
 CPython 3.8 the tuple hash is an xxHash-style mix with fixed primes. Strings and other values are
@@ -29,6 +34,7 @@ from typing import Any, Final
 import msgspec
 
 from dynamo_prep.protocol.kv_events import BlockStored, ImageSpan, mm_extra_keys
+from dynamo_prep.protocol.preprocessed import routing_image_uuid
 
 __all__ = [
     "ROOT_HASH",
@@ -76,7 +82,7 @@ def _text_id(text: str) -> int:
 
 @functools.lru_cache(maxsize=_ID_CACHE_SIZE)
 def _cached_text_id(text: str) -> int:
-    return _digest(_TEXT, text)
+    return _digest(_TEXT, routing_image_uuid(text))  # an image identity is short: always cached
 
 
 def _digest(domain: bytes, value: str | bytes) -> int:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, cast, get_args
 
 from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, FLAVORS, REPLY_FORMATS, Flavor, ReplyFormat
+from dynamo_prep.engines.media_policy import MediaPolicy
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
 
@@ -47,7 +48,8 @@ class WorkerConfig:
 
     ``kv_events``: the mock engine keeps a paged prefix cache of ``kv_blocks`` blocks (the card's
     ``kv_cache_block_size`` tokens each), publishes its KV events and charges ``prefill_ms_per_1k``
-    per 1000 prompt tokens it does not hold.
+    per 1000 prompt tokens it does not hold. ``media``: where request images may be fetched from
+    (every engine, the mock included).
     """
 
     model_dir: Path
@@ -71,6 +73,7 @@ class WorkerConfig:
     kv_events: bool = False
     kv_blocks: int = DEFAULT_KV_BLOCKS
     prefill_ms_per_1k: float = DEFAULT_PREFILL_MS_PER_1K
+    media: MediaPolicy = field(default_factory=MediaPolicy)
     engine_args: tuple[str, ...] = ()
 
     @property
@@ -108,13 +111,17 @@ class WorkerConfig:
         kv_events: bool = False,
         kv_blocks: int | None = None,
         prefill_ms_per_1k: float | None = None,
+        allowed_media_domains: Sequence[str] | None = None,
+        allowed_media_networks: Sequence[str] = (),
         engine_args: Sequence[str] = (),
     ) -> WorkerConfig:
         """Raises ValueError (TrustError for CURVE key files) naming the option that is wrong.
 
         ``flavor``, ``token_delay_s``, ``replies``, ``reply_format`` and ``kv_events`` are the mock
         engine's (None: its default); ``kv_blocks`` and ``prefill_ms_per_1k`` options of
-        ``kv_events``. ``engine_args`` go to a real engine's own parser (the mock takes none).
+        ``kv_events``. ``allowed_media_domains`` (None: any) and ``allowed_media_networks`` are
+        the image fetcher's ``MediaPolicy``. ``engine_args`` go to a real engine's own parser (the
+        mock takes none).
         """
         if not discovery:
             raise ValueError("--discovery needs at least one address")
@@ -157,6 +164,7 @@ class WorkerConfig:
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {metrics_port}")
         _check_kv_options(kv_events, kv_blocks, prefill_ms_per_1k)
+        media = MediaPolicy.from_options(allowed_media_domains, allowed_media_networks)
         return cls(
             model_dir=resolve_model_dir(model_path),
             discovery=tuple(discovery),
@@ -179,6 +187,7 @@ class WorkerConfig:
             kv_events=kv_events,
             kv_blocks=DEFAULT_KV_BLOCKS if kv_blocks is None else kv_blocks,
             prefill_ms_per_1k=DEFAULT_PREFILL_MS_PER_1K if prefill_ms_per_1k is None else prefill_ms_per_1k,
+            media=media,
             engine_args=tuple(engine_args),
         )
 

@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.engines.base import EngineFacts, EngineRuntime
+from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.kv_config import kv_events_endpoint
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer
@@ -47,7 +48,7 @@ def start_runtime(config: WorkerConfig) -> EngineRuntime:
     translate_module, runtime_module, runtime_class = _BRIDGES[config.engine]
     argv = importlib.import_module(translate_module).engine_argv(config.model_dir, config.engine_args)
     runtime_type: Any = getattr(importlib.import_module(runtime_module), runtime_class)
-    images = importlib.import_module("dynamo_prep.engines.images").ImageFetcher()
+    images = ImageFetcher(policy=config.media)
     log.info("engine_starting", engine=config.engine, engine_args=argv)
     try:
         runtime: EngineRuntime = runtime_type.start(argv, images, config.model_dir)

@@ -1,28 +1,34 @@
 """A worker in front of the GPU-free mock engine (``--engine mock``).
 
-With ``--kv-events`` the mock engine runs behind a paged prefix cache (``engines.mock.kv``) whose
-events a ``KvEventPublisher`` bound on ``endpoint_host`` publishes; the Worker starts it, announces
-its addresses and closes it after the drain.
+Request images are fetched and decoded as for a real engine (the same ``ImageFetcher``, the same
+``--allowed-media-*`` policy), and the mock gets each image's identity from the fetcher, as vLLM
+does. With ``--kv-events`` the mock engine runs behind a paged prefix cache (``engines.mock.kv``)
+whose events a ``KvEventPublisher`` bound on ``endpoint_host`` publishes; the Worker starts it,
+announces its addresses and closes it after the drain.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import AsyncIterator
 
+import msgspec
 import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.base import GenerateFn
+from dynamo_prep.engines.base import EngineOutput, GenerateFn
+from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
 from dynamo_prep.engines.mock.kv import MockKvEngine
 from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer
 from dynamo_prep.worker.metrics import WorkerMetrics
 from dynamo_prep.worker.server import Worker
 
-__all__ = ["mock_card", "mock_engine", "mock_worker"]
+__all__ = ["mock_card", "mock_engine", "mock_worker", "with_images"]
 
 
 def mock_engine(config: WorkerConfig) -> MockContinuation:
@@ -49,8 +55,31 @@ def mock_card(config: WorkerConfig, declared_token: str | None) -> ModelDeployme
     )
 
 
+def with_images(generate: GenerateFn, images: ImageFetcher) -> GenerateFn:
+    """``generate`` once the request's images are fetched and decoded, each named by the fetcher's
+    identity (its bytes' digest for an http(s) image), as a real engine gets them; a refused image
+    is an ``ImageError`` (a 400) before the engine sees the request."""
+
+    async def generate_with_images(request: PreprocessedRequest) -> AsyncIterator[EngineOutput]:
+        if request.images:
+            fetched = await images.fetch(request.images)
+            named = [
+                msgspec.structs.replace(ref, uuid=image.uuid)
+                for ref, image in zip(request.images, fetched, strict=True)
+            ]
+            request = msgspec.structs.replace(request, images=named)
+        async for step in generate(request):
+            yield step
+
+    return generate_with_images
+
+
 def mock_worker(
-    config: WorkerConfig, card: ModelDeploymentCard, engine: MockContinuation, context: zmq.asyncio.Context
+    config: WorkerConfig,
+    card: ModelDeploymentCard,
+    engine: MockContinuation,
+    context: zmq.asyncio.Context,
+    images: ImageFetcher,
 ) -> Worker:
     metrics = WorkerMetrics()
     generate: GenerateFn = engine.generate
@@ -68,6 +97,6 @@ def mock_worker(
             prefill_ms_per_1k=config.prefill_ms_per_1k,
         ).generate
     generation = GenerationServer(
-        generate, check=metrics.counting_check(engine.check_contract, config.flavor)
+        with_images(generate, images), check=metrics.counting_check(engine.check_contract, config.flavor)
     )
     return Worker.from_config(config, card, context, generation, metrics, kv_publisher=kv_publisher)

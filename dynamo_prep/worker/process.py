@@ -26,6 +26,8 @@ import zmq.asyncio
 from dynamo_prep.card import ModelCardError, ModelDeploymentCard
 from dynamo_prep.discovery.trust import TrustError
 from dynamo_prep.engines.base import EngineRuntime
+from dynamo_prep.engines.images import ImageFetcher
+from dynamo_prep.engines.mock.engine import MockContinuation
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.worker.config import WorkerConfig
@@ -64,7 +66,7 @@ def run_worker(**options: Any) -> int:
     except (ModelCardError, OSError, ValueError) as exc:
         log.error("worker_start_failed", model_path=str(config.model_dir), error=str(exc))
         return EXIT_FAILED
-    return asyncio.run(_serve(lambda context: mock_worker(config, card, engine, context)))
+    return asyncio.run(_serve_mock(config, card, engine))
 
 
 def check_servable(config: WorkerConfig) -> None:
@@ -94,6 +96,14 @@ async def _serve(make_worker: MakeWorker) -> int:
     # Handlers go in before anything is logged, so a SIGTERM right after worker_started is graceful.
     with on_stop_signals_in_loop(lambda _signum: stopping.set()):
         return await _serve_signalled(make_worker, stopping)
+
+
+async def _serve_mock(config: WorkerConfig, card: ModelDeploymentCard, engine: MockContinuation) -> int:
+    images = ImageFetcher(policy=config.media)
+    try:
+        return await _serve(lambda context: mock_worker(config, card, engine, context, images))
+    finally:
+        await images.aclose()
 
 
 async def _serve_engine(config: WorkerConfig) -> int:

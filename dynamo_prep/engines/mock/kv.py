@@ -11,9 +11,10 @@ published too.
 
 Images: each image is the span of one occurrence of the engine's image pattern in the prompt (the
 same ids the contract check counts), in prompt order, and its identity is the request's
-``ImageRef.uuid`` (the frontend's content hash of the URL; computed here, by the same rule, when an
-older frontend sent none). So the events' ``extra_keys`` carry ``(uuid, offset)`` as vLLM's do, and
-two prompts that differ only in an image share no block from that image on.
+``ImageRef.uuid``: in a worker, the fetcher's (``worker.mock.with_images``: the URL's uuid, and for an
+http(s) image the digest of its bytes), as vLLM gets it; the URL's uuid when a request comes
+without one. So the events' ``extra_keys`` carry ``(uuid, offset)`` as vLLM's do, and two prompts
+that differ only in an image share no block from that image on.
 """
 
 from __future__ import annotations
@@ -24,10 +25,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from dynamo_prep.engines.mock.engine import MockContinuation, MockOutput, Prefill
 from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
-from dynamo_prep.formatter.parts import image_uuid
 from dynamo_prep.protocol.kv_events import ImageSpan, KVEvent
 from dynamo_prep.protocol.kv_events import image_spans as spans_of
-from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.preprocessed import PreprocessedRequest, image_uuid
 
 __all__ = ["MockKvEngine", "image_spans"]
 

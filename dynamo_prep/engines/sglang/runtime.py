@@ -104,8 +104,9 @@ class SglangRuntime:
         reader = ChunkReader(request)
         rid = f"dp-{next(self._ids)}"  # never an id SGLang may still hold (a migrated request's)
         try:
+            decoded, uuids = [image.image for image in images], [image.uuid for image in images]
             stream = await self._engine.async_generate(
-                **generate_kwargs(request, self._defaults, images, rid)
+                **generate_kwargs(request, self._defaults, decoded, rid, uuids=uuids)
             )
             async with contextlib.aclosing(stream):
                 async for chunk in stream:

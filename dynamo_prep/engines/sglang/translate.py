@@ -71,10 +71,15 @@ def sampling_params(request: PreprocessedRequest, defaults: Mapping[str, Any]) -
 
 
 def generate_kwargs(
-    request: PreprocessedRequest, defaults: Mapping[str, Any], images: Sequence[object], rid: str
+    request: PreprocessedRequest,
+    defaults: Mapping[str, Any],
+    images: Sequence[object],
+    rid: str,
+    *,
+    uuids: Sequence[str] = (),
 ) -> dict[str, Any]:
     """``async_generate``'s keywords: ids in, a stream of deltas out, decoded images (never a URL
-    or a string SGLang would read as a path) with one hash per image."""
+    or a string SGLang would read as a path) with one hash per image (the fetcher's ``uuids``)."""
     kwargs: dict[str, Any] = {
         "input_ids": request.token_ids,
         "sampling_params": sampling_params(request, defaults),
@@ -82,8 +87,10 @@ def generate_kwargs(
         "stream": True,
     }
     if images:
+        if len(uuids) != len(images):
+            raise ValueError(f"{len(images)} images and {len(uuids)} uuids")
         kwargs["image_data"] = list(images)
-        kwargs["mm_hashes"] = [image.uuid for image in request.images]
+        kwargs["mm_hashes"] = list(uuids)
     top = logprobs_asked(request)
     if top is not None:
         kwargs.update(return_logprob=True, top_logprobs_num=top)

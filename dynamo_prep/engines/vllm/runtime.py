@@ -138,7 +138,8 @@ class VllmRuntime:
         request_id = f"dp-{next(self._ids)}"
         try:
             params = api.sampling_params(**self._sampling(request), output_kind=api.delta)
-            prompt = api.tokens_prompt(**prompt_fields(request, images))
+            decoded, uuids = [image.image for image in images], [image.uuid for image in images]
+            prompt = api.tokens_prompt(**prompt_fields(request, decoded, uuids))
             async with contextlib.aclosing(self._engine.generate(prompt, params, request_id)) as stream:
                 async for output in stream:
                     yield reader.step(output)

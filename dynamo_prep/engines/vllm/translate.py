@@ -78,13 +78,15 @@ def structured_fields(request: PreprocessedRequest) -> dict[str, Any] | None:
     return {"json_object": True}
 
 
-def prompt_fields(request: PreprocessedRequest, images: Sequence[object]) -> dict[str, Any]:
+def prompt_fields(
+    request: PreprocessedRequest, images: Sequence[object], uuids: Sequence[str]
+) -> dict[str, Any]:
     """``TokensPrompt`` keys: the ids, and the decoded images with their uuids in prompt order (the
-    uuids name the images in vLLM's KV events, as the frontend's router hashes them)."""
+    fetcher's: the image's bytes key vLLM's caches, its URL's part names it to the router)."""
     fields: dict[str, Any] = {"prompt_token_ids": request.token_ids}
     if images:
         fields["multi_modal_data"] = {"image": list(images)}
-        fields["multi_modal_uuids"] = {"image": [image.uuid or None for image in request.images]}
+        fields["multi_modal_uuids"] = {"image": list(uuids)}
     return fields
 
 

@@ -71,7 +71,9 @@ REQUESTS = {
 
 @pytest.mark.parametrize("name", REQUESTS)
 def test_async_generate_binds_the_keywords_the_bridge_passes(name: str) -> None:
-    kwargs = generate_kwargs(REQUESTS[name], {"temperature": 0.6}, ["decoded image"], "dp-1")
+    kwargs = generate_kwargs(
+        REQUESTS[name], {"temperature": 0.6}, ["decoded image"], "dp-1", uuids=["ab" * 16 + "-" + "cd" * 16]
+    )
     inspect.signature(Engine.async_generate).bind(object(), **kwargs)
 
 
