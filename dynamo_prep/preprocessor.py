@@ -144,7 +144,7 @@ class OpenAIPreprocessor:
         try:
             rendered = self.formatter.render(chat)
         except PromptRenderError as exc:
-            raise PreprocessError(str(exc), param="messages") from exc
+            raise PreprocessError(str(exc), param=exc.param or "messages") from exc
         if rendered.image_count != len(images):
             raise PreprocessError(
                 f"The request has {len(images)} image part(s) but the prompt rendered "
