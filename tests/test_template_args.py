@@ -18,8 +18,8 @@ from support.cluster import mock_cluster, openai_client
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter import JinjaFormatter
-from dynamo_prep.formatter.jinja.bounds import TEMPLATE_ARGS_LIMITS
 from dynamo_prep.formatter.kimi_k3 import KimiK3Formatter
+from dynamo_prep.limits import TEMPLATE_ARGS_LIMITS
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.protocol.openai import ChatCompletionRequest

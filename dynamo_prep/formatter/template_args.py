@@ -12,14 +12,12 @@ from typing import Any, NoReturn
 
 import msgspec
 
-from dynamo_prep.formatter.jinja.bounds import TEMPLATE_ARGS_LIMITS, TemplateArgsLimits
 from dynamo_prep.formatter.jinja.checkpoint import NAMED_SPECIAL_TOKENS
+from dynamo_prep.limits import TEMPLATE_ARGS_LIMITS, TemplateArgsLimits
 from dynamo_prep.prompt import PromptRenderError
-from dynamo_prep.protocol.openai import ChatCompletionRequest
+from dynamo_prep.protocol.openai import TEMPLATE_ARGS_FIELDS, ChatCompletionRequest
 
-__all__ = ["TEMPLATE_ARGS_FIELDS", "template_args_of"]
-
-TEMPLATE_ARGS_FIELDS = ("chat_template_kwargs", "chat_template_args")
+__all__ = ["template_args_of"]
 
 
 def template_args_of(

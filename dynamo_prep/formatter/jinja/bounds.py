@@ -40,11 +40,9 @@ __all__ = [
     "COMPILE_LIMITS",
     "MAX_TEMPLATE_CHARS",
     "RENDER_LIMITS",
-    "TEMPLATE_ARGS_LIMITS",
     "TICKS_PER_CLOCK_READ",
     "Budget",
     "RenderSliceSpent",
-    "TemplateArgsLimits",
     "TemplateLimitError",
     "TemplateLimits",
     "bounded",
@@ -78,19 +76,6 @@ class TemplateLimits:
 
 RENDER_LIMITS = TemplateLimits()
 COMPILE_LIMITS = TemplateLimits(seconds=10.0, max_chars=1 << 16, max_total_chars=1 << 20)
-
-
-@dataclass(frozen=True, slots=True)
-class TemplateArgsLimits:
-    """What a request's ``chat_template_kwargs`` (and ``chat_template_args``) may hold, each field
-    on its own (checked by ``formatter.template_args``, for every formatter and tokenization mode)."""
-
-    max_bytes: int = 1 << 20  # its JSON; 1 MiB of text is more tokens than most contexts hold
-    max_depth: int = 32  # nested lists and objects (the field itself is depth 1)
-    max_items: int = 1 << 16  # keys and values, at every depth
-
-
-TEMPLATE_ARGS_LIMITS = TemplateArgsLimits()
 
 
 class TemplateLimitError(PromptRenderError):
