@@ -79,8 +79,8 @@ from dynamo_prep.protocol.openai import (
     ModelEntry,
     ModelList,
     RequestError,
-    TokenizeRequest,
     TokenizeResponse,
+    TokenizeShell,
     decode_chat_shell,
     decode_detokenize,
     parse_chat_request,
@@ -310,12 +310,13 @@ class _Handlers:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``, rendered with the model's canonical declaration."""
         body = await _read_body(request, self.settings)
-        with decoding(RequestError.of):
-            tokenize = msgspec.json.decode(body, type=TokenizeRequest)
+        with decoding(RequestError.of):  # the messages are skipped here: a chat is decoded as one
+            tokenize = msgspec.json.decode(body, type=TokenizeShell)
         model = self._live_model(tokenize.model)
         preprocessor = model.preprocessor
-        if tokenize.messages is not None:
-            tokens = await _off_loop(len(body), lambda: preprocessor.tokenize(body).token_ids)
+        if tokenize.chat:
+            chat = await _parse_chat(body)
+            tokens = await _off_loop(len(body), lambda: preprocessor.tokenize(chat).token_ids)
         elif tokenize.prompt is not None:
             text, specials = tokenize.prompt, tokenize.add_special_tokens
             tokens = await _off_loop(

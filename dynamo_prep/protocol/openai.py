@@ -347,6 +347,20 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_special_tokens: bool = False
 
 
+class TokenizeShell(msgspec.Struct, kw_only=True):
+    """A ``TokenizeRequest`` read without its messages (kept raw: a chat is decoded as one, by
+    ``decode_chat_shell`` when large); ``chat`` says whether it is one."""
+
+    model: Name
+    messages: msgspec.Raw = msgspec.Raw()
+    prompt: str | None = None
+    add_special_tokens: bool = False
+
+    @property
+    def chat(self) -> bool:
+        return len(self.messages) > 0 and bytes(self.messages) != b"null"
+
+
 class TokenizeResponse(msgspec.Struct, kw_only=True):
     count: int
     max_model_len: int
