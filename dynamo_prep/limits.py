@@ -1,18 +1,29 @@
-"""The process's file and socket budget: raised at start, and the error that says it is spent.
+"""The process's file and socket budget: raised at start, and the error that says it is spent;
+and the bounds of a request's template variables, checked at the edge and by every formatter.
 
-docs/discovery.md ("Sockets and files") has the budget per instance and why.
+docs/discovery.md ("Sockets and files") has the budget per instance and why; docs/hostile-input.md
+the request bounds.
 """
 
 from __future__ import annotations
 
 import errno
 import resource
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import zmq
 
-__all__ = ["FDS_PER_SOCKET", "is_exhausted", "raise_limits", "raise_open_files", "socket_budget"]
+__all__ = [
+    "FDS_PER_SOCKET",
+    "TEMPLATE_ARGS_LIMITS",
+    "TemplateArgsLimits",
+    "is_exhausted",
+    "raise_limits",
+    "raise_open_files",
+    "socket_budget",
+]
 
 log = structlog.get_logger("dynamo_prep.limits")
 
@@ -65,3 +76,18 @@ def raise_limits(context: zmq.Context[Any]) -> None:
 def is_exhausted(exc: zmq.ZMQError) -> bool:
     """Whether ``exc`` says the process (or the context's MAX_SOCKETS) has no socket left."""
     return exc.errno in (errno.EMFILE, errno.ENFILE)
+
+
+@dataclass(frozen=True, slots=True)
+class TemplateArgsLimits:
+    """What a request's ``chat_template_kwargs`` (and ``chat_template_args``) may hold, each field
+    on its own: a large body's field is refused by its bytes before it is decoded
+    (``protocol.openai``), every request's by all three before it is rendered
+    (``formatter.template_args``), whatever the formatter and tokenization mode."""
+
+    max_bytes: int = 1 << 20  # its JSON; 1 MiB of text is more tokens than most contexts hold
+    max_depth: int = 32  # nested lists and objects (the field itself is depth 1)
+    max_items: int = 1 << 16  # keys and values, at every depth
+
+
+TEMPLATE_ARGS_LIMITS = TemplateArgsLimits()

@@ -38,6 +38,7 @@ from dynamo_prep.protocol.structured import StructuredOutputError, structured_ou
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = [
+    "MAX_ANSWER_ENTRIES",
     "MAX_CHOICES",
     "MAX_IMAGES_PER_REQUEST",
     "MAX_N",
@@ -47,7 +48,9 @@ __all__ = [
     "PreprocessError",
     "PreprocessedRequest",
     "TokenizedPrompt",
+    "entries_per_token",
     "stop_strings",
+    "validate_answer_budget",
     "validate_n",
 ]
 
@@ -69,6 +72,10 @@ MAX_IMAGES_PER_REQUEST = 999
 # below OpenAI's 128; a batch of completions prompts gives prompts x n choices, at most MAX_CHOICES.
 MAX_N = 16
 MAX_CHOICES = 128
+# What a request's choices together may make the frontend render and hold: each answer token is
+# one entry, and with logprobs two more plus one per alternative. A single choice is bounded by
+# the context alone, as in every engine; several together by this (docs/hostile-input.md, "Answers").
+MAX_ANSWER_ENTRIES = 1 << 22
 
 
 class PreprocessError(ValueError):
@@ -145,7 +152,7 @@ class OpenAIPreprocessor:
         try:
             rendered = self.formatter.render(chat)
         except PromptRenderError as exc:
-            raise PreprocessError(str(exc), param="messages") from exc
+            raise PreprocessError(str(exc), param=exc.param or "messages") from exc
         if rendered.image_count != len(images):
             raise PreprocessError(
                 f"The request has {len(images)} image part(s) but the prompt rendered "
@@ -375,6 +382,34 @@ def validate_sampling(chat: ChatCompletionRequest) -> None:
         raise PreprocessError(
             f"unknown annotation(s) {sorted(unknown)}; known: {sorted(ANNOTATIONS)}", param="nvext"
         )
+
+
+def entries_per_token(chat: ChatCompletionRequest) -> int:
+    """What one answer token of ``chat`` costs the frontend, in entries: the token, and with
+    logprobs its text, bytes and logprob and each alternative."""
+    return 3 + (chat.top_logprobs or 0) if chat.logprobs else 1
+
+
+def validate_answer_budget(chat: ChatCompletionRequest, choices: int, context_length: int) -> None:
+    """``choices`` answers of ``chat`` (each at most its max_tokens, or the whole context) within
+    ``MAX_ANSWER_ENTRIES`` when there are several; else a 400 naming the max_tokens parameter."""
+    max_tokens = chat.requested_max_tokens
+    entries = choices * (max_tokens or context_length) * entries_per_token(chat)
+    if choices < 2 or entries <= MAX_ANSWER_ENTRIES:
+        return
+    param = "max_completion_tokens" if chat.max_completion_tokens is not None else "max_tokens"
+    asked = (
+        f"{param} {max_tokens:,}"
+        if max_tokens is not None
+        else f"no {param} (the context, {context_length:,})"
+    )
+    with_logprobs = f", with {chat.top_logprobs or 0} logprobs each token" if chat.logprobs else ""
+    raise PreprocessError(
+        f"The answer could hold {entries:,} entries ({choices} choices x {asked}{with_logprobs}), more "
+        f"than this server's budget of {MAX_ANSWER_ENTRIES:,} for one request: lower {param}, n, the "
+        "number of prompts or logprobs, or send several requests",
+        param=param,
+    )
 
 
 def validate_n(n: int) -> None:

@@ -14,7 +14,14 @@ __all__ = ["Piece", "PromptRenderError", "RenderedPrompt", "Run", "Segment", "fl
 
 
 class PromptRenderError(ValueError):
-    """The request cannot be rendered; the message tells the user what to change (HTTP 400)."""
+    """The request cannot be rendered; the message tells the user what to change (HTTP 400).
+
+    ``param`` names the request field at fault when it is not the messages (the default).
+    """
+
+    def __init__(self, message: str = "", *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class Segment(NamedTuple):

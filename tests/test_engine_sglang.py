@@ -324,9 +324,9 @@ def test_meta_info_logprobs_become_one_record_per_visible_token() -> None:
         output_top_logprobs=[[(-1.0, 12, None), (-2.0, 3, None)], [(-0.1, 42, None), (-3.0, 4, None)]],
     )
     steps = [reader.step(first), reader.step(last)]
-    assert steps[0].logprobs == [TokenLogprob(-0.5, [(9, -0.25), (11, -0.5)])]  # sorted, cut at 2
+    assert steps[0].logprobs == [TokenLogprob(-0.5, ((9, -0.25), (11, -0.5)))]  # sorted, cut at 2
     assert steps[1].token_ids == [12]
-    assert steps[1].logprobs == [TokenLogprob(-1.0, [(12, -1.0), (3, -2.0)])]  # the stop id's dropped
+    assert steps[1].logprobs == [TokenLogprob(-1.0, ((12, -1.0), (3, -2.0)))]  # the stop id's dropped
     assert ChunkReader(request()).step(first).logprobs is None  # not asked: none
 
 
@@ -338,4 +338,4 @@ def test_logprobs_sglang_did_not_align_are_none() -> None:
     assert reader.step(chunk([13])).logprobs is None  # SGLang gave none
     fine = chunk([14])
     fine["meta_info"]["output_token_logprobs"] = [(-0.5, 14, None)]
-    assert reader.step(fine).logprobs == [TokenLogprob(-0.5, [])]
+    assert reader.step(fine).logprobs == [TokenLogprob(-0.5, ())]

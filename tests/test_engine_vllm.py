@@ -489,8 +489,8 @@ def test_delta_logprobs_become_one_record_per_visible_token() -> None:
         {42: Logprob(-0.1, 1), 4: Logprob(-3.0, 2)},
     ]
     steps = [reader.step(first), reader.step(last)]
-    assert steps[0].logprobs == [TokenLogprob(-2.0, [(7, -0.5), (9, -1.0)])]
-    assert (steps[1].token_ids, steps[1].logprobs) == ([12], [TokenLogprob(-0.25, [(12, -0.25), (3, -2.0)])])
+    assert steps[0].logprobs == [TokenLogprob(-2.0, ((7, -0.5), (9, -1.0)))]
+    assert (steps[1].token_ids, steps[1].logprobs) == ([12], [TokenLogprob(-0.25, ((12, -0.25), (3, -2.0)))])
     assert OutputReader(request()).step(first).logprobs is None  # not asked: none
 
 
@@ -505,4 +505,4 @@ def test_logprobs_vllm_did_not_give_for_every_token_are_none() -> None:
     assert reader.step(wrong).logprobs is None
     fine = out([16])
     fine.outputs[0].logprobs = [{16: Logprob(-0.5, 3)}]
-    assert reader.step(fine).logprobs == [TokenLogprob(-0.5, [])]
+    assert reader.step(fine).logprobs == [TokenLogprob(-0.5, ())]

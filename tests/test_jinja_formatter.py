@@ -317,10 +317,15 @@ def test_render_template_args_order_and_overrides() -> None:
     formatter = JinjaFormatter.from_template(TOOLS_TEMPLATE, eos_token="</s>")
     request = user_request(
         add_generation_prompt=False,
-        chat_template_kwargs={"flavour": "kwargs", "eos_token": "<k>"},
+        chat_template_kwargs={"flavour": "kwargs"},
         chat_template_args={"flavour": "args"},
     )
-    assert formatter.render(request).text == "null|False|args|<k>"
+    assert formatter.render(request).text == "null|False|args|</s>"
+    # transformers lets keyword arguments override special tokens; a caller still can, a request cannot
+    assert formatter.render_text([{"role": "user", "content": "hi"}], eos_token="<k>").endswith("|<k>")
+    with pytest.raises(PromptRenderError, match="eos_token") as refused:
+        formatter.render(user_request(chat_template_kwargs={"eos_token": "<k>"}))
+    assert refused.value.param == "chat_template_kwargs"
     overridden = user_request(chat_template_args={"add_generation_prompt": False})
     assert formatter.render(overridden).text == "null|False|-|</s>"
     assert formatter.render(user_request()).text == "null|True|-|</s>"

@@ -224,7 +224,7 @@ def test_records_stay_aligned_through_merges_and_the_wire() -> None:
 
 
 def test_the_record_is_a_compact_array_on_the_wire() -> None:
-    record = TokenLogprob(-0.5, [(5, -0.5), (9, -1.5)])
+    record = TokenLogprob(-0.5, ((5, -0.5), (9, -1.5)))
     frame = msgspec.msgpack.decode(encode(Output(request_id="r", token_ids=[5], logprobs=[record])))
     assert frame["logprobs"] == [[-0.5, [[5, -0.5], [9, -1.5]]]]
 
@@ -234,7 +234,7 @@ def test_the_mock_is_deterministic_and_ranks_the_sampled_token() -> None:
     assert record == mock_logprob(42, 3, 4, 1000)
     assert [level for _, level in record.top] == sorted((level for _, level in record.top), reverse=True)
     assert (42, record.logprob) in record.top and len({other for other, _ in record.top}) == 4
-    assert mock_logprob(42, 3, 0, 1000).top == []
+    assert mock_logprob(42, 3, 0, 1000).top == ()
 
 
 def test_legacy_completion_logprobs_shape() -> None:

@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Literal, NamedTuple
 
 from dynamo_prep.formatter.parts import IMAGE_PART_TYPES
+from dynamo_prep.formatter.template_args import template_args_of
 from dynamo_prep.prompt import Piece, PromptRenderError, RenderedPrompt, Run, Segment, flatten
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
@@ -657,7 +658,7 @@ class KimiK3Formatter:
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         """Shapes the request as a serving layer does (section 1.13), then renders it."""
-        args = request.template_args()
+        args = template_args_of(request)  # read: thinking, enable_thinking (bools), thinking_effort (an enum)
         thinking = _thinking_from(args, request.reasoning_effort)
         effort, effort_field = _effort_from(args, request.reasoning_effort)
         check_effort(thinking, effort, effort_field)

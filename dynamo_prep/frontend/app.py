@@ -57,7 +57,7 @@ from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
 from dynamo_prep.frontend.kv_routing import KvRouting
-from dynamo_prep.frontend.logprobs import content_logprobs_for
+from dynamo_prep.frontend.logprobs import Pacer, content_logprobs_for, paced, pacer_for
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration, forked
 from dynamo_prep.frontend.offload import off_loop_if_slow
@@ -71,18 +71,18 @@ from dynamo_prep.frontend.responses import (
     responses_params,
 )
 from dynamo_prep.frontend.router import Router
-from dynamo_prep.preprocessor import stop_strings, validate_n
+from dynamo_prep.preprocessor import stop_strings, validate_answer_budget, validate_n
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
     ChatCompletionRequest,
-    DetokenizeRequest,
     DetokenizeResponse,
     ModelEntry,
     ModelList,
     RequestError,
-    TokenizeRequest,
     TokenizeResponse,
+    TokenizeShell,
     decode_chat_shell,
+    decode_detokenize,
     parse_chat_request,
 )
 from dynamo_prep.protocol.wire import Output
@@ -199,10 +199,15 @@ class _Handlers:
         chat = chat_of(asked)
         preprocessor = self._serving(record, chat.model).preprocessor
         begun: list[Choice] = []
+        count = len(prompts) * chat.n
+        pacer = pacer_for(chat, count)
         with completion_params():
+            validate_answer_budget(chat, count, preprocessor.context_length)
             specials = asked.add_special_tokens
             for index, render in enumerate(renders(prompts, preprocessor, add_special_tokens=specials)):
-                begun += await self._begin(request, body, chat, "cmpl-", render=render, prompt_index=index)
+                begun += await self._begin(
+                    request, body, chat, "cmpl-", render=render, prompt_index=index, pacer=pacer
+                )
         choices = await _firsts(begun)
         shaped = TextChoices(asked, choices, prompts, preprocessor.tokenizer, record)
         if asked.stream:
@@ -243,13 +248,18 @@ class _Handlers:
         *,
         render: Render | None = None,
         prompt_index: int = 0,
+        pacer: Pacer | None = None,
     ) -> list[Choice]:
         """The request's n choices begun on the pool (a client mistake raises here, as a 400): each
         its own journey (choice i's seed is seed + i; ``choices.py``), from one render. ``render``
-        replaces the chat render (completions: plain text, no parser)."""
+        replaces the chat render (completions: plain text, no parser, the budget checked and the
+        ``pacer`` made for all prompts by the caller)."""
         record: RequestRecord = request.state.record
         model = self._serving(record, chat.model)
         validate_n(chat.n)
+        if render is None:
+            validate_answer_budget(chat, chat.n, model.preprocessor.context_length)
+            pacer = pacer_for(chat, chat.n)
         request_id: str = request.state.request_id
         # Unique on the request plane even when a client reuses its x-request-id.
         plane_id = f"{request_id}.{_PROCESS_ID[:8]}{next(_sequence):x}"
@@ -277,11 +287,13 @@ class _Handlers:
                 answer = plain_answer(tokenizer, chat)
             completion = Completion(
                 id=f"{id_prefix}{request_id}", model=chat.model, created=created, answer=answer,
-                index=prompt_index * chat.n + i,
+                index=prompt_index * chat.n + i, keep_logprobs=not chat.stream,
             )  # fmt: skip
             if render is None:
                 completion.logprobs = content_logprobs_for(chat, answer, tokenizer)
             outputs = _observed(self.migration.outputs(each), record)
+            if pacer is not None:  # the choices' tokens rendered in slices, the loop turning between
+                outputs = paced(outputs, pacer)
             choices.append(Choice(completion, outputs, prompt_index))
         return choices
 
@@ -299,12 +311,13 @@ class _Handlers:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``, rendered with the model's canonical declaration."""
         body = await _read_body(request, self.settings)
-        with decoding(RequestError.of):
-            tokenize = msgspec.json.decode(body, type=TokenizeRequest)
+        with decoding(RequestError.of):  # the messages are skipped here: a chat is decoded as one
+            tokenize = msgspec.json.decode(body, type=TokenizeShell)
         model = self._live_model(tokenize.model)
         preprocessor, tokenizer = model.preprocessor, model.preprocessor.tokenizer
-        if tokenize.messages is not None:
-            tokens = await _off_loop(len(body), lambda: preprocessor.tokenize(body).token_ids)
+        if tokenize.chat:
+            chat = await _parse_chat(body)
+            tokens = await _off_loop(len(body), lambda: preprocessor.tokenize(chat).token_ids)
             if tokenize.add_special_tokens:
                 tokens = tokenizer.with_special_tokens(tokens)
         elif tokenize.prompt is not None:
@@ -323,12 +336,16 @@ class _Handlers:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ids of the model's vocabulary back to text (specials as their text)."""
         body = await _read_body(request, self.settings)
-        with decoding(RequestError.naming_field):
-            detokenize = msgspec.json.decode(body, type=DetokenizeRequest)
+        # a large body's ids are counted (refused past the limit), decoded and checked in a thread
+        detokenize = await _off_loop(len(body), lambda: decode_detokenize(body))
         preprocessor = self._live_model(detokenize.model).preprocessor
         ids, tokenizer = detokenize.tokens, preprocessor.tokenizer
-        _check_ids(ids, preprocessor.context_length, tokenizer)
-        text = await _off_loop(len(body), lambda: tokenizer.decode(ids))
+
+        def decoded() -> str:
+            _check_ids(ids, preprocessor.context_length, tokenizer)
+            return tokenizer.decode(ids)
+
+        text = await _off_loop(len(body), decoded)
         return Response(_encoder.encode(DetokenizeResponse(prompt=text)), media_type=_JSON)
 
     async def health(self, request: Request) -> Response:

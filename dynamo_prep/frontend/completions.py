@@ -37,7 +37,6 @@ from dynamo_prep.protocol.completions import (
     parse_completion_request,
     prompts_of,
 )
-from dynamo_prep.protocol.logprobs import CompletionLogprobs
 from dynamo_prep.protocol.openai import ChatCompletionRequest, RequestError
 from dynamo_prep.protocol.wire import Output
 from dynamo_prep.tokenizer import Tokenizer
@@ -201,17 +200,17 @@ class TextChoices:
         return None if top is None else LegacyLogprobs(self.tokenizer, top)
 
     async def collect(self, choice: Choice) -> CompletionChoice:
-        """One choice's whole answer."""
-        logprobs, rendered = self._logprobs(), []
+        """One choice's whole answer (its logprobs kept as JSON, step by step)."""
+        logprobs = self._logprobs()
         texts = [self.echoes[choice.prompt_index]]
         async for text, output in self._steps(choice, self.record):
             texts.append(text)
             if logprobs is not None:
-                rendered.append(logprobs.render(output.token_ids, output.logprobs))
+                logprobs.keep(logprobs.render(output.token_ids, output.logprobs))
         return CompletionChoice(
             index=choice.completion.index,
             text="".join(texts),
-            logprobs=_joined(rendered) if logprobs is not None else None,
+            logprobs=logprobs.kept() if logprobs is not None else None,
             finish_reason=choice.completion.finish_reason,
         )
 
@@ -264,13 +263,3 @@ class TextChoices:
 
 def _text_of(prompt: Prompt, tokenizer: Tokenizer) -> str:
     return prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-
-
-def _joined(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
-    joined = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-    for part in parts:
-        joined.tokens += part.tokens
-        joined.token_logprobs += part.token_logprobs
-        joined.top_logprobs += part.top_logprobs
-        joined.text_offset += part.text_offset
-    return joined

@@ -8,28 +8,132 @@ a ``ContentDelta`` carrying its tokens' entries.
 
 Legacy completions (``LegacyLogprobs``): ``{tokens, token_logprobs, top_logprobs, text_offset}``
 for every generated token, for ``/v1/completions``.
+
+Rendered in slices (``paced``: a request's choices together render at most ``PACE_ENTRIES`` a turn
+of the event loop) and, for a non-streamed answer, kept as the JSON of each slice rather than as
+objects (``JsonPieces``): docs/hostile-input.md, "Answers".
 """
 
 from __future__ import annotations
 
+import asyncio
 import codecs
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import AsyncGenerator, Sequence
 from typing import NamedTuple
 
 import msgspec
 
 from dynamo_prep.frontend.answers import AnswerStream
 from dynamo_prep.parsing import AnswerDelta, ContentDelta
+from dynamo_prep.preprocessor import entries_per_token
 from dynamo_prep.protocol.logprobs import CompletionLogprobs, ContentLogprob, TopLogprob
 from dynamo_prep.protocol.openai import ChatCompletionRequest
-from dynamo_prep.protocol.wire import TokenLogprob
+from dynamo_prep.protocol.wire import Output, TokenLogprob
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["ContentLogprobs", "LegacyLogprobs", "LoggedContent", "content_logprobs_for"]
+__all__ = [
+    "PACE_ENTRIES",
+    "ContentLogprobs",
+    "JsonPieces",
+    "LegacyLogprobs",
+    "LoggedContent",
+    "Pacer",
+    "content_logprobs_for",
+    "paced",
+    "pacer_for",
+]
 
 # The logprob of an impossible token (-inf, or a value JSON cannot carry), as vLLM writes it.
 FLOOR_LOGPROB = -9999.0
+# What one request's choices together render per turn of the event loop, in entries (a token is
+# one, and with logprobs three more plus one per alternative: ``entries_per_token``). About 5 ms.
+PACE_ENTRIES = 4096
+_encoder = msgspec.json.Encoder()
+
+
+class Pacer:
+    """One request's share of the event loop: its choices together take at most ``tokens`` answer
+    tokens a turn (``spend`` before rendering them; a choice over the share waits for the next
+    turn), so a request of many choices, or of long logprobs, cannot hold the loop for the others."""
+
+    def __init__(self, per_token: int, entries: int = PACE_ENTRIES) -> None:
+        self.tokens = max(1, entries // per_token)
+        self._spent = 0
+        self._turn: asyncio.Future[None] | None = None
+
+    async def spend(self, tokens: int) -> None:
+        while self._spent >= self.tokens:
+            if self._turn is None:
+                loop = asyncio.get_running_loop()
+                self._turn = loop.create_future()
+                loop.call_soon(self._next_turn)
+            await asyncio.shield(self._turn)  # a cancelled waiter leaves the others' turn alone
+        self._spent += tokens
+
+    def _next_turn(self) -> None:
+        self._spent = 0
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            turn.set_result(None)
+
+
+def pacer_for(chat: ChatCompletionRequest, choices: int) -> Pacer | None:
+    """A pacer for a request of several choices or with logprobs; None for one plain answer."""
+    if choices < 2 and not chat.logprobs:
+        return None
+    return Pacer(entries_per_token(chat))
+
+
+async def paced(outputs: AsyncGenerator[Output, None], pacer: Pacer) -> AsyncGenerator[Output, None]:
+    """``outputs`` cut to at most ``pacer.tokens`` tokens each, each one's share spent before it
+    is passed on: whatever the consumer renders per token runs in slices, however many tokens a
+    worker output (or a merge of queued ones) carries."""
+    async with contextlib.aclosing(outputs):
+        async for output in outputs:
+            for part in _sliced(output, pacer.tokens):
+                await pacer.spend(len(part.token_ids))
+                yield part
+
+
+def _sliced(output: Output, size: int) -> list[Output]:
+    """``output`` as consecutive Outputs of at most ``size`` tokens (usage as of each one's last
+    token, the finish reason on the last one)."""
+    count = len(output.token_ids)
+    if count <= size:
+        return [output]
+    records = output.logprobs if output.logprobs is not None and len(output.logprobs) == count else None
+    parts = []
+    for start in range(0, count, size):
+        end = min(start + size, count)
+        parts.append(
+            msgspec.structs.replace(
+                output,
+                token_ids=output.token_ids[start:end],
+                finish_reason=output.finish_reason if end == count else None,
+                completion_tokens=output.completion_tokens - (count - end),
+                logprobs=None if records is None else records[start:end],
+            )
+        )
+    return parts
+
+
+class JsonPieces:
+    """A JSON array kept as the encoded items of its slices (a fraction of the objects' memory);
+    ``raw()`` is the array, joined with one copy."""
+
+    __slots__ = ("_pieces",)
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+
+    def add(self, items: Sequence[object]) -> None:
+        if items:
+            self._pieces.append(_encoder.encode(items)[1:-1])
+
+    def raw(self) -> bytes:
+        return b"[" + b",".join(self._pieces) + b"]"
 
 
 class LoggedContent(ContentDelta, frozen=True):
@@ -150,11 +254,24 @@ def content_logprobs_for(
 class LegacyLogprobs:
     """``/v1/completions``' logprobs of a choice, rendered step by step (``render`` each Output's ids
     and records in order; ``text_offset`` counts the characters rendered before, from ``offset``:
-    the echoed prompt's length, for instance)."""
+    the echoed prompt's length, for instance). ``keep`` each step's to get the whole answer's
+    (``kept``, as JSON)."""
+
+    _FIELDS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
 
     def __init__(self, tokenizer: Tokenizer, top: int, *, offset: int = 0) -> None:
         self._render = _Render(tokenizer, top)
         self.offset = offset
+        self._kept = {name: JsonPieces() for name in self._FIELDS}
+
+    def keep(self, rendered: CompletionLogprobs) -> None:
+        for name, pieces in self._kept.items():
+            pieces.add(getattr(rendered, name))
+
+    def kept(self) -> msgspec.Raw:
+        """Every kept step's logprobs joined: the choice's ``logprobs`` object, encoded."""
+        fields = [b'"' + name.encode() + b'":' + pieces.raw() for name, pieces in self._kept.items()]
+        return msgspec.Raw(b"{" + b",".join(fields) + b"}")
 
     def render(self, token_ids: Sequence[int], records: Sequence[TokenLogprob] | None) -> CompletionLogprobs:
         """One entry per id; without a record (the worker sent none) its logprobs are null."""

@@ -20,11 +20,11 @@ import structlog
 
 from dynamo_prep.frontend.answers import AnswerStream
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_event
-from dynamo_prep.frontend.logprobs import ContentLogprobs, LoggedContent
+from dynamo_prep.frontend.logprobs import ContentLogprobs, JsonPieces, LoggedContent
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.logging import DETAIL_CHARS
 from dynamo_prep.parsing import AnswerDelta, ContentDelta, ReasoningDelta, ToolCallDelta
-from dynamo_prep.protocol.logprobs import ChatLogprobs, ContentLogprob
+from dynamo_prep.protocol.logprobs import ChatLogprobs
 from dynamo_prep.protocol.openai import (
     AssistantMessage,
     ChatChoice,
@@ -65,7 +65,8 @@ class Completion:
     content: list[str] = field(default_factory=list)
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
     logprobs: ContentLogprobs | None = None  # the request asked for logprobs
-    content_logprobs: list[ContentLogprob] = field(default_factory=list)
+    keep_logprobs: bool = True  # for ``response()``: False for a streamed answer (nothing is kept)
+    content_logprobs: JsonPieces = field(default_factory=JsonPieces)  # as JSON, delta by delta
     index: int = 0  # the choice's index (n > 1)
     _around_delta: tuple[bytes, bytes] | None = None
 
@@ -82,8 +83,8 @@ class Completion:
         for delta in deltas:
             if isinstance(delta, ContentDelta):
                 self.content.append(delta.text)
-                if isinstance(delta, LoggedContent):
-                    self.content_logprobs += delta.logprobs
+                if isinstance(delta, LoggedContent) and self.keep_logprobs:
+                    self.content_logprobs.add(delta.logprobs)
             elif isinstance(delta, ReasoningDelta):
                 self.reasoning.append(delta.text)
             else:
@@ -115,7 +116,7 @@ class Completion:
             ]
         choice = ChatChoice(index=self.index, message=message, finish_reason=self.finish_reason)
         if self.logprobs is not None:
-            choice.logprobs = ChatLogprobs(content=self.content_logprobs)
+            choice.logprobs = msgspec.Raw(b'{"content":' + self.content_logprobs.raw() + b"}")
         return ChatCompletionResponse(
             id=self.id, created=self.created, model=self.model, choices=[choice], usage=self.usage()
         )

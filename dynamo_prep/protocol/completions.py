@@ -94,9 +94,11 @@ def _is_id(value: Any) -> bool:
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
+    """One choice; a non-streamed one's ``logprobs`` is already encoded (``msgspec.Raw``)."""
+
     index: int
     text: str
-    logprobs: CompletionLogprobs | None = None
+    logprobs: CompletionLogprobs | msgspec.Raw | None = None
     finish_reason: str | None = None
 
 

@@ -11,6 +11,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from dynamo_prep.limits import TEMPLATE_ARGS_LIMITS
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.logprobs import ChatLogprobs
 
@@ -47,6 +48,11 @@ _MISSING_FIELD = re.compile(r"missing required field `(\w+)`")
 Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Tag = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+# A request's template variables: chat_template_kwargs (vLLM's and SGLang's name) and
+# chat_template_args (Dynamo's), which wins key by key.
+TEMPLATE_ARGS_FIELDS = ("chat_template_kwargs", "chat_template_args")
 
 
 class NvExt(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -123,6 +129,8 @@ RawMessage = dict[str, msgspec.Raw]
 
 def _shell_field(info: msgspec.structs.FieldInfo) -> tuple[str, Any, Any]:
     kind = list[RawMessage] if info.name == "messages" else info.type
+    if info.name in TEMPLATE_ARGS_FIELDS:
+        kind = msgspec.Raw  # refused by its size before it is decoded (None when absent)
     if info.default_factory is not msgspec.NODEFAULT:
         return info.name, kind, msgspec.field(default_factory=info.default_factory)
     return info.name, kind, info.default
@@ -144,6 +152,8 @@ class ChatShell:
     def finish(self) -> ChatCompletionRequest:
         fields = msgspec.structs.asdict(self._shell)
         with decoding(RequestError.naming_field):
+            for name in TEMPLATE_ARGS_FIELDS:
+                fields[name] = _template_args(name, fields[name])
             fields["messages"] = [_message(index, raw) for index, raw in enumerate(self._shell.messages)]
         return ChatCompletionRequest(**fields)
 
@@ -152,6 +162,27 @@ def decode_chat_shell(body: bytes) -> ChatShell:
     """Every field of a chat request checked (a bad one raises ``RequestError``), messages kept raw."""
     with decoding(RequestError.naming_field):
         return ChatShell(msgspec.json.decode(body, type=_ChatShell))
+
+
+def _template_args(name: str, raw: msgspec.Raw | None) -> dict[str, Any] | None:
+    """A template-variables field, refused past ``TEMPLATE_ARGS_LIMITS.max_bytes`` before decoding."""
+    if raw is None:
+        return None
+    limit = TEMPLATE_ARGS_LIMITS.max_bytes
+    if len(raw) > limit:
+        raise RequestError(
+            f"{name} is {len(raw):,} bytes of JSON, more than the limit of {limit:,}", param=name
+        )
+    try:
+        decoded: dict[str, Any] | None = _template_args_decoder.decode(raw)
+    except msgspec.ValidationError as exc:
+        found = _INNER_PATH.fullmatch(str(exc))
+        detail, inner = (found.group(1), found.group(2)) if found else (str(exc), "")
+        raise msgspec.ValidationError(f"{detail} - at `$.{name}{inner}`") from exc
+    return decoded
+
+
+_template_args_decoder = msgspec.json.Decoder(dict[str, Any] | None)
 
 
 def _message(index: int, raw: RawMessage) -> dict[str, Any]:
@@ -221,10 +252,12 @@ class AssistantMessage(msgspec.Struct, kw_only=True):
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
+    """One choice of the answer; ``logprobs`` may be already encoded (``msgspec.Raw``)."""
+
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: ChatLogprobs | None = None
+    logprobs: ChatLogprobs | msgspec.Raw | None = None
 
 
 class ChatCompletionResponse(msgspec.Struct, kw_only=True):
@@ -305,17 +338,21 @@ class ErrorBody(msgspec.Struct, kw_only=True):
     error: ErrorDetail
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True):
-    """vLLM's ``POST /tokenize``: a chat (``messages``) or a plain ``prompt``; other keys are chat fields.
-
-    ``add_special_tokens`` defaults as vLLM's: on for a prompt (a BOS where the tokenizer adds one),
-    off for a chat (its template writes them)."""
+class TokenizeShell(msgspec.Struct, kw_only=True):
+    """vLLM's ``POST /tokenize``, a chat (``messages``) or a plain ``prompt``, read without its
+    messages (kept raw: a chat is decoded as one, by ``decode_chat_shell`` when large); ``chat``
+    says whether it is one. ``add_special_tokens`` defaults as vLLM's: on for a prompt (a BOS where
+    the tokenizer adds one), off for a chat (its template writes them)."""
 
     model: Name
-    messages: list[dict[str, Any]] | None = None
+    messages: msgspec.Raw = msgspec.Raw()
     prompt: str | None = None
     add_special_tokens: bool | None = None
     return_token_strs: bool = False
+
+    @property
+    def chat(self) -> bool:
+        return len(self.messages) > 0 and bytes(self.messages) != b"null"
 
 
 class TokenizeResponse(msgspec.Struct, kw_only=True):
@@ -325,11 +362,71 @@ class TokenizeResponse(msgspec.Struct, kw_only=True):
     token_strs: list[str] | None = None
 
 
+# Ids one /detokenize may carry: more than any served context (each model's own is checked after).
+MAX_DETOKENIZE_TOKENS = 1 << 20
+
+
 class DetokenizeRequest(msgspec.Struct, kw_only=True):
     """vLLM's ``POST /detokenize``: token ids of ``model``'s vocabulary, back to text."""
 
     model: Name
-    tokens: list[Int]
+    tokens: Annotated[list[Int], msgspec.Meta(max_length=MAX_DETOKENIZE_TOKENS)]
+
+
+class _DetokenizeShell(msgspec.Struct, kw_only=True):
+    model: Name
+    tokens: msgspec.Raw
+
+
+def decode_detokenize(body: bytes) -> DetokenizeRequest:
+    """The body decoded, its ids counted before they are decoded: msgspec checks a JSON array's
+    ``max_length`` only once every item is built (2,000,000 ids: 55 ms of one call)."""
+    with decoding(RequestError.naming_field):
+        if len(body) <= 2 * MAX_DETOKENIZE_TOKENS:  # an id takes 2 bytes at least: within the limit
+            return msgspec.json.decode(body, type=DetokenizeRequest)
+        shell = msgspec.json.decode(body, type=_DetokenizeShell)
+        raw = bytes(shell.tokens)  # one copy of the array's text; its items are not decoded
+        if raw[:1] == b"[" and raw.count(b",") >= MAX_DETOKENIZE_TOKENS:
+            raise msgspec.ValidationError(
+                f"Expected `array` of length <= {MAX_DETOKENIZE_TOKENS} - at `$.tokens`"
+            )
+        try:
+            ids = _decode_ids(raw)
+        except msgspec.ValidationError as exc:  # said of the field, as a one-call decode would
+            found = _INNER_PATH.fullmatch(str(exc))
+            detail, inner = (found.group(1), found.group(2)) if found else (str(exc), "")
+            raise msgspec.ValidationError(f"{detail} - at `$.tokens{inner}`") from exc
+        return DetokenizeRequest(model=shell.model, tokens=ids)
+
+
+_ids_decoder = msgspec.json.Decoder(list[Int])
+_IDS_SLICE_BYTES = 1 << 18  # about 40,000 ids, 2 ms of one decode call
+
+
+def _decode_ids(raw: bytes) -> list[int]:
+    """A JSON array of ids decoded a slice at a time (cut at commas), so a thread decoding a large
+    one lets the event loop have the GIL between slices; anything but ids fails to decode."""
+    end = len(raw) - 1
+    if end <= _IDS_SLICE_BYTES or raw[:1] != b"[":
+        return _ids_decoder.decode(raw)
+    ids: list[int] = []
+    start = 1
+    while start < end:
+        cut = raw.find(b",", start + _IDS_SLICE_BYTES, end)
+        stop = end if cut < 0 else cut
+        try:
+            ids += _ids_decoder.decode(b"[" + raw[start:stop] + b"]")
+        except msgspec.ValidationError as exc:  # the index in the whole array
+            found = _AT_INDEX.fullmatch(str(exc))
+            if found is None:
+                raise
+            detail, index, inner = found.groups()
+            raise msgspec.ValidationError(f"{detail} - at `$[{int(index) + len(ids)}]{inner}`") from exc
+        start = stop + 1
+    return ids
+
+
+_AT_INDEX = re.compile(r"(.*) - at `\$\[(\d+)\](.*)`", re.DOTALL)
 
 
 class DetokenizeResponse(msgspec.Struct, kw_only=True):

@@ -93,7 +93,9 @@ class TokenLogprob(msgspec.Struct, array_like=True, frozen=True, gc=False):
     A compact array on the wire: ``[logprob, [[id, logprob], ...]]``."""
 
     logprob: float
-    top: list[tuple[int, float]] = []
+    # tuples: once a collection has seen them the garbage collector no longer tracks them, where
+    # lists of a long answer's buffered records made every full collection walk millions of them
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class Output(msgspec.Struct, kw_only=True, tag="output", tag_field="kind"):

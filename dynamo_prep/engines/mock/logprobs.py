@@ -31,7 +31,7 @@ def mock_logprob(token_id: int, position: int, k: int, n_vocab: int) -> TokenLog
     for rank in range(k):
         other = (token_id + (rank + 1) * _OTHER_STRIDE) % n_vocab
         top.append((token_id if rank == sampled_rank else other, _level(token_id, position, rank)))
-    return TokenLogprob(_level(token_id, position, sampled_rank), top)
+    return TokenLogprob(_level(token_id, position, sampled_rank), tuple(top))
 
 
 def mock_logprobs(token_ids: Sequence[int], first_position: int, k: int, n_vocab: int) -> list[TokenLogprob]:

@@ -137,7 +137,7 @@ def logprob_records(token_ids: Sequence[int], meta: Mapping[str, Any], top: int)
         if sampled_id != token_id or logprob is None:
             return None
         best = sorted(((int(entry[1]), float(entry[0])) for entry in alternatives or ()), key=lambda e: -e[1])
-        records.append(TokenLogprob(float(logprob), best[:top]))
+        records.append(TokenLogprob(float(logprob), tuple(best[:top])))
     return records
 
 

@@ -134,7 +134,7 @@ def logprob_records(token_ids: Sequence[int], positions: Any, top: int) -> list[
             return None
         ranked = sorted(position.items(), key=lambda item: (_rank(item[1]), -item[1].logprob))
         best = [(other, float(entry.logprob)) for other, entry in ranked if _rank(entry) <= top][:top]
-        records.append(TokenLogprob(float(position[token_id].logprob), best))
+        records.append(TokenLogprob(float(position[token_id].logprob), tuple(best)))
     return records
 
 

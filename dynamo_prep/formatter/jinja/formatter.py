@@ -27,7 +27,8 @@ from dynamo_prep.formatter.jinja.environment import (
     template_context,
     to_plain,
 )
-from dynamo_prep.formatter.jinja.injection import SpecialTokens, injection_safe_segments
+from dynamo_prep.formatter.jinja.injection import USER_INPUTS, SpecialTokens, injection_safe_segments
+from dynamo_prep.formatter.template_args import template_args_of
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.protocol.openai import ChatCompletionRequest
@@ -229,14 +230,15 @@ class JinjaFormatter:
             if self.strict_hf_tokenization:
                 image_count = text.count(self.rendered_token) if self.rendered_token else 0
                 return RenderedPrompt(text=text, pieces=None, image_count=image_count)
-            segments = injection_safe_segments(template, context, text, self._specials)
+            user_inputs = (*USER_INPUTS, *chat_template_args)  # the caller's variables are user text too
+            segments = injection_safe_segments(template, context, text, self._specials, user_inputs)
         # only the template's image tokens count: a typed one is text, not an image slot
         image_count = segments.count(Segment(self.rendered_token, True)) if self.rendered_token else 0
         return RenderedPrompt(text=text, pieces=segments, image_count=image_count)
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
         """Render a request: image parts as HF processors expect, tools unless tool_choice is none."""
-        args = request.template_args()
+        args = template_args_of(request, self.special_tokens)
         if reserved := [name for name in _RESERVED_ARGS if name in args]:
             raise PromptRenderError(
                 f"chat_template_args cannot set {', '.join(reserved)}: they come from the request"

@@ -6,8 +6,9 @@ Rules (the reasoning is in ``docs/jinja-injection-safety.md``):
   TEMPLATE emitted (one control segment each); everything between them is one text segment. So
   the ids equal transformers' whole-string ids unless user text spells a special, and then only
   that span differs: it stays plain BPE.
-* User strings are every string (values and keys) in the messages, tools and documents, except
-  ``role`` and ``type`` values from ``STRUCTURAL_VALUES``.
+* User strings are every string (values and keys) in the messages, tools, documents and the
+  request's template variables (``chat_template_kwargs``), except ``role`` and ``type`` values
+  from ``STRUCTURAL_VALUES``.
 * Fast path: when no user string is ``suspicious`` (holds an end character of a special, or is a
   piece of one while the template writes partial specials), every special in the render is the
   template's.
@@ -32,7 +33,7 @@ import structlog
 from dynamo_prep.formatter.jinja.environment import render_template
 from dynamo_prep.prompt import PromptRenderError, Segment
 
-__all__ = ["STRUCTURAL_VALUES", "SpecialTokens", "injection_safe_segments"]
+__all__ = ["STRUCTURAL_VALUES", "USER_INPUTS", "SpecialTokens", "injection_safe_segments"]
 
 log = structlog.get_logger("dynamo_prep.formatter.jinja")
 
@@ -43,6 +44,8 @@ STRUCTURAL_VALUES: Mapping[str, frozenset[str]] = {
         {"text", "image", "image_url", "video", "video_url", "audio", "input_audio", "function"}
     ),
 }
+# the template variables that hold the request's own input (a request's template variables too)
+USER_INPUTS = ("messages", "tools", "documents")
 _KEPT_TEXT_CHARS = 32
 _KEPT_SEGMENTS = 4096
 # (start, end) sentinel pairs tried in order; the first pair absent from the request is used
@@ -328,11 +331,17 @@ def _merge_text(segments: list[Segment]) -> list[Segment]:
 
 
 def injection_safe_segments(
-    template: jinja2.Template, context: dict[str, Any], text: str, specials: SpecialTokens
+    template: jinja2.Template,
+    context: dict[str, Any],
+    text: str,
+    specials: SpecialTokens,
+    user_keys: Iterable[str] = USER_INPUTS,
 ) -> list[Segment]:
     """Segments of ``text`` (``template`` rendered with ``context``) where only the template's specials
-    are control segments: the fast path when no user string could touch a special, else a traced render."""
-    user_inputs = {key: context[key] for key in ("messages", "tools", "documents")}
+    are control segments: the fast path when no user string could touch a special, else a traced render.
+    ``user_keys`` name the variables of ``context`` that hold user input (the request's template
+    variables among them)."""
+    user_inputs = {key: context[key] for key in dict.fromkeys(user_keys)}
     segments: list[Segment] = []
     if specials.clean_json(user_inputs):
         specials.cut(text, segments)

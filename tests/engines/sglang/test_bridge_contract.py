@@ -102,7 +102,7 @@ def test_streamed_logprobs_are_the_chunk_s_own_triples_the_reader_takes() -> Non
     meta["finish_reason"] = {"type": "stop", "matched": 7}
     step = ChunkReader(REQUESTS["logprobs"]).step({"output_ids": [6, 7], "meta_info": meta})
     assert step.token_ids == [6] and step.logprobs is not None  # 7 is the stop id, dropped
-    assert (step.logprobs[0].logprob, step.logprobs[0].top) == (-1.0, [(6, -1.0)])
+    assert (step.logprobs[0].logprob, step.logprobs[0].top) == (-1.0, ((6, -1.0),))
 
 
 def test_top_k_zero_would_be_refused_so_it_is_sent_as_minus_one() -> None:
