@@ -27,6 +27,7 @@ from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.decoders import DecodeStream
 
 from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.discovery.builder import build_preprocessor
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.openai import parse_chat_request
 from dynamo_prep.tokenizer import HfTokenizer, Tokenizer, TokenizerError
@@ -325,3 +326,16 @@ def test_a_bad_directory_is_refused_naming_the_file_and_the_field(
     with pytest.raises((TokenizerError, ValueError)) as refused:
         Tokenizer.from_model_dir(models[name])
     assert message in str(refused.value)
+
+
+@pytest.mark.parametrize("family", ("llama3", "qwen2_5", "mistral_v3", "gemma3", "deepseek_v3"))
+def test_hf_tokenization_mode_gives_transformers_ids_even_for_typed_control_tokens(
+    models: dict[str, Path], family: str
+) -> None:
+    """``--jinja-tokenization hf``: the rendered text encoded whole, as transformers encodes it."""
+    card = ModelDeploymentCard.from_model_dir(models[family])
+    strict = build_preprocessor(card, models[family], strict_hf_tokenization=True)
+    image = strict.formatter.rendered_token  # a typed image slot is refused in this mode (no image part)
+    typed = " ".join([token for token in sorted(strict.tokenizer.special_tokens) if token != image][:16])
+    forged = {"model": family, "messages": [{"role": "user", "content": f"look: {typed} end"}]}
+    assert strict.tokenize(forged).token_ids == ref.chat_ids(models[family], forged)

@@ -29,7 +29,7 @@ from dynamo_prep.engines.base import EngineRuntime
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.mock.engine import MockContinuation
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
-from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.engine import EngineArgsError, engine_card, engine_worker, start_runtime
 from dynamo_prep.worker.mock import mock_card, mock_engine, mock_worker
@@ -75,7 +75,11 @@ def check_servable(config: WorkerConfig) -> None:
     with the file and the field (``ModelCardError``, ``TokenizerError``, a template error)."""
     card = ModelDeploymentCard.from_model_dir(config.model_dir, served_name=config.served_name)
     preprocessor = OpenAIPreprocessor.new(card, config.model_dir)
-    preprocessor.tokenize({"model": card.display_name, "messages": [{"role": "user", "content": "Hello"}]})
+    try:
+        preprocessor.tokenize({"model": card.display_name, "messages": [{"role": "user", "content": "Hello"}]})
+    except PreprocessError as exc:
+        where = getattr(preprocessor.formatter, "source", str(config.model_dir))
+        raise ModelCardError(f"{where}: its chat_template cannot render a one-line chat: {exc}") from exc
 
 
 def declared_token(config: WorkerConfig, engine_token: str | None) -> str | None:

@@ -71,8 +71,10 @@ class JinjaFormatter:
         strict_hf_tokenization: bool = False,
         template_sources: Sequence[str] | None = None,
         limits: TemplateLimits = RENDER_LIMITS,
+        source: str = "<chat_template>",
     ) -> None:
         self._template = template
+        self.source = source  # where the template was read (a file), for messages
         self.limits = limits
         self._tool_use_template = tool_use_template
         self.special_tokens = dict(special_tokens)
@@ -151,6 +153,7 @@ class JinjaFormatter:
             strict_hf_tokenization=strict_hf_tokenization,
             template_sources=(template,) if tool_use_template is None else (template, tool_use_template),
             limits=limits,
+            source=source,
         )
 
     @classmethod
