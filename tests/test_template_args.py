@@ -23,7 +23,7 @@ from dynamo_prep.limits import TEMPLATE_ARGS_LIMITS
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.protocol.openai import ChatCompletionRequest
-from dynamo_prep.tokenizer import Tokenizer
+from dynamo_prep.tokenizer import TiktokenTokenizer, Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parent / "data" / "chat_templates"
 LLAMA = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>")
@@ -41,7 +41,7 @@ def llama_tokenizer(base: Tokenizer) -> Tokenizer:
         mergeable_ranks=base.encoding._mergeable_ranks,
         special_tokens=ids,
     )
-    return Tokenizer(
+    return TiktokenTokenizer(
         name="llama-like",
         model_type=None,
         encoding=encoding,
