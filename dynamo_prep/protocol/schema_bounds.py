@@ -231,7 +231,7 @@ def _canonical(value: Any) -> Any:
 
 _CAP: Final = 1 << 62
 _MOST_NESTED: Final = 200  # deeper (references followed) counts as 0: still a lower bound
-_TYPES: Final = ("string", "integer", "number", "boolean", "null", "array", "object")
+_ALL_TYPES: Final = frozenset({"string", "integer", "number", "boolean", "null", "array", "object"})
 
 
 def smallest_instance_chars(root: Any) -> int:
@@ -241,25 +241,30 @@ def smallest_instance_chars(root: Any) -> int:
 
 
 class _Smallest:
+    """Sizes subschemas once each, per set of types their context allows (a branch of an ``anyOf``
+    under ``"type": "object"`` sizes as an object)."""
+
     def __init__(self, root: Any) -> None:
         self._root = root
-        self._sizes: dict[int, int] = {}
+        self._sizes: dict[tuple[int, frozenset[str]], int] = {}
 
-    def size(self, schema: Any, depth: int) -> int:
+    def size(self, schema: Any, depth: int, kinds: frozenset[str] = _ALL_TYPES) -> int:
         if not isinstance(schema, dict):
             return 1 if schema is not False else 0
-        known = self._sizes.get(id(schema))
+        key = (id(schema), kinds)
+        known = self._sizes.get(key)
         if known is not None:
             return known
         if depth > _MOST_NESTED:
             return 0
-        self._sizes[id(schema)] = 0  # while being sized: a reference cycle counts 0
-        found = min(self._bound(schema, depth), _CAP)
-        self._sizes[id(schema)] = found
+        self._sizes[key] = 0  # while being sized: a reference cycle counts 0
+        found = min(self._bound(schema, depth, kinds), _CAP)
+        self._sizes[key] = found
         return found
 
-    def _bound(self, schema: dict[str, Any], depth: int) -> int:
-        bounds = [self._typed(schema, depth)]
+    def _bound(self, schema: dict[str, Any], depth: int, kinds: frozenset[str]) -> int:
+        own = _kinds(schema.get("type"), kinds)
+        bounds = [min((self._of_type(schema, kind, depth) for kind in own), default=0)]
         if "const" in schema:
             bounds.append(_value_chars(schema["const"]))
         enum = schema.get("enum")
@@ -267,12 +272,14 @@ class _Smallest:
             bounds.append(min(_value_chars(value) for value in enum))
         ref = schema.get("$ref")
         if isinstance(ref, str):
-            bounds.append(self.size(self._target(ref), depth + 1))
+            bounds.append(self.size(self._target(ref), depth + 1, own))
         for part in _schemas(schema.get("allOf")):
-            bounds.append(self.size(part, depth + 1))
+            bounds.append(self.size(part, depth + 1, own))
         for key in ("anyOf", "oneOf"):
             branches = [
-                self.size(branch, depth + 1) for branch in _schemas(schema.get(key)) if branch is not False
+                self.size(branch, depth + 1, own)
+                for branch in _schemas(schema.get(key))
+                if branch is not False
             ]
             if branches:
                 bounds.append(min(branches))
@@ -287,17 +294,6 @@ class _Smallest:
             if target is None:
                 return True
         return target
-
-    def _typed(self, schema: dict[str, Any], depth: int) -> int:
-        kind = schema.get("type")
-        kinds = (
-            [kind]
-            if isinstance(kind, str)
-            else [k for k in kind if k in _TYPES]
-            if isinstance(kind, list)
-            else []
-        )
-        return min((self._of_type(schema, each, depth) for each in kinds or _TYPES), default=1)
 
     def _of_type(self, schema: dict[str, Any], kind: str, depth: int) -> int:
         if kind == "string":
@@ -330,6 +326,16 @@ class _Smallest:
         extra = max(_count(schema, "minProperties") - len(names), 0)
         count = len(members) + extra
         return 2 + sum(members) + 4 * extra + max(count - 1, 0)
+
+
+def _kinds(kind: Any, allowed: frozenset[str]) -> frozenset[str]:
+    """The types a schema's ``type`` allows among those its context allows ("integer" is a number)."""
+    named = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
+    if named is None:
+        return allowed
+    if "number" in named:
+        named.add("integer")
+    return allowed.intersection(named)
 
 
 def _schemas(value: Any) -> Iterator[Any]:

@@ -35,7 +35,7 @@ _UNBOUNDED: Final = 1 << 62
 class _Builder:
     def __init__(self, root: dict[str, Any], max_chars: int) -> None:
         self._root = root
-        self._left = max_chars  # characters of JSON text the instance may still take
+        self._left = max_chars  # characters of JSON text (", " and ": " separators) still to take
         self._sizes: dict[int, int] = {}  # the JSON length of const and enum values, by identity
 
     @property
@@ -113,20 +113,21 @@ class _Builder:
     def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
         found = schema.get("properties")
         properties: dict[str, Any] = found if isinstance(found, dict) else {}
-        required = [name for name in schema.get("required") or [] if isinstance(name, str)]
+        listed = schema.get("required")
+        required = [name for name in listed if isinstance(name, str)] if isinstance(listed, list) else []
         self._charge(2)
         result: dict[str, Any] = {}
         for name in required:
             if self.spent:
                 return result
-            self._charge(len(name) + 4)
+            self._charge(_key_chars(name))
             result[name] = self.build(properties.get(name, {}), depth + 1)
         minimum = schema.get("minProperties")
         for name, sub in properties.items():
             if not isinstance(minimum, int) or len(result) >= minimum or self.spent:
                 break
             if name not in result:
-                self._charge(len(name) + 4)
+                self._charge(_key_chars(name))
                 result[name] = self.build(sub, depth + 1)
         return result
 
@@ -142,7 +143,7 @@ class _Builder:
             items.append(self.build(sub, depth + 1))
         element = schema.get("items", {})
         while len(items) < count and not self.spent:
-            self._charge(1)
+            self._charge(2)
             items.append(self.build(element, depth + 1))
         if schema.get("uniqueItems") and len(items) > 1:
             down = isinstance(element, dict) and ("maximum" in element or "exclusiveMaximum" in element)
@@ -174,6 +175,11 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
+
+
+def _key_chars(name: str) -> int:
+    """A member's name as it is written (``"name": ``, escapes included) and its separator."""
+    return len(json.dumps(name, ensure_ascii=False)) + 4
 
 
 def _finite(value: Any) -> float:
