@@ -207,7 +207,11 @@ def test_nested_counts_multiply_in_the_smallest_instance(cluster: Cluster) -> No
 
 
 def test_an_ordinary_structured_chat_is_served_between_the_attacks(cluster: Cluster) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string", "minLength": 40}}, "required": ["city"]}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "minLength": 40}},
+        "required": ["city"],
+    }
     body = chat(json_schema_format(schema), messages=[{"role": "user", "content": "x" * 40_000}])
     answer = post(cluster, "/v1/chat/completions", body)
     assert answer.status_code == 200, answer.text[:300]
@@ -317,7 +321,9 @@ def test_the_smallest_instance_is_a_lower_bound(schema: Any) -> None:
         jsonschema.validate(value, schema)
     except (jsonschema.ValidationError, jsonschema.SchemaError, RecursionError):
         return
-    assert len(json.dumps(value, separators=(",", ":"), ensure_ascii=False)) >= smallest_instance_chars(schema)
+    assert len(json.dumps(value, separators=(",", ":"), ensure_ascii=False)) >= smallest_instance_chars(
+        schema
+    )
 
 
 JSON = st.recursive(
