@@ -8,8 +8,10 @@ instance. ``/live`` is polled while each attack runs and must answer every poll.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -26,8 +28,12 @@ from support.plane import wait_for
 from test_structured_outputs import SCHEMA_TREES, json_schema_format
 
 from dynamo_prep.engines.mock.instance import instance_of
+from dynamo_prep.frontend.errors import OpenAIError
+from dynamo_prep.frontend.schema_checks import SchemaChecks
+from dynamo_prep.preprocessor import PreprocessError
 from dynamo_prep.protocol.schema_bounds import SchemaLimits, distinct, measure, smallest_instance_chars
 from dynamo_prep.protocol.structured import (
+    SchemaUse,
     StructuredOutputError,
     TokenBudget,
     schema_problem,
@@ -357,3 +363,53 @@ def test_the_pre_pass_is_linear_and_stops_at_the_first_bound() -> None:
             assert getattr(exc, "limit", None) == limit
         else:
             assert limit is None
+
+
+# -- the checker processes: deadline, admission ------------------------------------------------------
+
+SLOW = {"anyOf": [{"type": "integer", "minimum": index} for index in range(20_000)]}  # seconds to check
+
+
+def _use(schema: Any) -> SchemaUse:
+    return SchemaUse(schema, "response_format", "'json_schema.schema'")
+
+
+def test_a_check_past_its_deadline_is_a_400_naming_the_limit_and_its_checker_is_killed() -> None:
+    async def run() -> None:
+        checks = SchemaChecks(SchemaLimits(check_timeout_s=0.2))
+        try:
+            with pytest.raises(PreprocessError) as refused:
+                await checks.check([_use(SLOW)])
+            assert refused.value.param == "response_format" and "check_timeout_s" in refused.value.message
+            assert checks.in_flight == 0
+            await checks.check([_use({"type": "integer"})])  # a new checker takes the next one
+        finally:
+            await checks.close()
+        assert not _checkers(os.getpid())
+
+    asyncio.run(run())
+
+
+def test_checks_past_the_queue_are_refused_with_503_and_cancelled_ones_free_their_place() -> None:
+    async def run() -> None:
+        checks = SchemaChecks(SchemaLimits(check_processes=1, check_queue=1, check_timeout_s=600))
+        try:
+            running = asyncio.ensure_future(checks.check([_use(SLOW)]))
+            while not _checkers(os.getpid()):  # the first check has its checker process
+                await asyncio.sleep(0.05)
+            waiting = asyncio.ensure_future(checks.check([_use({**SLOW, "title": "other"})]))
+            while checks.in_flight < 2:
+                await asyncio.sleep(0)
+            with pytest.raises(OpenAIError) as busy:
+                await checks.check([_use({**SLOW, "title": "third"})])
+            assert busy.value.status == 503
+            [checker] = _checkers(os.getpid())
+            running.cancel()
+            waiting.cancel()
+            await asyncio.gather(running, waiting, return_exceptions=True)
+            assert checks.in_flight == 0
+        finally:
+            await checks.close()
+        assert checker not in _checkers(os.getpid())
+
+    asyncio.run(run())

@@ -143,14 +143,25 @@ class _Checker:
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
+        checker = cls(process)
+        try:
+            await checker.answer()  # the ready frame
+        except BaseException:
+            await checker.stop()
+            raise
         log.debug("schema_checker_started", pid=process.pid)
-        return cls(process)
+        return checker
 
     async def check(self, text: bytes) -> str:
-        stdin, stdout = self.process.stdin, self.process.stdout
-        assert stdin is not None and stdout is not None
+        stdin = self.process.stdin
+        assert stdin is not None
         stdin.write(frame(text))
         await stdin.drain()
+        return await self.answer()
+
+    async def answer(self) -> str:
+        stdout = self.process.stdout
+        assert stdout is not None
         size = int.from_bytes(await stdout.readexactly(HEADER_BYTES), "big")
         return (await stdout.readexactly(size)).decode() if size else _VALID
 

@@ -2,8 +2,10 @@
 their metaschemas for the frontend (``schema_checks.py``), one at a time, until its stdin closes.
 
 Frames both ways are a 4-byte big-endian length and that many bytes: a schema's JSON text in, the
-problem's UTF-8 text out (empty: the schema is valid). The frontend kills the process to stop a
-check (its client left, or it ran past its deadline), so no CPU is spent on an abandoned check.
+problem's UTF-8 text out (empty: the schema is valid). An empty frame out first says the process is
+ready (jsonschema loaded, its metaschemas built): a check's deadline counts checking only. The
+frontend kills the process to stop a check (its client left, or it ran past its deadline), so no
+CPU is spent on an abandoned check.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def check_frames(source: BinaryIO, sink: BinaryIO) -> None:
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend stops it (Ctrl-C reaches the group)
+    schema_problem({})  # loads jsonschema and builds the default draft's validator once
+    sys.stdout.buffer.write(frame(b""))
+    sys.stdout.buffer.flush()
     check_frames(sys.stdin.buffer, sys.stdout.buffer)
     return 0
 
