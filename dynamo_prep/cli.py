@@ -381,6 +381,14 @@ def _add_http(command: Any) -> None:
          "requests with more headers get 431"),
     ):  # fmt: skip
         _env_option(command, flag, env=env, kind=kind, default=default, help=text)
+    command.add_argument(
+        "--schema-limit",
+        action="append",
+        default=_addresses(os.environ.get("DYN_SCHEMA_LIMITS", "")),
+        metavar="NAME=VALUE",
+        help="raise or lower one bound on clients' JSON schemas, e.g. max_nodes=16384 (repeatable; "
+        "env DYN_SCHEMA_LIMITS, comma-separated; names and defaults: docs/structured-outputs.md)",
+    )
 
 
 def _add_routing(command: Any) -> None:
@@ -596,6 +604,7 @@ def _frontend(args: argparse.Namespace) -> int:
         max_url_bytes=args.http_max_url_bytes,
         max_header_bytes=args.http_max_header_bytes,
         max_headers=args.http_max_headers,
+        schema_limits=args.schema_limit,
         router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature,

@@ -34,7 +34,15 @@ from dynamo_prep.protocol.preprocessed import (
     StopConditions,
     StructuredOutput,
 )
-from dynamo_prep.protocol.structured import StructuredOutputError, structured_output
+from dynamo_prep.protocol.schema_bounds import SchemaLimits
+from dynamo_prep.protocol.structured import (
+    DEFAULT_SCHEMA_LIMITS,
+    SchemaUse,
+    StructuredOutputError,
+    TokenBudget,
+    request_schemas,
+    structured_output,
+)
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = [
@@ -104,6 +112,8 @@ class OpenAIPreprocessor:
         self.tokenizer = tokenizer
         self.mdcsum = card.mdcsum()
         self.context_length = card.runtime_config.context_length or card.context_length
+        # The most characters one token spells: what bounds a structured answer's length.
+        self.chars_per_token = tokenizer.longest_token_bytes
         # Set by ``new_with_parts`` when it warned: lets a metrics hook count the warning.
         self.unregistered_image_token: str | None = None
 
@@ -165,21 +175,58 @@ class OpenAIPreprocessor:
             token_ids = self.tokenizer.encode(rendered.text, allow_special=True)
         return TokenizedPrompt(rendered=rendered, token_ids=token_ids, images=images)
 
-    def preprocess(self, request: ChatCompletionRequest | dict[str, Any] | bytes) -> PreprocessedRequest:
+    def preprocess(
+        self,
+        request: ChatCompletionRequest | dict[str, Any] | bytes,
+        *,
+        limits: SchemaLimits = DEFAULT_SCHEMA_LIMITS,
+        metaschema: bool = True,
+    ) -> PreprocessedRequest:
         """An OpenAI chat completion request as a ``PreprocessedRequest`` for a worker."""
-        return self.preprocess_prompt(request)[0]
+        return self.preprocess_prompt(request, limits=limits, metaschema=metaschema)[0]
 
     def preprocess_prompt(
-        self, request: ChatCompletionRequest | dict[str, Any] | bytes
+        self,
+        request: ChatCompletionRequest | dict[str, Any] | bytes,
+        *,
+        limits: SchemaLimits = DEFAULT_SCHEMA_LIMITS,
+        metaschema: bool = True,
     ) -> tuple[PreprocessedRequest, TokenizedPrompt]:
-        """``preprocess``, and the prompt it sent (where it left the model: ``rendered.open_channel``)."""
+        """``preprocess``, and the prompt it sent (where it left the model: ``rendered.open_channel``).
+
+        Schemas are bounded by ``limits``; ``metaschema=False``: the caller checked
+        ``schemas_to_check`` against their metaschemas (the frontend does, in processes of its own)."""
         chat = _parse(request)
         validate_sampling(chat)
         self._check_stop_ids(chat)
         validate_tool_choice(chat)
-        structured = constraint_of(chat)
+        structured = constraint_of(chat, self.token_budget(chat), limits=limits, metaschema=metaschema)
         prompt = self.tokenize(chat)
         return self._preprocessed(chat, prompt, structured), prompt
+
+    def schemas_to_check(
+        self, request: ChatCompletionRequest, *, limits: SchemaLimits = DEFAULT_SCHEMA_LIMITS
+    ) -> list[SchemaUse]:
+        """The request's schemas, bounded (a refusal is a ``PreprocessError``), for a metaschema check."""
+        validate_tool_choice(request)
+        try:
+            return request_schemas(
+                request.response_format,
+                request.tools,
+                request.tool_choice,
+                parallel_tool_calls=request.parallel_tool_calls,
+                budget=self.token_budget(request),
+                limits=limits,
+            )
+        except StructuredOutputError as exc:
+            raise PreprocessError(str(exc), param=exc.param) from exc
+
+    def token_budget(self, chat: ChatCompletionRequest) -> TokenBudget:
+        """What the answer can spell: ``max_tokens`` tokens, or the whole context when it is not set."""
+        requested = chat.requested_max_tokens
+        if requested is not None and 0 < requested < self.context_length:
+            return TokenBudget(requested, self.chars_per_token)
+        return TokenBudget(self.context_length, self.chars_per_token, "the model's context length")
 
     def preprocess_ids(
         self, chat: ChatCompletionRequest, token_ids: list[int], text: str
@@ -288,11 +335,23 @@ def validate_tool_choice(chat: ChatCompletionRequest) -> None:
         )
 
 
-def constraint_of(chat: ChatCompletionRequest) -> StructuredOutput | None:
+def constraint_of(
+    chat: ChatCompletionRequest,
+    budget: TokenBudget | None = None,
+    *,
+    limits: SchemaLimits = DEFAULT_SCHEMA_LIMITS,
+    metaschema: bool = True,
+) -> StructuredOutput | None:
     """The engine's constraint for ``response_format`` or a forced tool choice (a 400 naming the field)."""
     try:
         return structured_output(
-            chat.response_format, chat.tools, chat.tool_choice, parallel_tool_calls=chat.parallel_tool_calls
+            chat.response_format,
+            chat.tools,
+            chat.tool_choice,
+            parallel_tool_calls=chat.parallel_tool_calls,
+            budget=budget,
+            limits=limits,
+            metaschema=metaschema,
         )
     except StructuredOutputError as exc:
         raise PreprocessError(str(exc), param=exc.param) from exc

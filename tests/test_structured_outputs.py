@@ -201,7 +201,7 @@ def test_a_deeply_nested_schema_is_a_refusal_not_a_crash() -> None:
     schema: dict[str, Any] = {"type": "object"}
     for _ in range(5000):
         schema = {"type": "array", "items": schema}
-    with pytest.raises(StructuredOutputError, match="nested too deeply"):
+    with pytest.raises(StructuredOutputError, match="nested deeper than 48 levels"):
         structured_output(json_schema_format(schema), None, None)
 
 

@@ -71,6 +71,7 @@ from dynamo_prep.frontend.responses import (
     responses_params,
 )
 from dynamo_prep.frontend.router import Router
+from dynamo_prep.frontend.schema_checks import SchemaChecks
 from dynamo_prep.preprocessor import stop_strings, validate_answer_budget, validate_n
 from dynamo_prep.protocol.decode import decoding
 from dynamo_prep.protocol.openai import (
@@ -117,18 +118,25 @@ def create_app(
     settings: HttpSettings | None = None,
     metrics: FrontendMetrics | None = None,
     on_answered: Callable[[str], None] | None = None,
+    schema_checks: SchemaChecks | None = None,
 ) -> ASGIApp:
     """The ASGI app serving ``catalog``'s live models through ``client``.
 
     ``kv`` routes by KV-cache overlap (else ``router``'s round robin). ``metrics`` is the
     frontend's own registry (shared with its watcher and router); without one the app gets a
     private registry, never prometheus_client's global one. ``on_answered`` is told a model's name
-    when one of its workers answers a request (the watcher's ``model_answered``).
+    when one of its workers answers a request (the watcher's ``model_answered``). ``schema_checks``
+    checks requests' JSON schemas (the caller closes it; else the app makes its own).
     """
     metrics = metrics if metrics is not None else FrontendMetrics()
+    settings = settings or HttpSettings()
     declarations = DeclarationPreprocessors(metrics.discovery)
-    migration = Migration(catalog, router or Router(), client, declarations, kv=kv, on_answered=on_answered)
-    handlers = _Handlers(catalog, migration, settings or HttpSettings(), metrics)
+    migration = Migration(
+        catalog, router or Router(), client, declarations, kv=kv, on_answered=on_answered,
+        schema_limits=settings.schema_limits,
+    )  # fmt: skip
+    schemas = schema_checks or SchemaChecks(settings.schema_limits, metrics)
+    handlers = _Handlers(catalog, migration, settings, metrics, schemas)
     app = Starlette(
         routes=[
             Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
@@ -152,12 +160,18 @@ def create_app(
 
 class _Handlers:
     def __init__(
-        self, catalog: ModelCatalog, migration: Migration, settings: HttpSettings, metrics: FrontendMetrics
+        self,
+        catalog: ModelCatalog,
+        migration: Migration,
+        settings: HttpSettings,
+        metrics: FrontendMetrics,
+        schemas: SchemaChecks,
     ) -> None:
         self.catalog = catalog
         self.migration = migration
         self.settings = settings
         self.metrics = metrics
+        self.schemas = schemas
 
     # -- chat completions --------------------------------------------------------------------
 
@@ -260,6 +274,7 @@ class _Handlers:
         if render is None:
             validate_answer_budget(chat, chat.n, model.preprocessor.context_length)
             pacer = pacer_for(chat, chat.n)
+            await self._check_schemas(request, chat, model)
         request_id: str = request.state.request_id
         # Unique on the request plane even when a client reuses its x-request-id.
         plane_id = f"{request_id}.{_PROCESS_ID[:8]}{next(_sequence):x}"
@@ -296,6 +311,13 @@ class _Handlers:
                 outputs = paced(outputs, pacer)
             choices.append(Choice(completion, outputs, prompt_index))
         return choices
+
+    async def _check_schemas(self, request: Request, chat: ChatCompletionRequest, model: LiveModel) -> None:
+        """The request's schemas bounded (on the loop: one linear pass within the limits), then checked
+        against their metaschemas in the checker processes, the check stopped if the client leaves."""
+        uses = model.preprocessor.schemas_to_check(chat, limits=self.settings.schema_limits)
+        if uses:
+            await _unless_disconnected(request.receive, self.schemas.check(uses))
 
     # -- models, tokenize, detokenize, health ------------------------------------------------
 

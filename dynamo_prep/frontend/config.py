@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, get_args
 
 from dynamo_prep.protocol.discovery import DEFAULT_BIND, DEFAULT_NAMESPACE
+from dynamo_prep.protocol.schema_bounds import SchemaLimits
 
 if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import ZeroMQ
     from dynamo_prep.discovery.trust import ServerCurve
@@ -72,7 +73,7 @@ class HttpSettings:
     """What the HTTP flags mean (``--max-body-bytes``, ``--request-timeout``, ``--first-token-timeout``,
     ``--http-header-timeout``,
     ``--http-body-timeout``, ``--http-max-connections``, ``--http-max-client-connections``,
-    ``--http-max-url-bytes``, ``--http-max-header-bytes``, ``--http-max-headers``)."""
+    ``--http-max-url-bytes``, ``--http-max-header-bytes``, ``--http-max-headers``, ``--schema-limit``)."""
 
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
@@ -84,6 +85,7 @@ class HttpSettings:
     max_url_bytes: int = DEFAULT_MAX_URL_BYTES
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_headers: int = DEFAULT_MAX_HEADERS
+    schema_limits: SchemaLimits = field(default_factory=SchemaLimits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,7 @@ class FrontendConfig:
         max_url_bytes: int = DEFAULT_MAX_URL_BYTES,
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         max_headers: int = DEFAULT_MAX_HEADERS,
+        schema_limits: Sequence[str] = (),
         router_mode: str = DEFAULT_ROUTER_MODE,
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
@@ -177,6 +180,7 @@ class FrontendConfig:
                 "--http-max-client-connections, --http-max-url-bytes, --http-max-header-bytes, "
                 "--http-max-headers must be positive"
             )
+        limits = SchemaLimits.with_overrides(list(schema_limits))
         if http_workers < 1:
             raise ValueError(f"--http-workers must be at least 1, got {http_workers}")
         if http_workers > 1 and curve is not None:
@@ -209,6 +213,7 @@ class FrontendConfig:
                 max_url_bytes=max_url_bytes,
                 max_header_bytes=max_header_bytes,
                 max_headers=max_headers,
+                schema_limits=limits,
             ),
             router=RouterSettings(
                 mode=router_mode,

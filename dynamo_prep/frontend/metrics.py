@@ -132,6 +132,19 @@ class FrontendMetrics:
             ["reason"],
             registry=reg,
         )
+        self.schema_checks_in_flight = Gauge(
+            f"{PREFIX}schema_checks_in_flight",
+            "JSON Schema metaschema checks admitted, waiting for a checker process or running",
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.schema_checks = Counter(
+            f"{PREFIX}schema_checks",
+            "JSON Schema metaschema checks by outcome (valid, invalid, cached, cancelled, timeout, busy, "
+            "failed)",
+            ["outcome"],
+            registry=reg,
+        )
         self._models: dict[str, ModelMetrics] = {}
 
     def of(self, model: str) -> ModelMetrics:

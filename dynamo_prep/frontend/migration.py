@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ from dynamo_prep.preprocessor import TokenizedPrompt
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
+from dynamo_prep.protocol.schema_bounds import SchemaLimits
 from dynamo_prep.protocol.wire import Output
 from dynamo_prep.routing.policy import Decision
 
@@ -93,8 +95,12 @@ class Migration:
         *,
         kv: KvRouting | None = None,
         on_answered: Callable[[str], None] | None = None,
+        schema_limits: SchemaLimits | None = None,
     ) -> None:
+        """Requests reach ``begin`` with their schemas checked against their metaschemas already
+        (``app.py``); renders bound them by ``schema_limits`` again, and check nothing more."""
         self.catalog = catalog
+        self.schema_limits = schema_limits or SchemaLimits()
         self.router = router
         self.client = client
         self.declarations = declarations
@@ -120,7 +126,9 @@ class Migration:
         """
         declared = model.preprocessor.card.runtime_config.image_placeholder_token
         started = time.perf_counter()
-        render = render or model.preprocessor.preprocess_prompt
+        render = render or functools.partial(
+            model.preprocessor.preprocess_prompt, limits=self.schema_limits, metaschema=False
+        )
         request, prompt = await self._call(render, chat, in_thread=in_thread)
         record.preprocessed(request, time.perf_counter() - started)
         loop = asyncio.get_running_loop()
@@ -207,7 +215,8 @@ class Migration:
         preprocessor = self.declarations.get(journey.model, declared)
         if preprocessor is None:  # a new declaration: its formatter reads the model's files once
             preprocessor = await asyncio.to_thread(self.declarations.build, journey.model, declared)
-        rendered = await self._call(preprocessor.preprocess, journey.chat, in_thread=journey.in_thread)
+        preprocess = functools.partial(preprocessor.preprocess, limits=self.schema_limits, metaschema=False)
+        rendered = await self._call(preprocess, journey.chat, in_thread=journey.in_thread)
         journey.record.preprocessed(rendered, time.perf_counter() - started)
         journey.renders[declared] = rendered
         return rendered

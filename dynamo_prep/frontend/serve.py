@@ -32,6 +32,7 @@ from dynamo_prep.frontend.http_server import HttpServer, bind_http, new_event_lo
 from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.router import Router
+from dynamo_prep.frontend.schema_checks import SchemaChecks
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 from dynamo_prep.limits import raise_limits
 from dynamo_prep.routing.metrics import KvMetrics
@@ -89,6 +90,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         watcher.close()
         log.error("frontend_start_failed", error=str(exc), http=f"{config.http_host}:{config.http_port}")
         return EXIT_FAILED
+    schema_checks = SchemaChecks(config.http.schema_limits, metrics)
     app = create_app(
         catalog,
         client,
@@ -97,6 +99,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         settings=config.http,
         metrics=metrics,
         on_answered=watcher.model_answered,
+        schema_checks=schema_checks,
     )
     http = HttpServer(app, sock, config.http, metrics)
     _settle_heap()
@@ -117,6 +120,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     finally:
         if kv is not None:
             kv.subscriber.close()
+        await schema_checks.close()
         await client.close()
 
 

@@ -4,6 +4,8 @@ the one ``StructuredOutput`` the engine constrains its decoding with (docs/struc
 A forced tool choice takes vLLM's OpenAI server's shapes: a named function's output is its
 arguments object (its ``parameters`` schema); ``"required"`` is a JSON array of
 ``{"name", "parameters"}`` calls, one of the tools each. It wins over ``response_format``, as there.
+Every schema is bounded first (``schema_bounds``), then checked against its metaschema: here, or
+by the frontend in a process of its own (``request_schemas`` lists what to check).
 """
 
 from __future__ import annotations
@@ -15,12 +17,23 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from dynamo_prep.protocol.preprocessed import StructuredOutput
+from dynamo_prep.protocol.schema_bounds import (
+    SchemaBoundError,
+    SchemaLimits,
+    SchemaSize,
+    measure,
+    smallest_instance_chars,
+)
 
 __all__ = [
     "ACCEPTED_RESPONSE_FORMATS",
     "ForcedTool",
+    "SchemaUse",
     "StructuredOutputError",
+    "TokenBudget",
     "forced_tool",
+    "request_schemas",
+    "schema_problem",
     "structured_output",
 ]
 
@@ -30,6 +43,9 @@ ACCEPTED_RESPONSE_FORMATS: Final = (
 )
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _EMPTY_OBJECT: Final = {"type": "object", "properties": {}}
+DEFAULT_SCHEMA_LIMITS: Final = SchemaLimits()
+# A metaschema problem as the client reads it: jsonschema's messages repr the offending value whole.
+_SHOWN_PROBLEM_CHARS = 300
 
 
 class StructuredOutputError(ValueError):
@@ -46,6 +62,38 @@ class ForcedTool:
     ``"required"`` (the output is a JSON array of ``{"name", "parameters"}``)."""
 
     name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBudget:
+    """What an answer can spell: ``tokens`` (``source`` says which limit that is) of at most
+    ``chars_per_token`` characters each (the vocabulary's longest token)."""
+
+    tokens: int
+    chars_per_token: int
+    source: str = "max_tokens"
+
+    @property
+    def chars(self) -> int:
+        return self.tokens * self.chars_per_token
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaUse:
+    """One schema of a request, bounded already: where it is (``where``, in ``param``)."""
+
+    schema: dict[str, Any]
+    param: str
+    where: str
+    name: str = ""  # a tool's
+
+    def refusal(self, problem: str) -> StructuredOutputError:
+        """The 400 for a metaschema ``problem`` of this schema."""
+        if self.param == "response_format":
+            return _refuse(f"{self.where} is not a valid JSON Schema: {problem}")
+        return StructuredOutputError(
+            f"Invalid {self.where}: not a valid JSON Schema: {problem}", param=self.param
+        )
 
 
 def forced_tool(tool_choice: str | dict[str, Any] | None) -> ForcedTool | None:
@@ -65,14 +113,95 @@ def structured_output(
     tool_choice: str | dict[str, Any] | None,
     *,
     parallel_tool_calls: bool | None = None,
+    budget: TokenBudget | None = None,
+    limits: SchemaLimits = DEFAULT_SCHEMA_LIMITS,
+    metaschema: bool = True,
 ) -> StructuredOutput | None:
-    """The constraint of a request (None: free text); raises ``StructuredOutputError``."""
-    from_format = _from_response_format(response_format)
+    """The constraint of a request (None: free text); raises ``StructuredOutputError``.
+
+    Every schema is bounded by ``limits`` and, with a ``budget``, its smallest instance must fit
+    it. ``metaschema=False``: the caller checked ``request_schemas`` against their metaschemas."""
+    constraint, uses = _plan(
+        response_format,
+        tools,
+        tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        budget=budget,
+        limits=limits,
+    )
+    if metaschema:
+        for use in uses:
+            problem = schema_problem(use.schema)
+            if problem is not None:
+                raise use.refusal(problem)
+    return constraint
+
+
+def request_schemas(
+    response_format: dict[str, Any] | str | None,
+    tools: Sequence[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    *,
+    parallel_tool_calls: bool | None = None,
+    budget: TokenBudget | None = None,
+    limits: SchemaLimits = DEFAULT_SCHEMA_LIMITS,
+) -> list[SchemaUse]:
+    """The request's schemas that need a metaschema check, each bounded (``structured_output``'s
+    refusals up to there are raised)."""
+    return _plan(
+        response_format,
+        tools,
+        tool_choice,
+        parallel_tool_calls=parallel_tool_calls,
+        budget=budget,
+        limits=limits,
+    )[1]
+
+
+def _plan(
+    response_format: dict[str, Any] | str | None,
+    tools: Sequence[dict[str, Any]] | None,
+    tool_choice: str | dict[str, Any] | None,
+    *,
+    parallel_tool_calls: bool | None,
+    budget: TokenBudget | None,
+    limits: SchemaLimits,
+) -> tuple[StructuredOutput | None, list[SchemaUse]]:
     forced = forced_tool(tool_choice)
-    if forced is None or not tools:
-        return from_format
-    schema = _forced_schema(forced, tools, parallel_tool_calls)
-    return StructuredOutput(json_schema=json.dumps(schema, ensure_ascii=False))
+    if forced is not None and tools:
+        uses = _functions(tools, limits)
+        schema = _forced_schema(forced, uses, parallel_tool_calls)
+        _check_budget(schema, budget, "tools", "the forced tool call")
+        return StructuredOutput(json_schema=json.dumps(schema, ensure_ascii=False)), uses
+    use = _from_response_format(response_format, limits)
+    if not isinstance(use, SchemaUse):
+        return use, []
+    _check_budget(use.schema, budget, use.param, use.where)
+    return StructuredOutput(json_schema=json.dumps(use.schema, ensure_ascii=False)), [use]
+
+
+def _bounded(schema: dict[str, Any], limits: SchemaLimits, param: str, where: str) -> SchemaSize:
+    """``measure``, its refusal as a 400 naming ``param`` and the limit."""
+    try:
+        return measure(schema, limits, what=where)
+    except SchemaBoundError as exc:
+        named = f" (--schema-limit {exc.limit})" if exc.limit else ""
+        raise StructuredOutputError(f"Invalid '{param}': {exc}{named}", param=param) from None
+
+
+def _check_budget(schema: dict[str, Any], budget: TokenBudget | None, param: str, what: str) -> None:
+    """A schema whose shortest instance is longer than the answer can be is refused."""
+    if budget is None:
+        return
+    smallest = smallest_instance_chars(schema)
+    if smallest <= budget.chars:
+        return
+    raise StructuredOutputError(
+        f"Invalid '{param}': the shortest JSON {what} allows is at least {smallest:,} characters; "
+        f"{budget.source} ({budget.tokens:,} tokens of at most {budget.chars_per_token} characters) "
+        "cannot hold it. Raise max_tokens, or lower the schema's minLength, minItems or minProperties.",
+        param=param,
+    )
 
 
 def _refuse(detail: str) -> StructuredOutputError:
@@ -80,7 +209,9 @@ def _refuse(detail: str) -> StructuredOutputError:
     return StructuredOutputError(message, param="response_format")
 
 
-def _from_response_format(response_format: dict[str, Any] | str | None) -> StructuredOutput | None:
+def _from_response_format(
+    response_format: dict[str, Any] | str | None, limits: SchemaLimits
+) -> StructuredOutput | SchemaUse | None:
     if response_format is None:
         return None
     kind = response_format if isinstance(response_format, str) else response_format.get("type")
@@ -101,10 +232,8 @@ def _from_response_format(response_format: dict[str, Any] | str | None) -> Struc
     schema = spec.get("schema")
     if not isinstance(schema, dict):
         raise _refuse("'json_schema.schema' must be a JSON Schema object")
-    problem = schema_problem(schema)
-    if problem is not None:
-        raise _refuse(f"'json_schema.schema' is not a valid JSON Schema: {problem}")
-    return StructuredOutput(json_schema=json.dumps(schema, ensure_ascii=False))
+    _bounded(schema, limits, "response_format", "'json_schema.schema'")
+    return SchemaUse(schema, "response_format", "'json_schema.schema'")
 
 
 def schema_problem(schema: dict[str, Any]) -> str | None:
@@ -128,12 +257,17 @@ def schema_problem(schema: dict[str, Any]) -> str | None:
         return "'$schema' must be a string"
     checker = known.get(declared.rstrip("#"))
     if checker is None:
-        return f"unknown '$schema' {declared!r} (known: {', '.join(sorted(known))})"
+        return f"unknown '$schema' {declared[:100]!r} (known: {', '.join(sorted(known))})"
     try:
         checker.check_schema(schema)
     except SchemaError as exc:
-        where = "/".join(str(part) for part in exc.absolute_path)
-        return f"{exc.message}" + (f" (at {where})" if where else "")
+        where = "/".join(str(part)[:40] for part in exc.absolute_path)[-200:]
+        message = (
+            exc.message
+            if len(exc.message) <= _SHOWN_PROBLEM_CHARS
+            else exc.message[:_SHOWN_PROBLEM_CHARS] + "..."
+        )
+        return message + (f" (at {where})" if where else "")
     except RecursionError:
         return "it is nested too deeply"
     return _ref_problem(schema)
@@ -169,10 +303,10 @@ def _resolves(root: dict[str, Any], ref: str) -> bool:
 
 
 def _forced_schema(
-    forced: ForcedTool, tools: Sequence[dict[str, Any]], parallel_tool_calls: bool | None
+    forced: ForcedTool, uses: list[SchemaUse], parallel_tool_calls: bool | None
 ) -> dict[str, Any]:
     """vLLM's: the named function's parameters, or an array of calls of any tool (at least one)."""
-    functions = dict(_functions(tools))
+    functions = {use.name: use.schema for use in uses}  # a repeated name: its last tool
     if forced.name is not None:
         return functions.get(forced.name) or _EMPTY_OBJECT
     calls = [
@@ -191,9 +325,11 @@ def _forced_schema(
     return schema
 
 
-def _functions(tools: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
-    """(name, parameters schema) of each function tool; a tool's invalid schema is a 400 (``tools``)."""
-    found: list[tuple[str, dict[str, Any]]] = []
+def _functions(tools: Sequence[dict[str, Any]], limits: SchemaLimits) -> list[SchemaUse]:
+    """Each function tool's parameters schema, bounded (a 400 naming ``tools``); together they are
+    bounded like one schema, since ``"required"`` sends them as one."""
+    found: list[SchemaUse] = []
+    nodes = chars = 0
     for index, tool in enumerate(tools):
         function = tool.get("function") if tool.get("type", "function") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
@@ -201,19 +337,20 @@ def _functions(tools: Sequence[dict[str, Any]]) -> list[tuple[str, dict[str, Any
         params = function.get("parameters")
         if params is None:
             params = _EMPTY_OBJECT
+        where = f"'tools[{index}].function.parameters'"
         if not isinstance(params, dict):
             raise StructuredOutputError(
-                f"Invalid 'tools[{index}].function.parameters': a forced tool choice needs a JSON Schema "
-                "object",
-                param="tools",
+                f"Invalid {where}: a forced tool choice needs a JSON Schema object", param="tools"
             )
-        problem = schema_problem(params)
-        if problem is not None:
+        size = _bounded(params, limits, "tools", where)
+        nodes, chars = nodes + size.nodes, chars + size.chars
+        if nodes > limits.max_nodes or chars > limits.max_chars:
             raise StructuredOutputError(
-                f"Invalid 'tools[{index}].function.parameters': not a valid JSON Schema: {problem}",
+                f"Invalid 'tools': the forced tools' parameters together are more than {limits.max_nodes} "
+                f"JSON values or {limits.max_chars} characters (--schema-limit max_nodes, max_chars)",
                 param="tools",
             )
-        found.append((function["name"], params or _EMPTY_OBJECT))
+        found.append(SchemaUse(params or _EMPTY_OBJECT, "tools", where, function["name"]))
     return found
 
 

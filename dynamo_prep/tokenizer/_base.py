@@ -116,6 +116,11 @@ class Tokenizer(ABC):
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         """The bytes ``ids`` contribute to streamed text: ``token_bytes`` of each, joined."""
 
+    @property
+    @abstractmethod
+    def longest_token_bytes(self) -> int:
+        """The bytes of the vocabulary's longest token (specials spelled out)."""
+
     @abstractmethod
     def token_to_id(self, text: str) -> int | None:
         """The id of a string that is exactly one token, or None."""

@@ -267,6 +267,10 @@ class HfTokenizer(Tokenizer):
     def token_bytes(self, token_id: int) -> bytes:
         return self._table[token_id] if 0 <= token_id < self.n_vocab else b""
 
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        return max(map(len, self._table), default=1)
+
     def decode_bytes(self, ids: Sequence[int]) -> bytes:
         table, size = self._table, self.n_vocab
         return b"".join([table[token_id] for token_id in ids if 0 <= token_id < size])

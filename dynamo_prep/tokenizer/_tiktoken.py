@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import re
 import threading
@@ -184,6 +185,12 @@ class TiktokenTokenizer(Tokenizer):
             load_ms=round((time.perf_counter() - started) * 1000, 1),
         )
         return tokenizer
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """The bytes of the vocabulary's longest token (specials spelled out), computed once."""
+        base = max(map(len, self._encoding._mergeable_ranks), default=1)
+        return max(base, *map(len, self._specials)) if self._specials else base
 
     @property
     def encoding(self) -> tiktoken.Encoding:

@@ -76,7 +76,9 @@ def check_servable(config: WorkerConfig) -> None:
     card = ModelDeploymentCard.from_model_dir(config.model_dir, served_name=config.served_name)
     preprocessor = OpenAIPreprocessor.new(card, config.model_dir)
     try:
-        preprocessor.tokenize({"model": card.display_name, "messages": [{"role": "user", "content": "Hello"}]})
+        preprocessor.tokenize(
+            {"model": card.display_name, "messages": [{"role": "user", "content": "Hello"}]}
+        )
     except PreprocessError as exc:
         where = getattr(preprocessor.formatter, "source", str(config.model_dir))
         raise ModelCardError(f"{where}: its chat_template cannot render a one-line chat: {exc}") from exc

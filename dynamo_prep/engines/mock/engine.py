@@ -60,6 +60,10 @@ log = structlog.get_logger("dynamo_prep.engines")
 
 MAX_ECHO_CHARS = 200
 MAX_CONTINUATION_TOKENS = 4096
+# A structured answer is built to at most this many characters per token of ``max_tokens`` (JSON
+# averages 3-4 characters a token here), then tokenized and cut at ``max_tokens`` like any answer:
+# a schema asking for 30,000,000 characters costs what ``max_tokens`` allows, no more.
+INSTANCE_CHARS_PER_TOKEN = 8
 QWEN_IMAGE_PAD = "<|image_pad|>"
 
 
@@ -169,10 +173,15 @@ class MockEngine:
     ) -> AsyncIterator[MockOutput]:
         """Stream the reply one token per output; raises ``EngineContractError`` before any output.
 
-        Cancellation is honoured at every token (``asyncio.sleep`` even with no delay).
+        Cancellation is honoured at every token (``asyncio.sleep`` even with no delay). A
+        structured answer is planned in a thread: building it takes up to ~0.5 s at the largest
+        ``max_tokens`` (``INSTANCE_CHARS_PER_TOKEN``), which the worker's loop must not wait for.
         """
         self.check_contract(request)
-        token_ids, finish_reason = self.plan(request, prefill=prefill)
+        if request.sampling_options.structured is not None:
+            token_ids, finish_reason = await asyncio.to_thread(self.plan, request, prefill=prefill)
+        else:
+            token_ids, finish_reason = self.plan(request, prefill=prefill)
         prompt_tokens = len(request.token_ids)
         async for step in self.stream(
             token_ids, finish_reason, prompt_tokens, prefill=prefill, logprobs=logprobs_asked(request)
@@ -244,7 +253,7 @@ class MockEngine:
         view = self._reader.read(request.token_ids)
         structured = request.sampling_options.structured
         if structured is not None:
-            return self._constrained(view, structured), "structured"
+            return self._constrained(view, structured, request.stop_conditions.max_tokens), "structured"
         scripted = matching_reply(self.replies, view.last_user)
         if scripted is not None:
             return list(scripted.token_ids), f"scripted:{scripted.line}"
@@ -253,11 +262,13 @@ class MockEngine:
             return self.tokenizer.encode(echo), "echo"
         return self._model_answer(view, echo), "model"
 
-    def _constrained(self, view: PromptView, structured: StructuredOutput) -> list[int]:
+    def _constrained(self, view: PromptView, structured: StructuredOutput, max_tokens: int) -> list[int]:
         """What a grammar would allow: an instance of the schema (``{}`` for a JSON object) as the
-        content, in the model's format (its reasoning stays free, as with an engine's reasoning parser)."""
+        content, in the model's format (its reasoning stays free, as with an engine's reasoning
+        parser); no more of it than ``max_tokens`` can hold."""
         schema = {"type": "object"} if structured.json_schema is None else json.loads(structured.json_schema)
-        text = json.dumps(instance_of(schema), ensure_ascii=False)
+        budget = max(max_tokens, 1) * INSTANCE_CHARS_PER_TOKEN
+        text = json.dumps(instance_of(schema, max_chars=budget), ensure_ascii=False)
         if self.reply_format == "echo":
             return self.tokenizer.encode(text)
         return self._answers.write(view, reasoning="I will answer in JSON.", content=text, call=None)

@@ -5,10 +5,13 @@ What a real engine's grammar guarantees (the output validates), without a model:
 ``$ref``s followed; objects get their required properties, arrays ``minItems`` items, strings
 ``"mock"`` fitted to ``minLength``/``maxLength``, numbers the smallest allowed value near 1.
 ``pattern`` and ``format`` are not generated for (the mock's string may not match them).
+With ``max_chars`` the instance stops growing there (an answer cut at ``max_tokens`` needs no
+more): building costs at most linear time in it, whatever counts the schema asks for.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Final
 
@@ -19,24 +22,39 @@ _MAX_DEPTH: Final = 32
 _TYPE_ORDER: Final = ("object", "array", "string", "integer", "number", "boolean", "null")
 
 
-def instance_of(schema: Any) -> Any:
-    """An instance of ``schema`` (a JSON Schema object or boolean) built from its root."""
-    return _Builder(schema if isinstance(schema, dict) else {}).build(schema, 0)
+def instance_of(schema: Any, *, max_chars: int | None = None) -> Any:
+    """An instance of ``schema`` (a JSON Schema object or boolean) built from its root; with
+    ``max_chars``, about that many characters of its JSON text at most (then it is cut short)."""
+    root = schema if isinstance(schema, dict) else {}
+    return _Builder(root, _UNBOUNDED if max_chars is None else max_chars).build(schema, 0)
+
+
+_UNBOUNDED: Final = 1 << 62
 
 
 class _Builder:
-    def __init__(self, root: dict[str, Any]) -> None:
+    def __init__(self, root: dict[str, Any], max_chars: int) -> None:
         self._root = root
+        self._left = max_chars  # characters of JSON text (", " and ": " separators) still to take
+        self._sizes: dict[int, int] = {}  # the JSON length of const and enum values, by identity
+
+    @property
+    def spent(self) -> bool:
+        return self._left <= 0
+
+    def _charge(self, chars: int) -> None:
+        self._left -= chars
 
     def build(self, schema: Any, depth: int) -> Any:
         if not isinstance(schema, dict) or depth > _MAX_DEPTH:
+            self._charge(4)
             return None if depth > _MAX_DEPTH else {}
         schema = self._resolved(schema)
         if "const" in schema:
-            return schema["const"]
+            return self._given(schema["const"])
         enum = schema.get("enum")
         if isinstance(enum, list) and enum:
-            return enum[0]
+            return self._given(enum[0])
         for key in ("anyOf", "oneOf"):
             branches = schema.get(key)
             if isinstance(branches, list) and branches:
@@ -49,6 +67,14 @@ class _Builder:
                 merged = _merge(merged, self._resolved(part))
             return self.build(merged, depth + 1)
         return self._typed(schema, _type_of(schema), depth)
+
+    def _given(self, value: Any) -> Any:
+        """A value the schema spells out, charged at its JSON length (measured once per value)."""
+        size = self._sizes.get(id(value))
+        if size is None:
+            size = self._sizes[id(value)] = len(json.dumps(value, ensure_ascii=False))
+        self._charge(size)
+        return value
 
     def _resolved(self, schema: Any) -> dict[str, Any]:
         """A local ``$ref`` (``#/$defs/...``, ``#/definitions/...``, ``#``) followed, siblings kept.
@@ -74,7 +100,10 @@ class _Builder:
         if kind == "array":
             return self._array(schema, depth)
         if kind == "string":
-            return _string(schema)
+            text = _string(schema, max(self._left, 0))
+            self._charge(len(text) + 2)
+            return text
+        self._charge(5)
         if kind in ("integer", "number"):
             return _number(schema, integer=kind == "integer")
         if kind == "boolean":
@@ -84,22 +113,37 @@ class _Builder:
     def _object(self, schema: dict[str, Any], depth: int) -> dict[str, Any]:
         found = schema.get("properties")
         properties: dict[str, Any] = found if isinstance(found, dict) else {}
-        required = [name for name in schema.get("required") or [] if isinstance(name, str)]
-        result = {name: self.build(properties.get(name, {}), depth + 1) for name in required}
+        listed = schema.get("required")
+        required = [name for name in listed if isinstance(name, str)] if isinstance(listed, list) else []
+        self._charge(2)
+        result: dict[str, Any] = {}
+        for name in required:
+            if self.spent:
+                return result
+            self._charge(_key_chars(name))
+            result[name] = self.build(properties.get(name, {}), depth + 1)
         minimum = schema.get("minProperties")
         for name, sub in properties.items():
-            if not isinstance(minimum, int) or len(result) >= minimum:
+            if not isinstance(minimum, int) or len(result) >= minimum or self.spent:
                 break
-            result.setdefault(name, self.build(sub, depth + 1))
+            if name not in result:
+                self._charge(_key_chars(name))
+                result[name] = self.build(sub, depth + 1)
         return result
 
     def _array(self, schema: dict[str, Any], depth: int) -> list[Any]:
         found = schema.get("prefixItems")
         prefix: list[Any] = found if isinstance(found, list) else []
-        count = max(int(schema.get("minItems") or 0), 0)
-        items = [self.build(sub, depth + 1) for sub in prefix[:count]]
+        count = max(int(_finite(schema.get("minItems"))), 0)
+        self._charge(2)
+        items: list[Any] = []
+        for sub in prefix[:count]:
+            if self.spent:
+                return items
+            items.append(self.build(sub, depth + 1))
         element = schema.get("items", {})
-        while len(items) < count:
+        while len(items) < count and not self.spent:
+            self._charge(2)
             items.append(self.build(element, depth + 1))
         if schema.get("uniqueItems") and len(items) > 1:
             down = isinstance(element, dict) and ("maximum" in element or "exclusiveMaximum" in element)
@@ -127,14 +171,27 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
         if key == "properties" and isinstance(merged.get(key), dict) and isinstance(value, dict):
             merged[key] = {**merged[key], **value}
         elif key == "required" and isinstance(merged.get(key), list) and isinstance(value, list):
-            merged[key] = [*merged[key], *[name for name in value if name not in merged[key]]]
+            merged[key] = list(dict.fromkeys([*merged[key], *value]))  # linear, order kept
         else:
             merged[key] = value
     return merged
 
 
-def _string(schema: dict[str, Any]) -> str:
-    low = max(int(schema.get("minLength") or 0), 0)
+def _key_chars(name: str) -> int:
+    """A member's name as it is written (``"name": ``, escapes included) and its separator."""
+    return len(json.dumps(name, ensure_ascii=False)) + 4
+
+
+def _finite(value: Any) -> float:
+    """A count keyword's value as a number (0 when it is not a finite one)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return 0
+    return value
+
+
+def _string(schema: dict[str, Any], most: int) -> str:
+    """ "mock" fitted to the length bounds, at most ``most`` characters (then cut short)."""
+    low = min(max(int(_finite(schema.get("minLength"))), 0), most)
     high = schema.get("maxLength")
     text = MOCK_STRING * (low // len(MOCK_STRING) + 1)
     text = text[: max(low, len(MOCK_STRING))]
