@@ -247,6 +247,7 @@ def _add_worker(commands: Any) -> None:
         help="mock engine, when no scripted reply matches: the echo in the model's own answer format "
         "(think channel, response, a call of the first declared tool; the default), or as plain text",
     )
+    _add_answer_parsers(worker)
     worker.add_argument(
         "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
     )
@@ -289,6 +290,23 @@ def _add_worker(commands: Any) -> None:
     )
     _add_discovery_client(worker)
     worker.set_defaults(handler=_worker)
+
+
+def _add_answer_parsers(worker: argparse.ArgumentParser) -> None:
+    """vLLM's flags and names, with every engine: the card carries them, the frontend parses answers."""
+    for flag, what in (("--tool-call-parser", "tool calls"), ("--reasoning-parser", "reasoning")):
+        worker.add_argument(
+            flag,
+            default=None,
+            metavar="NAME",
+            help=f"how the frontend reads {what} in this model's answers, by vLLM's parser name (README "
+            "lists them; default: the model family's); an unknown name is refused",
+        )
+    worker.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted as vllm serve takes it (calls are parsed whenever a tool-call parser is in effect)",
+    )
 
 
 def _add_frontend(commands: Any) -> None:
@@ -539,6 +557,8 @@ def _worker(args: argparse.Namespace) -> int:
         kv_blocks=args.kv_blocks,
         prefill_ms_per_1k=args.prefill_ms_per_1k,
         engine_args=args.engine_args,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 
