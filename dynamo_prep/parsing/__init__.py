@@ -39,6 +39,7 @@ from dynamo_prep.parsing.registry import (
     TOOL_CALL_PARSERS,
     check_parser_names,
     engine_reasoning_flags,
+    parser_for,
 )
 from dynamo_prep.parsing.think import prompt_ends_in_think
 
@@ -70,6 +71,7 @@ __all__ = [
     "new_call_id",
     "parse_answer",
     "parser_choice",
+    "parser_for",
     "plain_parser_for",
     "prompt_ends_in_think",
 ]

@@ -12,9 +12,8 @@ from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
 from dynamo_prep.parsing._halves import ParseOptions
 from dynamo_prep.parsing._tokens import vocab_of
-from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
-from dynamo_prep.parsing.plain import PlainAnswerParser
-from dynamo_prep.parsing.registry import KIMI_K3_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS, composed_parser
+from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS
+from dynamo_prep.parsing.registry import KIMI_K3_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS, parser_for
 from dynamo_prep.tokenizer import Tokenizer
 
 log = structlog.get_logger("dynamo_prep.parsing")
@@ -120,17 +119,10 @@ def answer_parser_for(
     request declared tools (formats that cannot tell a call from a JSON answer need them).
     """
     choice = parser_choice(card, tokenizer)
-    vocab = vocab_of(tokenizer)
-    if choice == K3_FAMILY:
-        return KimiK3AnswerParser(
-            vocab, thinking=thinking, prompt_form=prompt_form, tools_enabled=tools_enabled, call_ids=call_ids
-        )
-    if choice == PLAIN:
-        return PlainAnswerParser(vocab)
     options = ParseOptions(
         thinking=thinking,
         tools_enabled=tools_enabled,
         tools_declared=tools_declared,
         call_ids=call_ids or new_call_id,
     )
-    return composed_parser(vocab, choice.reasoning, choice.tool_calls, options)
+    return parser_for(vocab_of(tokenizer), *choice, options, prompt_form=prompt_form)

@@ -37,8 +37,8 @@ class Llama3JsonTools(ToolHalf):
     def __init__(self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries) -> None:
         super().__init__(options, text_markers, recoveries)
         self._state = _BEFORE
-        self._lead: list[str] = []  # what stood before the object (whitespace, a separator)
-        self._body: list[str] = []  # the object being read
+        self._lead = bytearray()  # what stood before the object (whitespace, a separator), UTF-8
+        self._body = bytearray()  # the object being read, UTF-8 (kept compact: it may be long)
         self._object_end = ObjectEnd()
         self._tagged = False  # a python tag opened this stretch of calls
         self._stretch = 0  # calls in this stretch
@@ -67,11 +67,11 @@ class Llama3JsonTools(ToolHalf):
             self._separated = self._separated or text[at] == SEPARATOR
             at += 1
         if at > start:
-            self._lead.append(text[start:at])
+            self._lead += text[start:at].encode()
         if at == size:
             return at
         if text[at] == "{":
-            self._state, self._body, self._object_end = _OBJECT, [], ObjectEnd()
+            self._state, self._object_end = _OBJECT, ObjectEnd()
             return at
         if self._tagged and not self._stretch:
             self._recoveries.add(kinds.INVALID_TOOL_CALL)  # a python tag followed by no JSON call
@@ -81,22 +81,21 @@ class Llama3JsonTools(ToolHalf):
     def _read_object(self, text: str, at: int, out: DeltaList) -> int:
         end = self._object_end.feed(text, at)
         if end < 0:
-            self._body.append(text[at:])
+            self._body += text[at:].encode()
             return len(text)
-        self._body.append(text[at:end])
+        self._body += text[at:end].encode()
         self._end_object(out)
         return end
 
     def _end_object(self, out: DeltaList) -> None:
-        body = "".join(self._body)
-        self._body = []
+        body = self._body.decode()
         parsed = json_call(body, arguments_required=True)
         if parsed is None:
-            if self._tagged or self._stretch or '"name"' in body:
+            if self._looks_like_call(body):
                 self._recoveries.add(kinds.INVALID_TOOL_CALL)
-            self._lead.append(body)
             self._to_text(out)
             return
+        self._body.clear()
         self._lead.clear()
         self._state, self._separated = _BEFORE, False
         self._stretch += 1
@@ -106,19 +105,17 @@ class Llama3JsonTools(ToolHalf):
         """A python tag opens calls wherever it stands; an object it interrupts is content."""
         if self._state == _OBJECT:
             self._recoveries.add(kinds.INVALID_TOOL_CALL)
-            self._lead.extend(self._body)
-            self._body = []
             self._to_text(out)
         elif self._state == _BEFORE:
             self._lead.clear()
         self._state, self._tagged, self._separated, self._stretch = _BEFORE, True, False, 0
 
     def _on_end(self, cut: bool, out: DeltaList) -> None:
-        if cut:  # a call cut by max_tokens is never half sent
-            self._lead, self._body = [], []
+        if cut:  # an object cut by max_tokens may have been a call: never half sent
+            self._lead.clear()
+            self._body.clear()
         elif self._state == _OBJECT:
             self._recoveries.add(kinds.INVALID_TOOL_CALL)  # the model ended inside the object
-            self._lead.extend(self._body)
             self._to_text(out)
         elif self._state == _BEFORE:
             if self._tagged and not self._stretch:
@@ -127,12 +124,18 @@ class Llama3JsonTools(ToolHalf):
                 self._to_text(out)
         self._state = _TEXT
 
+    def _looks_like_call(self, body: str) -> bool:
+        """A python tag or a call came before it, or it has a ``"name"`` key: meant as a call."""
+        return self._tagged or self._stretch > 0 or '"name"' in body
+
     def _may_separate(self) -> bool:
         return self._stretch > 0 and not self._separated
 
     def _to_text(self, out: DeltaList) -> None:
-        """The calls end: what was held is content, and so is all that follows (but a python tag)."""
-        if held := "".join(self._lead):
+        """The calls end: what was held (before and of the object) is content, and so is all that
+        follows (but a python tag)."""
+        if held := (self._lead + self._body).decode():
             out.content(held)
-        self._lead = []
+        self._lead.clear()
+        self._body.clear()
         self._state = _TEXT

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final
+from typing import Final, Literal
 
 from dynamo_prep.parsing._answer import AnswerParser
 from dynamo_prep.parsing._compose import ComposedAnswerParser
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._tokens import Vocab
 from dynamo_prep.parsing.hermes import HermesTools
+from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
 from dynamo_prep.parsing.llama3_json import Llama3JsonTools
+from dynamo_prep.parsing.plain import PlainAnswerParser
 from dynamo_prep.parsing.think import DeepSeekR1Reasoning, ThinkTagReasoning
 
 __all__ = [
@@ -26,8 +28,8 @@ __all__ = [
     "TOOL_CALL_PARSERS",
     "TOOL_HALVES",
     "check_parser_names",
-    "composed_parser",
     "engine_reasoning_flags",
+    "parser_for",
 ]
 
 KIMI_K3_PARSER: Final = "kimi_k3"
@@ -67,17 +69,38 @@ def check_parser_names(tool_call_parser: str | None, reasoning_parser: str | Non
             raise ValueError(f"unknown {flag} {name!r} (known: {', '.join(known)})")
 
 
-def composed_parser(
-    vocab: Vocab, reasoning: str | None, tool_calls: str | None, options: ParseOptions
+def parser_for(
+    vocab: Vocab,
+    reasoning: str | None,
+    tool_calls: str | None,
+    options: ParseOptions,
+    *,
+    prompt_form: Literal["reference", "hosted"] = "reference",
 ) -> AnswerParser:
-    """The reasoning half and the tool half these names register, composed (neither: plain content)."""
-    family = "+".join(name for name in (reasoning, tool_calls) if name is not None)
+    """One response's parser for these registered names: ``kimi_k3`` (either half) reads both halves
+    (``prompt_form`` is its; on a vocabulary without its four markers it is left out); else the
+    reasoning half and the tool half composed; neither: plain."""
+    if KIMI_K3_PARSER in (reasoning, tool_calls):
+        if not all(marker in vocab.special_tokens for marker in MARKER_STRINGS):
+            reasoning, tool_calls = (
+                None if name == KIMI_K3_PARSER else name for name in (reasoning, tool_calls)
+            )
+            return parser_for(vocab, reasoning, tool_calls, options)
+        return KimiK3AnswerParser(
+            vocab,
+            thinking=options.thinking,
+            prompt_form=prompt_form,
+            tools_enabled=options.tools_enabled,
+            call_ids=options.call_ids,
+        )
+    if reasoning is None and tool_calls is None:
+        return PlainAnswerParser(vocab)
     return ComposedAnswerParser(
         vocab,
         REASONING_HALVES[reasoning] if reasoning is not None else None,
         TOOL_HALVES[tool_calls] if tool_calls is not None else None,
         options,
-        family=family or "plain",
+        family="+".join(name for name in (reasoning, tool_calls) if name is not None),
     )
 
 
