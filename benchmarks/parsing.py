@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks._report import Suite
+from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.parsing import (
     AnswerParser,
     HermesAnswerParser,
@@ -116,6 +121,50 @@ def hermes_workloads(tokenizer: Tokenizer) -> list[Workload]:
         Workload("hermes after a call, whitespace", make, call, blank),
         Workload("hermes, text", make, [], words),
         Workload("hermes, markers", make, [], call),
+    ]
+
+
+TAG_TOKENS = {"<tool_call>": 14, "</tool_call>": 15, "<think>": 24, "</think>": 25, "<|python_tag|>": 40}
+"""Markers registered as added tokens above the Qwen demo's base (Qwen's own offsets for its tags),
+as real Qwen3 and Llama 3 vocabularies have them: then they are matched on their ids."""
+
+
+def tagged_tokenizer(directory: Path) -> Tokenizer:
+    """The Qwen demo vocabulary with ``TAG_TOKENS`` added (written into ``directory``)."""
+    source = resolve_model_dir(QWEN_MODEL)
+    for path in source.iterdir():
+        shutil.copy(path, directory / path.name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    base = min(int(key) for key in config["added_tokens_decoder"])
+    for tag, offset in TAG_TOKENS.items():
+        config["added_tokens_decoder"][str(base + offset)] = {"content": tag, "special": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_model_dir(directory)
+
+
+def tagged_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    """Hermes and Llama 3 JSON where their markers are tokens, as on real Qwen3 and Llama 3 vocabularies."""
+    vocab = vocab_of(tokenizer)
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    hermes_call = tokenizer.encode_segments(
+        [("<tool_call>", True), ('\n{"name": "f", "arguments": {"a": 1}}\n', False), ("</tool_call>", True)]
+    )
+    llama_call = tokenizer.encode_segments(
+        [("<|python_tag|>", True), ('{"name": "f", "parameters": {"a": 1, "s": "x \\" y"}}', False)]
+    )
+
+    def hermes() -> AnswerParser:
+        return parser_for(vocab, "qwen3", "hermes", ParseOptions(thinking=True))
+
+    def llama() -> AnswerParser:
+        return parser_for(vocab, None, "llama3_json", ParseOptions())
+
+    think_closed = tokenizer.encode_segments([("hm", False), ("</think>", True)])
+    return [
+        Workload("hermes on tag tokens, text", hermes, think_closed, words),
+        Workload("hermes on tag tokens, markers", hermes, think_closed, hermes_call),
+        Workload("llama3_json on tag tokens, text", llama, [], words),
+        Workload("llama3_json on tag tokens, markers", llama, [], llama_call),
     ]
 
 
@@ -249,8 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", type=int, default=STREAMS, help="parsers open at once (0: skip)")
     args = parser.parse_args(argv)
     k3, qwen = Tokenizer.from_model_dir(K3_MODEL), Tokenizer.from_model_dir(QWEN_MODEL)
+    with tempfile.TemporaryDirectory() as scratch:
+        tagged = tagged_tokenizer(Path(scratch))
     workloads = (
-        k3_workloads(k3) + hermes_workloads(qwen) + llama3_json_workloads(qwen) + plain_workloads(qwen)
+        k3_workloads(k3)
+        + hermes_workloads(qwen)
+        + llama3_json_workloads(qwen)
+        + tagged_workloads(tagged)
+        + plain_workloads(qwen)
     )
     if args.only:
         workloads = [w for w in workloads if any(part in w.name for part in args.only)]

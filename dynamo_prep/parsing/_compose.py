@@ -34,8 +34,8 @@ class ComposedAnswerParser(IdStreamParser[str]):
         one_id = vocab.special_tokens
         super().__init__(vocab, {one_id[m]: m for m in markers if m in one_id})
         in_text = frozenset(m for m in markers if m not in one_id)
-        tool_half = tools_type(options, in_text, self._recoveries)
-        self._head = reasoning_type(options, in_text, self._recoveries, tool_half)
+        self._tools = tools_type(options, in_text, self._recoveries)
+        self._head = reasoning_type(options, in_text, self._recoveries, self._tools)
         self.family = family
 
     def finish(self, finish_reason: str) -> list[AnswerDelta]:
@@ -53,7 +53,7 @@ class ComposedAnswerParser(IdStreamParser[str]):
 
     def _on_text(self, token_ids: list[int], out: DeltaList) -> None:
         if text := self._utf8.push(self._vocab.bytes_of(token_ids)):
-            self._head.text(text, out)
+            (self._tools if self._head.passing else self._head).text(text, out)
 
     def _on_tag(self, tag: str, out: DeltaList) -> None:
         if text := self._utf8.flush():

@@ -54,8 +54,14 @@ class Half:
     def text(self, text: str, out: DeltaList) -> None:
         if self._pending:
             text, self._pending = self._pending + text, ""
-        if text:
-            self._scan(text, out, final=False)
+        if not text:
+            return
+        wanted = self._text_wanted()
+        for marker in wanted:
+            if marker[0] in text:
+                self._scan(text, out, final=False)
+                return
+        self._on_text(text, out)  # no text marker can start here: the common case, kept short
 
     def marker(self, marker: str, out: DeltaList) -> None:
         """A marker token: whatever text was held is text (no marker can complete it now)."""
@@ -178,9 +184,11 @@ class ReasoningHalf(Half):
     ) -> None:
         super().__init__(options, text_markers, recoveries)
         self._tools = tools
-        self._tool_markers = frozenset(type(tools).MARKERS)
         self._tool_openers = frozenset(type(tools).OPENERS)
         self.in_reasoning = False
+        self.passing = False
+        """Text goes straight to the tool half now (the reasoning part is over for good): the
+        composed parser then hands it there itself."""
 
     def _pass_text(self, text: str, out: DeltaList) -> None:
         self._tools.text(text, out)
@@ -204,6 +212,12 @@ class ReasoningHalf(Half):
 
 class NoReasoning(ReasoningHalf):
     """No reasoning format: everything goes to the tool half as it comes."""
+
+    def __init__(
+        self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries, tools: ToolHalf
+    ) -> None:
+        super().__init__(options, text_markers, recoveries, tools)
+        self.passing = True
 
     def text(self, text: str, out: DeltaList) -> None:
         self._tools.text(text, out)

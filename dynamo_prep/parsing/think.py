@@ -54,6 +54,7 @@ class ThinkTagReasoning(ReasoningHalf):
         if self.in_reasoning:
             out.reasoning(text)
         else:
+            self.passing = not self._pending
             self._pass_text(text, out)
 
     def _on_marker(self, marker: str, out: DeltaList) -> None:
@@ -66,6 +67,7 @@ class ThinkTagReasoning(ReasoningHalf):
             self._on_held(self._end_start(), out)
         if marker == self.CLOSE and self.in_reasoning:
             self.in_reasoning = False
+            self.passing = not self._pending
         elif marker in self.MARKERS:
             self._recoveries.add(kinds.UNKNOWN_TAG)
         elif self.in_reasoning:
