@@ -48,6 +48,8 @@ OPTIONAL_FILES = (
 )
 CARD_FILE_NAMES = frozenset((*REQUIRED_JSON_FILES, *TOKENIZER_FILES, *OPTIONAL_FILES))
 _CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "max_sequence_length", "seq_length")
+# Where a family's config.json leaves the context to its transformers config class's default.
+_DEFAULT_CONTEXT_LENGTHS = {"gemma3": 131_072, "gemma3_text": 131_072}
 
 
 class ModelCardError(ValueError):
@@ -304,6 +306,11 @@ def _context_length(config: dict[str, Any], tokenizer_config: dict[str, Any], mo
     value = tokenizer_config.get("model_max_length")
     if isinstance(value, int) and 0 < value < 1 << 40:  # transformers writes 1e30 for "no limit"
         return value
+    for source in (config, config.get("text_config") or {}):
+        family = source.get("model_type") if isinstance(source, dict) else None
+        default = _DEFAULT_CONTEXT_LENGTHS.get(family) if isinstance(family, str) else None
+        if default is not None:
+            return default
     raise ModelCardError(
         f"{model_dir / 'config.json'}: no context length "
         f"(expected one of {', '.join(_CONTEXT_LENGTH_KEYS)}, also under text_config)"

@@ -28,13 +28,16 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 _Step = Callable[[str | bytes], str | bytes]
 
 
-def stream_bytes_table(tokenizer: tokenizers.Tokenizer, size: int, source: Path) -> tuple[list[bytes], bool]:
-    """Each id's bytes, and whether the decoder was read exactly (else each token decoded alone)."""
-    import json  # noqa: PLC0415 (the decoder's JSON is read once, here)
-
-    spec = json.loads(tokenizer.to_str()).get("decoder")
+def stream_bytes_table(
+    tokenizer: tokenizers.Tokenizer, spec: object, size: int, source: Path
+) -> tuple[list[bytes], bool]:
+    """Each id's bytes (``spec``: tokenizer.json's ``decoder``), and whether the decoder was read
+    exactly (else each token is decoded alone)."""
     steps = _steps(spec)
-    tokens = [tokenizer.id_to_token(token_id) for token_id in range(size)]
+    tokens: list[str | None] = [None] * size
+    for token, token_id in tokenizer.get_vocab(with_added_tokens=True).items():
+        if 0 <= token_id < size:
+            tokens[token_id] = token
     if steps is None:
         log.warning("tokenizer_decoder_approximate", path=str(source), decoder=_kind(spec))
         return [_alone(tokenizer, token_id, token) for token_id, token in enumerate(tokens)], False

@@ -81,6 +81,7 @@ class HfTokenizer(Tokenizer):
         model_type: str | None,
         tokenizer: tokenizers.Tokenizer,
         source: Path,
+        decoder: object,
         mid_pre_tokenizer: Any,
         clean_up_tokenization_spaces: bool,
     ) -> None:
@@ -104,7 +105,7 @@ class HfTokenizer(Tokenizer):
         )
         self.all_special_ids = frozenset(self.special_tokens.values())
         self._cut = _alternation(self._specials)
-        self._table, self.decoder_exact = stream_bytes_table(tokenizer, self.n_vocab, source)
+        self._table, self.decoder_exact = stream_bytes_table(tokenizer, decoder, self.n_vocab, source)
 
     @classmethod
     def load(
@@ -121,9 +122,12 @@ class HfTokenizer(Tokenizer):
         path = files[HF_TOKENIZER_FILE]
         text = _read_text(path)
         try:
+            spec = json.loads(text)
             tokenizer = tokenizers.Tokenizer.from_str(text)
         except Exception as exc:  # the Rust parser raises plain Exceptions
             raise TokenizerError(f"{path}: not a valid tokenizer.json: {str(exc)[:300]}") from exc
+        if not isinstance(spec, dict):
+            raise TokenizerError(f"{path}: not a valid tokenizer.json: not a JSON object")
         _declare_added_tokens(tokenizer, tokenizer_config, files)
         model_type = config.get("model_type")
         hf = cls(
@@ -131,7 +135,8 @@ class HfTokenizer(Tokenizer):
             model_type=model_type if isinstance(model_type, str) else None,
             tokenizer=tokenizer,
             source=path,
-            mid_pre_tokenizer=_mid_pre_tokenizer(text, path),
+            decoder=spec.get("decoder"),
+            mid_pre_tokenizer=_mid_pre_tokenizer(spec.get("pre_tokenizer"), path),
             clean_up_tokenization_spaces=tokenizer_config.get("clean_up_tokenization_spaces") is True,
         )
         hf._set_stop_ids(config, tokenizer_config, generation_config, files)
@@ -323,6 +328,10 @@ def _declare_added_tokens(
             continue
         _add_at(tokenizer, token_id, added, path)
     named = [token_content(tokenizer_config.get(key)) for key in _NAMED_SPECIAL_KEYS]
+    for key in ("additional_special_tokens", "extra_special_tokens"):  # transformers 4 and 5 spellings
+        listed = tokenizer_config.get(key)
+        values = listed.values() if isinstance(listed, dict) else listed if isinstance(listed, list) else ()
+        named.extend(token_content(value) for value in values)
     have = tokenizer.get_added_tokens_decoder()
     specials = {token.content for token in have.values() if token.special}
     missing = [text for text in named if text is not None and text not in specials]
@@ -372,12 +381,10 @@ def _add_at(tokenizer: tokenizers.Tokenizer, token_id: int, token: tokenizers.Ad
         )
 
 
-def _mid_pre_tokenizer(text: str, path: Path) -> Any:
+def _mid_pre_tokenizer(pre: object, path: Path) -> Any:
     """The pre-tokenizer for a span that does not start the string, when it differs: a SentencePiece
     ``Metaspace`` that prepends ``▁`` to the first split only (``prepend_scheme: first``) leaves later
     splits alone. None when no rule depends on the position."""
-    spec = json.loads(text)
-    pre = spec.get("pre_tokenizer")
     if not isinstance(pre, dict) or not _never_prepend(pre):
         return None
     bare = {
