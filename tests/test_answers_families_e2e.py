@@ -13,7 +13,7 @@ import httpx
 import pytest
 from support.cluster import Cluster, mock_cluster
 from support.cluster import openai_client as client
-from support.parser_models import LLAMA3, model_dir
+from support.hf_models import built_models
 from test_answers_e2e import WEATHER, assert_same, both, calls_of, user
 
 LLAMA = "llama3-tools"
@@ -43,7 +43,7 @@ REPLIES = {
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     directory = tmp_path_factory.mktemp("families")
-    model = model_dir(LLAMA3, directory)
+    model = built_models()["llama3"]
     replies = directory / "replies.jsonl"
     lines = [{"when": when, "segments": segments} for when, segments in REPLIES.items()]
     replies.write_text("".join(json.dumps(line) + "\n" for line in lines), encoding="utf-8")

@@ -11,7 +11,7 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from support.parser_models import LLAMA3, model_dir
+from support.hf_models import built_models
 from test_parsing_streams import all_ways, counting_ids
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
@@ -33,9 +33,7 @@ SEARCH = '{"name": "search", "arguments": {"q": "cats 你好 😀", "n": 1.0}}'
 
 @cache
 def directory() -> Path:
-    import tempfile  # noqa: PLC0415
-
-    return model_dir(LLAMA3, Path(tempfile.mkdtemp(prefix="llama3-parsing-")))
+    return built_models()["llama3"]
 
 
 @cache

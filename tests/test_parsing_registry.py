@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import random
 from functools import cache
-from pathlib import Path
 
 import pytest
-from support.parser_models import LLAMA3, QWEN3, model_dir
+from support.hf_models import built_models
 from test_parsing_streams import K3, QWEN, all_ways, counting_ids
 
 from dynamo_prep.parsing import (
@@ -30,30 +29,23 @@ from dynamo_prep.parsing.registry import REASONING_HALVES, TOOL_HALVES
 from dynamo_prep.tokenizer import Tokenizer
 
 FAMILY_MODELS = {
-    "hermes": QWEN3,
-    "qwen3_json": QWEN3,
-    "llama3_json": LLAMA3,
-    "llama4_json": LLAMA3,
-    "qwen3": QWEN3,
-    "deepseek_r1": QWEN3,
+    "hermes": "qwen3",
+    "qwen3_json": "qwen3",
+    "llama3_json": "llama3",
+    "llama4_json": "llama4",
+    "qwen3": "qwen3",
+    "deepseek_r1": "deepseek_v3",
     "kimi_k3": K3,
 }
-"""A model directory of each registered name's family (a real vocabulary with its markers)."""
+"""A model directory of each registered name's family (a real vocabulary with its markers): a
+tests/support/hf_models directory, or a demo model."""
 PLAIN_MODEL = QWEN  # the qwen-vl-demo vocabulary: no think, call or python tags
 
 
 @cache
-def root() -> Path:
-    import tempfile  # noqa: PLC0415
-
-    return Path(tempfile.mkdtemp(prefix="registry-models-"))
-
-
-@cache
 def tokenizer(model: str) -> Tokenizer:
-    if model in (LLAMA3, QWEN3):
-        return Tokenizer.from_model_dir(model_dir(model, root()))
-    return Tokenizer.from_model_dir(model)
+    built = built_models()
+    return Tokenizer.from_model_dir(built.get(model, model))
 
 
 def halves(name: str, half: str) -> tuple[str | None, str | None]:
@@ -106,7 +98,7 @@ def test_every_registered_name_builds_and_parses_anything(half: str, name: str, 
 
 
 def test_a_composed_parser_never_releases_empty_text_and_calls_are_whole() -> None:
-    tok = tokenizer(QWEN3)
+    tok = tokenizer("qwen3")
     parser = parser_for(vocab_of(tok), "qwen3", "hermes", ParseOptions(thinking=True))
     ids = tok.encode_segments([("r", False), ("</think>", True), ("c", False), ("<tool_call>", True)])
     ids += tok.encode_segments([('{"name": "f", "arguments": {}}', False), ("</tool_call>", True)])

@@ -28,7 +28,7 @@ from parser_oracle import (
     vllm_answer,
     words,
 )
-from support.parser_models import LLAMA3, QWEN3, model_dir
+from support.hf_models import built_models
 
 from dynamo_prep.parsing import REASONING_PARSERS, TOOL_CALL_PARSERS
 
@@ -39,9 +39,12 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
 
+LLAMA3, QWEN3, DEEPSEEK = "llama3", "qwen3", "deepseek_v3"  # tests/support/hf_models directories
+
+
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("parser-models")
+def models() -> dict[str, Path]:
+    return built_models()
 
 
 # -- prompts -----------------------------------------------------------------------------------------
@@ -55,6 +58,13 @@ def chatml_prompt(end: PromptEnd) -> list[Segment]:
     if end == "closed":
         return [*head, (THINK_OPEN, True), ("\n\n", False), (THINK_CLOSE, True), ("\n\n", False)]
     return head
+
+
+def deepseek_prompt(end: PromptEnd) -> list[Segment]:
+    """DeepSeek-R1's template opens the think block after the assistant marker."""
+    head: list[Segment] = [("<｜begin▁of▁sentence｜>", True), ("<｜User｜>", True), ("hi", False)]
+    head += [("<｜Assistant｜>", True)]
+    return [*head, (THINK_OPEN, True), ("\n", False)] if end == "open" else head
 
 
 def llama3_prompt(end: PromptEnd) -> list[Segment]:
@@ -320,7 +330,7 @@ FAMILIES = [
         chatml_prompt,
         QWEN3_DIVERGENCES,
     ),
-    Family("deepseek_r1", QWEN3, None, "deepseek_r1", reasoning_outputs(("open",)), chatml_prompt),
+    Family("deepseek_r1", DEEPSEEK, None, "deepseek_r1", reasoning_outputs(("open",)), deepseek_prompt),
     Family("llama3_json", LLAMA3, "llama3_json", None, llama3_outputs(), llama3_prompt, LLAMA3_DIVERGENCES),
 ]
 FAMILIES += [  # vLLM's aliases: the same classes under another name, on both sides
@@ -362,18 +372,18 @@ def check_against_vllm(family: Family, directory: Path, output: Output) -> None:
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_the_same_answer_as_vllm(family: Family, models: Path, data: st.DataObject) -> None:
-    directory = model_dir(family.model, models)
+def test_the_same_answer_as_vllm(family: Family, models: dict[str, Path], data: st.DataObject) -> None:
+    directory = models[family.model]
     check_against_vllm(family, directory, data.draw(family.outputs))
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=FAMILY_IDS)
 @settings(max_examples=max(1, EXAMPLES // 8), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
-def test_truncated_at_every_position(family: Family, models: Path, data: st.DataObject) -> None:
+def test_truncated_at_every_position(family: Family, models: dict[str, Path], data: st.DataObject) -> None:
     """Cut by max_tokens anywhere: ours never half-sends a call and agrees with vLLM wherever the cut
     falls outside a call (inside one, vLLM returns the partial call text or a partial call)."""
-    directory = model_dir(family.model, models)
+    directory = models[family.model]
     output = data.draw(family.outputs)
     tokenizer = our_tokenizer(directory)
     ids = output.ids(tokenizer)
@@ -407,8 +417,10 @@ DIVERGENCES = [
 
 
 @pytest.mark.parametrize(("family", "divergence", "mode"), DIVERGENCES)
-def test_known_vllm_divergence(family: Family, divergence: Divergence, mode: Mode, models: Path) -> None:
+def test_known_vllm_divergence(
+    family: Family, divergence: Divergence, mode: Mode, models: dict[str, Path]
+) -> None:
     """vLLM's answer to the divergence's example differs from ours (strict xfail: a fix shows)."""
-    directory = model_dir(family.model, models)
+    directory = models[family.model]
     ours = our_answers(family, directory, divergence.example)
     assert not differences(ours, vllm_answer(family, directory, divergence.example, mode))
