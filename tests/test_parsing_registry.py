@@ -126,3 +126,5 @@ def test_the_reasoning_parser_is_also_the_engines_own_flag() -> None:
     assert engine_reasoning_flags("sglang", "qwen3") == ("--reasoning-parser", "qwen3")
     assert engine_reasoning_flags("mock", "qwen3") == ()
     assert engine_reasoning_flags("vllm", None) == ()
+    # the engine's reasoning parser needs its tokenizer (vLLM refuses to start without one)
+    assert engine_reasoning_flags("vllm", "qwen3", ["--seed", "0", "--skip-tokenizer-init"]) == ()

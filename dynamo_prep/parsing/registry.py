@@ -7,7 +7,7 @@ A family is a half (``ReasoningHalf`` or ``ToolHalf``, one module) and one line 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final, Literal
 
@@ -52,6 +52,7 @@ REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
 TOOL_CALL_PARSERS: Final = tuple(sorted({*TOOL_HALVES, KIMI_K3_PARSER}))
 REASONING_PARSERS: Final = tuple(sorted({*REASONING_HALVES, KIMI_K3_PARSER}))
 
+SKIP_TOKENIZER_INIT: Final = "--skip-tokenizer-init"
 # The engines' own --reasoning-parser (they hold a structured-output grammar back until the
 # reasoning ends): vLLM takes vLLM's names; SGLang spells some differently (None: SGLang has none).
 _SGLANG_REASONING: Final[Mapping[str, str | None]] = MappingProxyType(
@@ -104,9 +105,13 @@ def parser_for(
     )
 
 
-def engine_reasoning_flags(engine: str, reasoning_parser: str | None) -> tuple[str, ...]:
-    """The engine's own ``--reasoning-parser`` for ours (empty when the engine has no such parser)."""
-    if reasoning_parser is None or engine not in ("vllm", "sglang"):
+def engine_reasoning_flags(
+    engine: str, reasoning_parser: str | None, engine_args: Sequence[str] = ()
+) -> tuple[str, ...]:
+    """The engine's own ``--reasoning-parser`` for ours, as ``vllm serve`` / SGLang's server would
+    get it; empty when the engine has no such parser, or runs without its tokenizer
+    (``--skip-tokenizer-init``: its reasoning parser needs one, and the frontend parses anyway)."""
+    if reasoning_parser is None or engine not in ("vllm", "sglang") or SKIP_TOKENIZER_INIT in engine_args:
         return ()
     name = reasoning_parser if engine == "vllm" else _SGLANG_REASONING.get(reasoning_parser)
     return ("--reasoning-parser", name) if name is not None else ()

@@ -6,8 +6,9 @@ The card carries the engine's own figures (its block size as ``kv_cache_block_si
 blocks, batch limits and context length) and the announce the engine's own ``--kv-events-config``
 publisher, so no relay sits between the engine and the frontend's KV router. ``--reasoning-parser``
 is the worker's (the frontend parses answers) and also the engine's own (it holds a structured-output
-grammar back until the reasoning ends), so it goes to the engine too; ``--tool-call-parser`` is the
-worker's only (vLLM's engine flags have none: it is ``vllm serve``'s).
+grammar back until the reasoning ends), so it goes to the engine too, unless the engine runs without
+its tokenizer (``--skip-tokenizer-init``); ``--tool-call-parser`` is the worker's only (vLLM's
+engine flags have none: it is ``vllm serve``'s).
 """
 
 from __future__ import annotations
@@ -49,8 +50,16 @@ def start_runtime(config: WorkerConfig) -> EngineRuntime:
     while starting propagates (the worker fails to start).
     """
     translate_module, runtime_module, runtime_class = _BRIDGES[config.engine]
-    engine_args = (*config.engine_args, *engine_reasoning_flags(config.engine, config.reasoning_parser))
-    argv = importlib.import_module(translate_module).engine_argv(config.model_dir, engine_args)
+    reasoning = engine_reasoning_flags(config.engine, config.reasoning_parser, config.engine_args)
+    if config.reasoning_parser is not None and not reasoning:
+        log.info(
+            "engine_reasoning_parser_not_passed",
+            engine=config.engine,
+            reasoning_parser=config.reasoning_parser,
+        )
+    argv = importlib.import_module(translate_module).engine_argv(
+        config.model_dir, (*config.engine_args, *reasoning)
+    )
     runtime_type: Any = getattr(importlib.import_module(runtime_module), runtime_class)
     images = importlib.import_module("dynamo_prep.engines.images").ImageFetcher()
     log.info("engine_starting", engine=config.engine, engine_args=argv)
