@@ -135,7 +135,7 @@ class Half:
 
 
 class ToolHalf(Half):
-    """Content and tool calls. ``_content`` releases text, ``_call`` one whole call."""
+    """Content (``out.content(text)``) and tool calls (``self._call``, one whole call)."""
 
     OPENERS: ClassVar[tuple[str, ...]] = ()
     """Markers that start a call: one arriving inside reasoning ends the reasoning."""
@@ -146,10 +146,6 @@ class ToolHalf(Half):
     def __init__(self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries) -> None:
         super().__init__(options, text_markers, recoveries)
         self._calls = 0
-
-    @staticmethod
-    def _content(text: str, out: DeltaList) -> None:
-        out.content(text)
 
     def _call(self, name: str, arguments: str, out: DeltaList) -> None:
         """One whole call (``arguments`` a JSON object text); dropped, counted, when tools are disabled."""

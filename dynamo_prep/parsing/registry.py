@@ -83,10 +83,7 @@ def parser_for(
     reasoning half and the tool half composed; neither: plain."""
     if KIMI_K3_PARSER in (reasoning, tool_calls):
         if not all(marker in vocab.special_tokens for marker in MARKER_STRINGS):
-            reasoning, tool_calls = (
-                None if name == KIMI_K3_PARSER else name for name in (reasoning, tool_calls)
-            )
-            return parser_for(vocab, reasoning, tool_calls, options)
+            return parser_for(vocab, _without_k3(reasoning), _without_k3(tool_calls), options)
         return KimiK3AnswerParser(
             vocab,
             thinking=options.thinking,
@@ -103,6 +100,10 @@ def parser_for(
         options,
         family="+".join(name for name in (reasoning, tool_calls) if name is not None),
     )
+
+
+def _without_k3(name: str | None) -> str | None:
+    return None if name == KIMI_K3_PARSER else name
 
 
 def engine_reasoning_flags(
