@@ -16,30 +16,45 @@ Both ways the frontend uses a parser: ``streamed`` (one id per ``feed``, the wor
 ``whole`` (``parse_answer`` on every id at once). Each size is run over about the same number of
 tokens (1k 100 times, 10k 10 times, 100k once); the figure is the ratio of the per-token cost at
 the largest size to that at the smallest, target <= 2x (a quadratic parser is ~100x).
+
+``--streams 16`` (the default) adds the serving case: 16 responses at once, each parser fed one id
+in turn (as the frontend does with 16 streams open), per-token cost in microseconds for each family
+(target <= 2 us), and its ratio to the plain parser measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks._report import Suite
+from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.parsing import (
     AnswerParser,
     HermesAnswerParser,
     KimiK3AnswerParser,
+    ParseOptions,
     PlainAnswerParser,
     parse_answer,
+    parser_for,
 )
 from dynamo_prep.parsing._tokens import Vocab, vocab_of
 from dynamo_prep.tokenizer import Tokenizer
 
 SIZES = (1_000, 10_000, 100_000)
 TARGET_RATIO = 2.0
+STREAMS = 16
+TARGET_STREAM_US = 2.0
+STREAM_TOKENS = 4_000
+"""Tokens per stream in the 16-stream case."""
 K3_MODEL = "kimi-k3-demo"
 QWEN_MODEL = "qwen-vl-demo"
 
@@ -106,6 +121,67 @@ def hermes_workloads(tokenizer: Tokenizer) -> list[Workload]:
         Workload("hermes after a call, whitespace", make, call, blank),
         Workload("hermes, text", make, [], words),
         Workload("hermes, markers", make, [], call),
+    ]
+
+
+TAG_TOKENS = {"<tool_call>": 14, "</tool_call>": 15, "<think>": 24, "</think>": 25, "<|python_tag|>": 40}
+"""Markers registered as added tokens above the Qwen demo's base (Qwen's own offsets for its tags),
+as real Qwen3 and Llama 3 vocabularies have them: then they are matched on their ids."""
+
+
+def tagged_tokenizer(directory: Path) -> Tokenizer:
+    """The Qwen demo vocabulary with ``TAG_TOKENS`` added (written into ``directory``)."""
+    source = resolve_model_dir(QWEN_MODEL)
+    for path in source.iterdir():
+        shutil.copy(path, directory / path.name)
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    base = min(int(key) for key in config["added_tokens_decoder"])
+    for tag, offset in TAG_TOKENS.items():
+        config["added_tokens_decoder"][str(base + offset)] = {"content": tag, "special": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return Tokenizer.from_model_dir(directory)
+
+
+def tagged_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    """Hermes and Llama 3 JSON where their markers are tokens, as on real Qwen3 and Llama 3 vocabularies."""
+    vocab = vocab_of(tokenizer)
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    hermes_call = tokenizer.encode_segments(
+        [("<tool_call>", True), ('\n{"name": "f", "arguments": {"a": 1}}\n', False), ("</tool_call>", True)]
+    )
+    llama_call = tokenizer.encode_segments(
+        [("<|python_tag|>", True), ('{"name": "f", "parameters": {"a": 1, "s": "x \\" y"}}', False)]
+    )
+
+    def hermes() -> AnswerParser:
+        return parser_for(vocab, "qwen3", "hermes", ParseOptions(thinking=True))
+
+    def llama() -> AnswerParser:
+        return parser_for(vocab, None, "llama3_json", ParseOptions())
+
+    think_closed = tokenizer.encode_segments([("hm", False), ("</think>", True)])
+    return [
+        Workload("hermes on tag tokens, text", hermes, think_closed, words),
+        Workload("hermes on tag tokens, markers", hermes, think_closed, hermes_call),
+        Workload("llama3_json on tag tokens, text", llama, [], words),
+        Workload("llama3_json on tag tokens, markers", llama, [], llama_call),
+    ]
+
+
+def llama3_json_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    """Llama 3 JSON calls (on the Qwen demo vocabulary: the python tag is text there, the JSON the same)."""
+    vocab = vocab_of(tokenizer)
+    blank = tokenizer.encode(" ") + tokenizer.encode("\n")
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    call = tokenizer.encode('{"name": "f", "parameters": {"a": 1, "s": "x \\" y"}}; ')
+
+    def make() -> AnswerParser:
+        return parser_for(vocab, None, "llama3_json", ParseOptions())
+
+    return [
+        Workload("llama3_json, whitespace", make, [], blank),
+        Workload("llama3_json, text", make, [], words),
+        Workload("llama3_json, markers", make, [], call),
     ]
 
 
@@ -183,17 +259,60 @@ def bench(suite: Suite, workloads: list[Workload], sizes: Sequence[int]) -> None
             )
 
 
+def streams_us(workload: Workload, streams: int, tokens: int) -> float:
+    """Microseconds per token with ``streams`` parsers open at once, each fed one id in turn."""
+    ids = ids_of(workload, tokens)
+    parsers = [workload.make() for _ in range(streams)]
+    started = time.perf_counter()
+    for token_id in ids:
+        for parser in parsers:
+            parser.feed((token_id,))
+    for parser in parsers:
+        parser.finish("stop")
+    return (time.perf_counter() - started) / (streams * len(ids)) * 1e6
+
+
+def bench_streams(suite: Suite, workloads: list[Workload], baselines: list[Workload], streams: int) -> None:
+    plain = {w.name.split(", ")[1]: w for w in baselines}
+    for workload in workloads:
+        kind = workload.name.split(", ")[-1]
+        us = min(streams_us(workload, streams, STREAM_TOKENS) for _ in range(3))
+        base = (
+            min(streams_us(plain[kind], streams, STREAM_TOKENS) for _ in range(3)) if kind in plain else None
+        )
+        note = f"{base:.2f} us/token for plain {kind}, {us / base:.2f}x" if base else ""
+        suite.record(
+            f"{workload.name}, {streams} streams: per-token cost",
+            us,
+            "us",
+            target=f"<= {TARGET_STREAM_US:g} us",
+            met=us <= TARGET_STREAM_US,
+            note=note,
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="output sizes in tokens")
     parser.add_argument("--only", nargs="*", default=[], help="workloads whose name contains one of these")
+    parser.add_argument("--streams", type=int, default=STREAMS, help="parsers open at once (0: skip)")
     args = parser.parse_args(argv)
     k3, qwen = Tokenizer.from_model_dir(K3_MODEL), Tokenizer.from_model_dir(QWEN_MODEL)
-    workloads = k3_workloads(k3) + hermes_workloads(qwen) + plain_workloads(qwen)
+    with tempfile.TemporaryDirectory() as scratch:
+        tagged = tagged_tokenizer(Path(scratch))
+    workloads = (
+        k3_workloads(k3)
+        + hermes_workloads(qwen)
+        + llama3_json_workloads(qwen)
+        + tagged_workloads(tagged)
+        + plain_workloads(qwen)
+    )
     if args.only:
         workloads = [w for w in workloads if any(part in w.name for part in args.only)]
     suite = Suite("parsing")
     bench(suite, workloads, sorted(args.sizes))
+    if args.streams:
+        bench_streams(suite, workloads, plain_workloads(qwen), args.streams)
     if sorted(args.sizes) == list(SIZES) and not args.only:
         print(f"wrote {suite.write()}", file=sys.stderr)
     return 0

@@ -252,6 +252,7 @@ def _add_worker(commands: Any) -> None:
         help="mock engine, when no scripted reply matches: the echo in the model's own answer format "
         "(think channel, response, a call of the first declared tool; the default), or as plain text",
     )
+    _add_answer_parsers(worker)
     worker.add_argument(
         "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
     )
@@ -316,6 +317,23 @@ def _add_media(worker: Any) -> None:
         metavar="CIDR",
         help="private networks request images may also come from, e.g. 10.0.0.0/8 or 127.0.0.1/32 "
         "(default none: only globally reachable addresses; 0.0.0.0 and multicast never)",
+    )
+
+
+def _add_answer_parsers(worker: argparse.ArgumentParser) -> None:
+    """vLLM's flags and names, with every engine: the card carries them, the frontend parses answers."""
+    for flag, what in (("--tool-call-parser", "tool calls"), ("--reasoning-parser", "reasoning")):
+        worker.add_argument(
+            flag,
+            default=None,
+            metavar="NAME",
+            help=f"how the frontend reads {what} in this model's answers, by vLLM's parser name (README "
+            "lists them; default: the model family's); an unknown name is refused",
+        )
+    worker.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="accepted as vllm serve takes it (calls are parsed whenever a tool-call parser is in effect)",
     )
 
 
@@ -577,6 +595,8 @@ def _worker(args: argparse.Namespace) -> int:
         allowed_media_domains=_listed(args.allowed_media_domains),
         allowed_media_networks=_listed(args.allowed_media_networks) or (),
         engine_args=args.engine_args,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
 
 

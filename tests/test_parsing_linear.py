@@ -18,7 +18,14 @@ from collections.abc import Callable
 import pytest
 from test_parsing_streams import K3, QWEN, all_ways, counting_ids, tokenizer
 
-from dynamo_prep.parsing import AnswerParser, HermesAnswerParser, KimiK3AnswerParser, PlainAnswerParser
+from dynamo_prep.parsing import (
+    AnswerParser,
+    HermesAnswerParser,
+    KimiK3AnswerParser,
+    ParseOptions,
+    PlainAnswerParser,
+    parser_for,
+)
 from dynamo_prep.parsing._tokens import vocab_of
 
 WARM_IDS = 10_000
@@ -58,6 +65,11 @@ def hermes() -> AnswerParser:
     )
 
 
+def llama3_json() -> AnswerParser:
+    """Llama 3 JSON calls (the qwen-vl-demo vocabulary: the JSON is the same, the python tag text)."""
+    return parser_for(vocab_of(tokenizer(QWEN)), None, "llama3_json", ParseOptions(call_ids=counting_ids()))
+
+
 def plain() -> AnswerParser:
     return PlainAnswerParser(vocab_of(tokenizer(QWEN)))
 
@@ -78,6 +90,7 @@ K3_CALL = k3_ids(
     *k3_tag("call", close=True),
 )
 HERMES_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+LLAMA_CALL = '{"name": "f", "parameters": {"a": 1, "s": "x \\" } y"}}; '
 THINK_CLOSED = k3_ids(("hm", False), *k3_tag("think", close=True))
 
 CASES = {
@@ -97,6 +110,15 @@ CASES = {
     ),
     "hermes, text": (hermes, [], words(QWEN), False),
     "hermes, tool calls": (hermes, [], tokenizer(QWEN).encode(HERMES_CALL), False),
+    "llama3_json, whitespace at the start": (llama3_json, [], blank(QWEN), True),
+    "llama3_json, whitespace after a call": (
+        llama3_json,
+        tokenizer(QWEN).encode(LLAMA_CALL),
+        blank(QWEN),
+        True,
+    ),
+    "llama3_json, text": (llama3_json, [], words(QWEN), False),
+    "llama3_json, tool calls": (llama3_json, [], tokenizer(QWEN).encode(LLAMA_CALL), False),
     "plain, whitespace": (plain, [], blank(QWEN), False),
 }
 

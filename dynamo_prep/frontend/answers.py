@@ -51,6 +51,10 @@ class AnswerStream:
     def reasoning_tokens(self) -> int:
         return self._parser.reasoning_tokens
 
+    @property
+    def family(self) -> str:
+        return self._parser.family
+
     def push(self, token_ids: Sequence[int]) -> list[AnswerDelta]:
         return self._options(self._parser.feed(token_ids)) if not self.stopped else []
 
@@ -93,6 +97,7 @@ def answer_stream_for(
         thinking=channel == "think" or (channel is None and prompt_ends_in_think(prompt.text)),
         prompt_form="reference" if channel is not None else "hosted",
         tools_enabled=chat.tool_choice != "none",
+        tools_declared=bool(chat.tools),
     )
     forced = forced_tool(chat.tool_choice) if chat.tools else None
     if forced is not None:  # the engine was constrained to the call's JSON (docs/structured-outputs.md)

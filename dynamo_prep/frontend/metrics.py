@@ -116,8 +116,9 @@ class FrontendMetrics:
         self.image_parts = self._histogram("image_parts_per_request", "Image parts per request", _IMAGES)
         self.output_parse_errors = Counter(
             f"{PREFIX}output_parse_errors",
-            "Recoveries from malformed model output by the answer parser, by kind (docs/answers.md)",
-            ["model", "kind"],
+            "Recoveries from malformed model output by the answer parser, by parser family and kind "
+            "(docs/answers.md)",
+            ["model", "family", "kind"],
             registry=reg,
         )
         self.http_refused = Counter(

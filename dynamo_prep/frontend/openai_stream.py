@@ -190,7 +190,11 @@ async def answer_deltas(
         raise OpenAIError(502, "the worker ended the stream without a final message")
     finally:
         record.answered(
-            completion.finish_reason, answer.tool_calls, answer.reasoning_tokens, answer.recoveries
+            completion.finish_reason,
+            answer.tool_calls,
+            answer.reasoning_tokens,
+            answer.recoveries,
+            family=answer.family,
         )
 
 

@@ -106,15 +106,22 @@ class RequestRecord:
                 self.fail(*_FAILED_FINISH[output.finish_reason])
 
     def answered(
-        self, finish_reason: str | None, tool_calls: int, reasoning_tokens: int, recoveries: Mapping[str, int]
+        self,
+        finish_reason: str | None,
+        tool_calls: int,
+        reasoning_tokens: int,
+        recoveries: Mapping[str, int],
+        *,
+        family: str = "plain",
     ) -> None:
         """What the client was answered (its finish reason, e.g. ``tool_calls``, replaces the
-        worker's), and what the answer parser made of the output; recoveries are counted by kind."""
+        worker's), and what the answer parser (``family``) made of the output; recoveries are
+        counted by kind."""
         self.finish_reason = finish_reason or self.finish_reason
         self.tool_calls, self.reasoning_tokens = tool_calls, reasoning_tokens
         label = self.metrics.of(self.model).model  # the model's label (``other`` past the cap)
         for kind, count in recoveries.items():
-            self.metrics.output_parse_errors.labels(model=label, kind=kind).inc(count)
+            self.metrics.output_parse_errors.labels(model=label, family=family, kind=kind).inc(count)
 
     def fail(self, status: int, error: str) -> None:
         """The first failure is the request's outcome (later ones are its consequences)."""

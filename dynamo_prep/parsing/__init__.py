@@ -1,9 +1,10 @@
 """Answer parsers: a response's output ids in, its reasoning, content and tool calls out.
 
-Chosen per model by ``answer_parser_for`` (the worker's declared parsers, else the model family):
-Kimi-K3 XTML channels parsed on token ids, Qwen/Hermes think tags and ``<tool_call>`` blocks, or
-plain content. Every parser streams (``feed`` as ids arrive, ``finish`` once) and counts what it
-recovered from malformed output by kind (``RECOVERY_KINDS``). The contract: docs/answers.md.
+Chosen per model by ``answer_parser_for`` (the worker's declared parsers, by vLLM's names in
+``registry``, else the model family): Kimi-K3 XTML channels parsed on token ids, or a reasoning half
+(think tags) composed with a tool half (Hermes ``<tool_call>``, Llama 3 JSON), or plain content.
+Every parser streams (``feed`` as ids arrive, ``finish`` once) and counts what it recovered from
+malformed output by kind (``RECOVERY_KINDS``). The contract: docs/answers.md.
 """
 
 from __future__ import annotations
@@ -22,17 +23,25 @@ from dynamo_prep.parsing._answer import (
 )
 from dynamo_prep.parsing._choose import (
     HERMES_TOOL_PARSER,
-    KIMI_K3_PARSER,
-    REASONING_PARSERS,
-    TOOL_CALL_PARSERS,
     ParserChoice,
     answer_parser_for,
     parser_choice,
 )
+from dynamo_prep.parsing._compose import ComposedAnswerParser
+from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._recoveries import RECOVERY_KINDS
-from dynamo_prep.parsing.hermes import HermesAnswerParser, prompt_ends_in_think
+from dynamo_prep.parsing.hermes import HermesAnswerParser
 from dynamo_prep.parsing.kimi_k3 import KimiK3AnswerParser
 from dynamo_prep.parsing.plain import PlainAnswerParser, plain_parser_for
+from dynamo_prep.parsing.registry import (
+    KIMI_K3_PARSER,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    check_parser_names,
+    engine_reasoning_flags,
+    parser_for,
+)
+from dynamo_prep.parsing.think import prompt_ends_in_think
 
 __all__ = [
     "HERMES_TOOL_PARSER",
@@ -42,20 +51,27 @@ __all__ = [
     "TOOL_CALL_PARSERS",
     "AnswerDelta",
     "AnswerParser",
+    "ComposedAnswerParser",
     "ContentDelta",
     "HermesAnswerParser",
     "KimiK3AnswerParser",
+    "ParseOptions",
     "ParsedAnswer",
     "ParserChoice",
     "PlainAnswerParser",
     "ReasoningDelta",
+    "ReasoningHalf",
     "ToolCallDelta",
+    "ToolHalf",
     "answer_parser_for",
     "assistant_message",
+    "check_parser_names",
+    "engine_reasoning_flags",
     "fold_deltas",
     "new_call_id",
     "parse_answer",
     "parser_choice",
+    "parser_for",
     "plain_parser_for",
     "prompt_ends_in_think",
 ]

@@ -67,6 +67,11 @@ class AnswerParser(Protocol):
         """Text ids that arrived while the answer was in its reasoning part."""
         ...
 
+    @property
+    def family(self) -> str:
+        """The parser in effect, by its registered names (``qwen3+hermes``, ``kimi_k3``, ``plain``)."""
+        ...
+
 
 class ParsedAnswer(msgspec.Struct):
     """The non-streamed answer: reasoning and content joined, the tool calls in order."""

@@ -1,5 +1,5 @@
-"""Which answer parser a model gets: the worker's declaration when it names a known parser, else
-the model family. Parser names are vLLM's."""
+"""Which answer parser a model gets: the worker's declaration when it names a registered parser
+(``registry``), else the model family. Parser names are vLLM's."""
 
 from __future__ import annotations
 
@@ -9,21 +9,16 @@ import structlog
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter import is_kimi_k3
-from dynamo_prep.parsing._answer import AnswerParser, CallIds
+from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
+from dynamo_prep.parsing._halves import ParseOptions
 from dynamo_prep.parsing._tokens import vocab_of
-from dynamo_prep.parsing.hermes import HermesAnswerParser
-from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
-from dynamo_prep.parsing.plain import PlainAnswerParser
+from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS
+from dynamo_prep.parsing.registry import KIMI_K3_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS, parser_for
 from dynamo_prep.tokenizer import Tokenizer
 
 log = structlog.get_logger("dynamo_prep.parsing")
 
-KIMI_K3_PARSER: Final = "kimi_k3"
 HERMES_TOOL_PARSER: Final = "hermes"
-DEEPSEEK_R1_REASONING_PARSER: Final = "deepseek_r1"
-THINK_TAG_REASONING_PARSERS: Final = ("qwen3", DEEPSEEK_R1_REASONING_PARSER)
-REASONING_PARSERS: Final = (KIMI_K3_PARSER, *THINK_TAG_REASONING_PARSERS)
-TOOL_CALL_PARSERS: Final = (KIMI_K3_PARSER, HERMES_TOOL_PARSER)
 CHATML_START: Final = "<|im_start|>"
 _WARNED_MAX = 1024
 
@@ -110,6 +105,7 @@ def answer_parser_for(
     thinking: bool,
     prompt_form: Literal["reference", "hosted"] = "reference",
     tools_enabled: bool = True,
+    tools_declared: bool = True,
     call_ids: CallIds | None = None,
 ) -> AnswerParser:
     """A fresh parser for one response of ``card``'s model.
@@ -119,21 +115,14 @@ def answer_parser_for(
     is open); for the
     think-tag parsers, the prompt opened a ``<think>`` block (``prompt_ends_in_think``), so text
     before ``</think>`` is reasoning (``deepseek_r1`` always assumes so, as vLLM's does).
-    ``tools_enabled=False`` (``tool_choice: "none"``) drops every call.
+    ``tools_enabled=False`` (``tool_choice: "none"``) drops every call; ``tools_declared``: the
+    request declared tools (formats that cannot tell a call from a JSON answer need them).
     """
     choice = parser_choice(card, tokenizer)
-    vocab = vocab_of(tokenizer)
-    if choice == K3_FAMILY:
-        return KimiK3AnswerParser(
-            vocab, thinking=thinking, prompt_form=prompt_form, tools_enabled=tools_enabled, call_ids=call_ids
-        )
-    if choice == PLAIN:
-        return PlainAnswerParser(vocab)
-    return HermesAnswerParser(
-        vocab,
-        think_tags=choice.reasoning is not None,
-        start_in_reasoning=thinking or choice.reasoning == DEEPSEEK_R1_REASONING_PARSER,
-        tool_calls=choice.tool_calls is not None,
+    options = ParseOptions(
+        thinking=thinking,
         tools_enabled=tools_enabled,
-        call_ids=call_ids,
+        tools_declared=tools_declared,
+        call_ids=call_ids or new_call_id,
     )
+    return parser_for(vocab_of(tokenizer), *choice, options, prompt_form=prompt_form)

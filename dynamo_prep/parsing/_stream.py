@@ -17,6 +17,8 @@ class IdStreamParser(Generic[Tag]):
     ``_on_tag``, in order; any other id (a special, or out of range) is dropped, and counted unless
     it is a stop id. Subclasses implement the two hooks and ``finish``."""
 
+    family = "plain"
+
     def __init__(self, vocab: Vocab, tags: Mapping[int, Tag]) -> None:
         self._vocab = vocab
         self._tags = tags

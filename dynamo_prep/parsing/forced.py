@@ -45,6 +45,10 @@ class ForcedToolParser:
     def reasoning_tokens(self) -> int:
         return self._inner.reasoning_tokens
 
+    @property
+    def family(self) -> str:
+        return self._inner.family
+
     def feed(self, token_ids: Sequence[int]) -> list[AnswerDelta]:
         return self._hold(self._inner.feed(token_ids))
 

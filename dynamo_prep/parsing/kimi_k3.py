@@ -79,6 +79,8 @@ class KimiK3AnswerParser(IdStreamParser[int]):
     """One K3 response. ``prompt_form="hosted"`` starts at message level (the model opens its own
     channel); the reference form starts inside ``think`` (``thinking``) or ``response``."""
 
+    family = "kimi_k3"
+
     def __init__(
         self,
         vocab: Vocab,

@@ -75,6 +75,8 @@ class WorkerConfig:
     prefill_ms_per_1k: float = DEFAULT_PREFILL_MS_PER_1K
     media: MediaPolicy = field(default_factory=MediaPolicy)
     engine_args: tuple[str, ...] = ()
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     @property
     def real_engine(self) -> bool:
@@ -114,6 +116,8 @@ class WorkerConfig:
         allowed_media_domains: Sequence[str] | None = None,
         allowed_media_networks: Sequence[str] = (),
         engine_args: Sequence[str] = (),
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> WorkerConfig:
         """Raises ValueError (TrustError for CURVE key files) naming the option that is wrong.
 
@@ -121,7 +125,8 @@ class WorkerConfig:
         engine's (None: its default); ``kv_blocks`` and ``prefill_ms_per_1k`` options of
         ``kv_events``. ``allowed_media_domains`` (None: any) and ``allowed_media_networks`` are
         the image fetcher's ``MediaPolicy``. ``engine_args`` go to a real engine's own parser (the
-        mock takes none).
+        mock takes none). ``tool_call_parser`` / ``reasoning_parser``: vLLM's names, for every engine
+        (the card carries them; the frontend parses the answers).
         """
         if not discovery:
             raise ValueError("--discovery needs at least one address")
@@ -165,6 +170,7 @@ class WorkerConfig:
             raise ValueError(f"--metrics-port must be in 0..65535, got {metrics_port}")
         _check_kv_options(kv_events, kv_blocks, prefill_ms_per_1k)
         media = MediaPolicy.from_options(allowed_media_domains, allowed_media_networks)
+        _check_parsers(tool_call_parser, reasoning_parser)
         return cls(
             model_dir=resolve_model_dir(model_path),
             discovery=tuple(discovery),
@@ -189,6 +195,8 @@ class WorkerConfig:
             prefill_ms_per_1k=DEFAULT_PREFILL_MS_PER_1K if prefill_ms_per_1k is None else prefill_ms_per_1k,
             media=media,
             engine_args=tuple(engine_args),
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
         )
 
 
@@ -214,6 +222,15 @@ def _check_kv_options(kv_events: bool, kv_blocks: int | None, prefill_ms_per_1k:
         raise ValueError(f"--kv-blocks must be >= 1, got {kv_blocks}")
     if prefill_ms_per_1k is not None and not 0 <= prefill_ms_per_1k < math.inf:
         raise ValueError(f"--prefill-ms-per-1k must be a finite number >= 0, got {prefill_ms_per_1k}")
+
+
+def _check_parsers(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
+    """Registered names only (the registry is loaded here, not when the CLI reads its defaults)."""
+    if tool_call_parser is None and reasoning_parser is None:
+        return
+    from dynamo_prep.parsing import check_parser_names  # noqa: PLC0415 - the parsers load with the model
+
+    check_parser_names(tool_call_parser, reasoning_parser)
 
 
 def _client_curve(secret_key: Path | None, server_key: Path | None) -> ClientCurve | None:

@@ -4,7 +4,11 @@ The engine is built from its own flags (``WorkerConfig.engine_args``, with ``--m
 model unless they name one) by the bridge's runtime adapter, imported here only when asked for.
 The card carries the engine's own figures (its block size as ``kv_cache_block_size``, its KV
 blocks, batch limits and context length) and the announce the engine's own ``--kv-events-config``
-publisher, so no relay sits between the engine and the frontend's KV router.
+publisher, so no relay sits between the engine and the frontend's KV router. ``--reasoning-parser``
+is the worker's (the frontend parses answers) and also the engine's own (it holds a structured-output
+grammar back until the reasoning ends), so it goes to the engine too, unless the engine runs without
+its tokenizer (``--skip-tokenizer-init``); ``--tool-call-parser`` is the worker's only (vLLM's
+engine flags have none: it is ``vllm serve``'s).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.engines.base import EngineFacts, EngineRuntime
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.kv_config import kv_events_endpoint
+from dynamo_prep.parsing import engine_reasoning_flags
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer
 from dynamo_prep.worker.metrics import WorkerMetrics
@@ -46,7 +51,16 @@ def start_runtime(config: WorkerConfig) -> EngineRuntime:
     while starting propagates (the worker fails to start).
     """
     translate_module, runtime_module, runtime_class = _BRIDGES[config.engine]
-    argv = importlib.import_module(translate_module).engine_argv(config.model_dir, config.engine_args)
+    reasoning = engine_reasoning_flags(config.engine, config.reasoning_parser, config.engine_args)
+    if config.reasoning_parser is not None and not reasoning:
+        log.info(
+            "engine_reasoning_parser_not_passed",
+            engine=config.engine,
+            reasoning_parser=config.reasoning_parser,
+        )
+    argv = importlib.import_module(translate_module).engine_argv(
+        config.model_dir, (*config.engine_args, *reasoning)
+    )
     runtime_type: Any = getattr(importlib.import_module(runtime_module), runtime_class)
     images = ImageFetcher(policy=config.media)
     log.info("engine_starting", engine=config.engine, engine_args=argv)
@@ -69,7 +83,7 @@ def engine_card(
         migration_limit=config.migration_limit,
         kv_cache_block_size=facts.block_size,
         context_length=facts.context_length,
-        runtime_config=_runtime_config(facts, declared_token),
+        runtime_config=_runtime_config(config, facts, declared_token),
     )
 
 
@@ -99,11 +113,15 @@ def engine_worker(
     return Worker.from_config(config, card, context, generation, metrics, kv_events=kv_events)
 
 
-def _runtime_config(facts: EngineFacts, declared_token: str | None) -> ModelRuntimeConfig:
+def _runtime_config(
+    config: WorkerConfig, facts: EngineFacts, declared_token: str | None
+) -> ModelRuntimeConfig:
     return ModelRuntimeConfig(
         context_length=facts.context_length,
         total_kv_blocks=facts.total_kv_blocks,
         max_num_seqs=facts.max_num_seqs,
         max_num_batched_tokens=facts.max_num_batched_tokens,
         image_placeholder_token=declared_token,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
     )

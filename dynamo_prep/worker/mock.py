@@ -51,7 +51,12 @@ def mock_card(config: WorkerConfig, declared_token: str | None) -> ModelDeployme
         config.model_dir,
         served_name=config.served_name,
         migration_limit=config.migration_limit,
-        runtime_config=ModelRuntimeConfig(image_placeholder_token=declared_token, total_kv_blocks=capacity),
+        runtime_config=ModelRuntimeConfig(
+            image_placeholder_token=declared_token,
+            total_kv_blocks=capacity,
+            tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
+        ),
     )
 
 

@@ -24,6 +24,7 @@ from dynamo_prep.engines.base import Flavor, GenerateFn
 from dynamo_prep.engines.declare import declared_image_token
 from dynamo_prep.engines.kv_config import kv_events_endpoint
 from dynamo_prep.models import resolve_model_dir
+from dynamo_prep.parsing import check_parser_names
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
 from dynamo_prep.worker.config import DEFAULT_ENDPOINT_HOST
 from dynamo_prep.worker.generate import GenerationServer
@@ -48,6 +49,8 @@ async def register(
     kv_cache_block_size: int | None = None,
     kv_events_config: Mapping[str, Any] | str | object | None = None,
     data_parallel_rank: int = 0,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> Worker:
     """Build the card with the engine's declaration, start a serving ``Worker`` and return it.
 
@@ -59,8 +62,11 @@ async def register(
     ``kv_events_config`` is the engine's ``--kv-events-config`` (a dict, its JSON text or the
     engine's config object) and ``data_parallel_rank`` the engine's rank, whose ports it offsets:
     every announce then carries the publisher's address (wildcard hosts become
-    ``endpoint_host``). Raises ValueError for a config the engine would refuse.
+    ``endpoint_host``). ``tool_call_parser`` / ``reasoning_parser`` are vLLM's parser names the card
+    declares (the frontend parses the answers with them). Raises ValueError for a config the engine
+    would refuse or an unknown parser name.
     """
+    check_parser_names(tool_call_parser, reasoning_parser)
     kv_events = None
     if kv_events_config is not None:
         kv_events = kv_events_endpoint(
@@ -82,7 +88,11 @@ async def register(
         model_dir,
         served_name=served_name,
         migration_limit=migration_limit,
-        runtime_config=ModelRuntimeConfig(image_placeholder_token=token),
+        runtime_config=ModelRuntimeConfig(
+            image_placeholder_token=token,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        ),
         **sizes,
     )
     worker = Worker(
