@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -66,10 +65,20 @@ class _Special(NamedTuple):
     rstrip: bool
 
 
+class _TextEncoders(NamedTuple):
+    """The tokenizer again, for text that may spell control tokens (``encode_special_tokens``: they
+    are text), as a span at the start of the string and further in (differing only for a
+    first-split-only ``Metaspace``; else the same object). Never changed after the load, so every
+    thread encodes on every instance at once, without a lock."""
+
+    first: tokenizers.Tokenizer
+    later: tokenizers.Tokenizer
+
+
 class HfTokenizer(Tokenizer):
-    """One model's ``tokenizer.json``. Every call into the Rust tokenizer holds ``_lock``: the traced
-    path switches the tokenizer's special-token splitting (and, for SentencePiece-style
-    pre-tokenizers, its prefix rule) for the length of one encode."""
+    """One model's ``tokenizer.json``: ``_tok`` encodes rendered prompts whole (control tokens
+    matched, as transformers does), ``_text`` the spans of the traced path; none is mutated after
+    the load."""
 
     kind = "tokenizers"
     source_file = HF_TOKENIZER_FILE
@@ -82,15 +91,13 @@ class HfTokenizer(Tokenizer):
         tokenizer: tokenizers.Tokenizer,
         source: Path,
         decoder: object,
-        mid_pre_tokenizer: Any,
+        text_encoders: _TextEncoders,
         clean_up_tokenization_spaces: bool,
     ) -> None:
         self.name = name
         self.model_type = model_type
         self._tok = tokenizer
-        self._lock = threading.Lock()
-        self._pre_tokenizer = tokenizer.pre_tokenizer
-        self._mid_pre_tokenizer = mid_pre_tokenizer
+        self._text = text_encoders
         self._clean_up = clean_up_tokenization_spaces
         added = tokenizer.get_added_tokens_decoder()
         self.n_vocab = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -136,7 +143,7 @@ class HfTokenizer(Tokenizer):
             tokenizer=tokenizer,
             source=path,
             decoder=spec.get("decoder"),
-            mid_pre_tokenizer=_mid_pre_tokenizer(spec.get("pre_tokenizer"), path),
+            text_encoders=_text_encoders(tokenizer, spec.get("pre_tokenizer"), path),
             clean_up_tokenization_spaces=_cleans_up(spec, tokenizer_config),
         )
         hf._set_stop_ids(config, tokenizer_config, generation_config, files)
@@ -187,32 +194,19 @@ class HfTokenizer(Tokenizer):
         return self._traced(segments)
 
     def _whole(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        with self._lock:
-            ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
     def _traced(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
-        """Control segments' specials as their ids, everything else as text that spells no special."""
+        """Control segments' specials as their ids, everything else as text that spells no special,
+        each span encoded as a split of the whole string at its offset."""
         ids: list[int] = []
-        with self._lock:
-            self._tok.encode_special_tokens = True
-            try:
-                for text, special_id, offset in self._spans(segments):
-                    if special_id is not None:
-                        ids.append(special_id)
-                    elif text:
-                        ids.extend(self._encode_text(text, offset))
-            finally:
-                self._tok.encode_special_tokens = False
-                if self._mid_pre_tokenizer is not None:
-                    self._tok.pre_tokenizer = self._pre_tokenizer
-        return ids
-
-    def _encode_text(self, text: str, offset: int) -> list[int]:
-        """A span as tokenizers encodes a split at ``offset`` of a whole string (lock held)."""
-        if self._mid_pre_tokenizer is not None:
-            self._tok.pre_tokenizer = self._pre_tokenizer if offset == 0 else self._mid_pre_tokenizer
-        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        first, later = self._text
+        for text, special_id, offset in self._spans(segments):
+            if special_id is not None:
+                ids.append(special_id)
+            elif text:
+                ids.extend((first if offset == 0 else later).encode(text, add_special_tokens=False).ids)
         return ids
 
     def _spans(self, segments: Sequence[tuple[str, bool]]) -> Iterator[tuple[str, int | None, int]]:
@@ -257,8 +251,7 @@ class HfTokenizer(Tokenizer):
         bad = self.first_unknown_id(ids)
         if bad is not None:
             raise TokenizerError(f"{self.name}: token id {bad} is out of range [0, {self.n_vocab})")
-        with self._lock:
-            text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         if self._clean_up:
             for before, after in _CLEAN_UP:
                 text = text.replace(before, after)
@@ -279,15 +272,13 @@ class HfTokenizer(Tokenizer):
         token_id = self.added_tokens.get(text)
         if token_id is not None:
             return token_id
-        with self._lock:
-            found: int | None = self._tok.token_to_id(text)
+        found: int | None = self._tok.token_to_id(text)
         return found
 
     def id_to_token(self, token_id: int) -> str | None:
         if not 0 <= token_id < self.n_vocab:
             return None
-        with self._lock:
-            token: str | None = self._tok.id_to_token(token_id)
+        token: str | None = self._tok.id_to_token(token_id)
         return token
 
 
@@ -397,6 +388,21 @@ def _add_at(tokenizer: tokenizers.Tokenizer, token_id: int, token: tokenizers.Ad
         raise TokenizerError(
             f"{path}: added_tokens_decoder entry {token_id} {token.content!r} lands elsewhere"
         )
+
+
+def _text_encoders(tokenizer: tokenizers.Tokenizer, pre: object, path: Path) -> _TextEncoders:
+    """Copies of ``tokenizer`` (its added tokens as declared) that treat control tokens as text; the
+    one for later spans never prepends ``▁`` where a first-split-only ``Metaspace`` would."""
+    serialized = tokenizer.to_str()
+    first = tokenizers.Tokenizer.from_str(serialized)
+    first.encode_special_tokens = True
+    mid = _mid_pre_tokenizer(pre, path)
+    if mid is None:
+        return _TextEncoders(first, first)
+    later = tokenizers.Tokenizer.from_str(serialized)
+    later.encode_special_tokens = True
+    later.pre_tokenizer = mid
+    return _TextEncoders(first, later)
 
 
 def _mid_pre_tokenizer(pre: object, path: Path) -> Any:
