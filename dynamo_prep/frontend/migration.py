@@ -57,7 +57,7 @@ from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
 from dynamo_prep.routing.policy import Decision
 
-__all__ = ["SATURATED", "Journey", "Migration", "continuation", "forked"]
+__all__ = ["Journey", "Migration", "continuation", "forked"]
 
 log = structlog.get_logger("dynamo_prep.frontend")
 # Losses that cost the client nothing to retry elsewhere: the worker never had the request, or had
@@ -75,7 +75,7 @@ class _Saturated:
     """What ``_choose`` says when the request has instances left, and none of them has room."""
 
 
-SATURATED = _Saturated()
+_SATURATED = _Saturated()
 
 
 @dataclass
@@ -233,7 +233,7 @@ class Migration:
 
     async def _choose(self, model: LiveModel, journey: Journey) -> Instance | _Saturated | None:
         """The next instance: one the request has not tried, preferably one that answers, with room
-        (``SATURATED``: there are untried ones, none with room); by the router's turn, or where its
+        (``_SATURATED``: there are untried ones, none with room); by the router's turn, or where its
         prefix is cached (KV routing). Nothing awaits between the room check and the return."""
         untried = [i for instance_id, i in model.instances.items() if instance_id not in journey.tried]
         unreachable = self.client.unreachable_endpoints()
@@ -250,7 +250,7 @@ class Migration:
             }
         candidates = [instance for instance in candidates if not self.board.saturated(instance)]
         if not candidates:
-            return SATURATED
+            return _SATURATED
         if self.kv is None or prompts is None:
             chosen = {instance.instance_id for instance in candidates}
             return self.router.pick(model, excluded=model.instances.keys() - chosen)
