@@ -377,3 +377,25 @@ def test_a_structured_request_that_streamed_nothing_moves(pool: Pool, http: http
     assert moved["streamed_tokens"] == 0
     assert not frontend.find("migration_refused")
     assert held.wait(timeout=30) == 1
+
+
+def test_a_structured_request_moves_for_free_only_once(pool: Pool, http: httpx.Client) -> None:
+    """Three workers, no migration budget, the first two in the round robin's order hung: a
+    json_schema request moves off the first for free (it got no token), but not off the second
+    (before: every move without a token was free, so a grammar that hangs engines could visit them
+    all in turn). The healthy third is never asked."""
+    frontend = pool.start_frontend("--first-token-timeout", "2")
+    flags = ("--token-delay", "0", "--migration-limit", "0", "--engine-stall-timeout", "0")
+    by_id = pool.live(*(pool.worker(*flags) for _ in range(3)))
+    first, healthy, second = sorted(by_id)  # a fresh round robin: index 0, then 1 % 2 of the rest
+    for instance_id in (first, second):
+        by_id[instance_id].signal(HOLD)
+        by_id[instance_id].wait_event("mock_engine_held", timeout=10)
+    response = http.post(
+        f"{pool.url}/v1/chat/completions", json=body("a record", response_format=RESPONSE_FORMAT)
+    )
+    assert response.status_code == 503, response.text
+    [moved] = frontend.find("request_migrated")
+    assert moved["from_instance_id"] == first and moved["free"] is True
+    assert [event["instance_id"] for event in frontend.find("request_routed")] == [first, second]
+    assert not by_id[healthy].find("request_started")
