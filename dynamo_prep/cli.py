@@ -265,6 +265,23 @@ def _add_worker(commands: Any) -> None:
         f"(default {defaults.DEFAULT_DRAIN_TIMEOUT_S:g})",
     )
     worker.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=defaults.DEFAULT_ENGINE_STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help="requests in flight and no engine step for this long: the engine is hung, the worker "
+        "withdraws, fails its requests over (503) and exits 1 (0: off; "
+        f"default {defaults.DEFAULT_ENGINE_STALL_TIMEOUT_S:g})",
+    )
+    worker.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="mock engine: at most N requests generate at once, the others wait in order without a "
+        "token, as in an engine's queue (its card says max_num_seqs N; default: no bound)",
+    )
+    worker.add_argument(
         "--metrics-port",
         type=int,
         default=None,
@@ -397,6 +414,16 @@ def _add_http(command: Any) -> None:
          "larger request heads (request line and headers) get 431"),
         ("--http-max-headers", "DYN_HTTP_MAX_HEADERS", int, d.DEFAULT_MAX_HEADERS,
          "requests with more headers get 431"),
+        ("--stream-stall-timeout", "DYN_STREAM_STALL_TIMEOUT", float, d.DEFAULT_STREAM_STALL_TIMEOUT_S,
+         "seconds without a token once a stream started; then it moves like one without a first token"),
+        ("--worker-stall-timeout", "DYN_WORKER_STALL_TIMEOUT", float, d.DEFAULT_WORKER_STALL_TIMEOUT_S,
+         "seconds a worker with requests in flight may say nothing (not even a pong) before they move; "
+         "an expired instance's streams stay while it spoke within a quarter of it"),
+        ("--max-queued-requests", "DYN_MAX_QUEUED_REQUESTS", int, d.DEFAULT_MAX_QUEUED_REQUESTS,
+         "requests per model waiting for room while every instance is saturated; more get 503 with "
+         "Retry-After"),
+        ("--queue-timeout", "DYN_QUEUE_TIMEOUT", float, d.DEFAULT_QUEUE_TIMEOUT_S,
+         "seconds a request may wait for room; then 503 with Retry-After"),
     ):  # fmt: skip
         _env_option(command, flag, env=env, kind=kind, default=default, help=text)
     command.add_argument(
@@ -594,6 +621,8 @@ def _worker(args: argparse.Namespace) -> int:
         prefill_ms_per_1k=args.prefill_ms_per_1k,
         allowed_media_domains=_listed(args.allowed_media_domains),
         allowed_media_networks=_listed(args.allowed_media_networks) or (),
+        slots=args.slots,
+        engine_stall_timeout_s=args.engine_stall_timeout,
         engine_args=args.engine_args,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
@@ -629,6 +658,10 @@ def _frontend(args: argparse.Namespace) -> int:
         kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature,
         kv_endpoint_hosts=_addresses(args.kv_endpoint_hosts),
+        stream_stall_timeout_s=args.stream_stall_timeout,
+        worker_stall_timeout_s=args.worker_stall_timeout,
+        max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout,
     )
 
 

@@ -252,7 +252,8 @@ def test_runtime_config_conflict_reports_both_values(k3_card: ModelDeploymentCar
     raw = card_bytes(k3_card, image_placeholder_token="<|media_pad|>", max_num_seqs=8)
     events = registry.apply(announce("sglang", 1, raw), now=0.1)
     assert kinds(events) == ["RuntimeConfigConflict", "InstanceAdded"]
-    assert events[1] == InstanceAdded("kimi-k3-demo", instance("sglang", MEDIA_PAD), k3_card.mdcsum())
+    expected = instance("sglang", MEDIA_PAD, max_num_seqs=8)  # each record carries its own capacity
+    assert events[1] == InstanceAdded("kimi-k3-demo", expected, k3_card.mdcsum())
     conflict = events[0]
     assert isinstance(conflict, RuntimeConfigConflict)
     assert conflict.first_instance_id == "vllm"
@@ -403,7 +404,8 @@ def test_runtime_config_change_of_a_later_instance_is_reported(k3_card: ModelDep
     registry.apply(announce("a", 1, card_bytes(k3_card)), now=0.0)
     registry.apply(announce("b", 1, card_bytes(k3_card)), now=0.0)
     events = registry.apply(announce("b", 2, card_bytes(k3_card, max_num_seqs=2)), now=0.1)
-    assert kinds(events) == ["RuntimeConfigConflict"]
+    assert kinds(events) == ["RuntimeConfigConflict", "InstanceAdded"]  # its record says its capacity
+    assert isinstance(events[1], InstanceAdded) and events[1].instance.max_num_seqs == 2
     assert registry.model_of("b") == "kimi-k3-demo"
 
 

@@ -293,6 +293,12 @@ class DiscoveryRegistry:
         instance = self._instances.get(instance_id)
         return None if instance is None else instance.model
 
+    def serving(self, instance_id: str, seq: int) -> bool:
+        """Whether ``seq`` is the last message accepted from an instance admitted to a model: its
+        announce was news, not a duplicate, a stale copy or a refused one."""
+        instance = self._instances.get(instance_id)
+        return instance is not None and instance.model is not None and instance.last_seq == seq
+
     def next_deadline(self) -> float | None:
         """The earliest instance deadline, so the caller knows how long it may sleep."""
         due = self._due()
@@ -594,6 +600,7 @@ def _record(instance: _Instance) -> Instance:
         declared_token=runtime.image_placeholder_token,
         kv_events=instance.kv_events,
         total_kv_blocks=runtime.total_kv_blocks or None,  # 0 says nothing: no capacity is known
+        max_num_seqs=runtime.max_num_seqs or None,
     )
 
 

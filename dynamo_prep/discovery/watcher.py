@@ -12,9 +12,10 @@ and the plane goes on.
 
 Each live instance reaches the catalog as the registry's ``Instance`` record (endpoint, declared
 token, KV-event address), unchanged. When the set of declarations in a model's pool changes the
-watcher logs ``pool_composition_changed``; when an instance expires (it died) it calls
-``on_endpoint_lost`` so the request plane fails that worker's streams at once instead of waiting
-for its stall timeout.
+watcher logs ``pool_composition_changed``; when an instance expires it calls
+``on_endpoint_expired``, so the request plane fails that worker's streams at once instead of
+waiting for its stall timeout, unless its channel still delivers (docs/request-plane.md, "Busy,
+hung and dead"). The load an admitted instance's announce reports goes to ``on_load``.
 
 Metrics (``DiscoveryMetrics``, in the registry the frontend hands in) are updated next to the
 log lines, from the same registry events, so ``/metrics`` and the logs never disagree.
@@ -67,6 +68,7 @@ from dynamo_prep.protocol.discovery import (
     Announce,
     DiscoveryDecodeError,
     Instance,
+    Load,
     declared_label,
     decode_message,
     topic,
@@ -143,7 +145,8 @@ class DiscoveryWatcher:
         context: zmq.asyncio.Context | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_drain: int = MAX_DRAIN_PER_WAKE,
-        on_endpoint_lost: Callable[[str], None] | None = None,
+        on_endpoint_expired: Callable[[str], None] | None = None,
+        on_load: Callable[[str, Load], None] | None = None,
         on_model_removed: Callable[[str], None] | None = None,
         metrics: DiscoveryMetrics | None = None,
         listeners: Sequence[InstanceListener] = (),
@@ -177,7 +180,8 @@ class DiscoveryWatcher:
         self._shadow: zmq.Socket[Any] | None = None
         self._authenticator: ThreadAuthenticator | None = None
         self._allow: AllowList | None = None
-        self._on_endpoint_lost = on_endpoint_lost
+        self._on_endpoint_expired = on_endpoint_expired
+        self._on_load = on_load  # (instance_id, load) of each fresh announce of an admitted instance
         self._on_model_removed = on_model_removed  # called with the mdcsum: its cached files may go
         self._listeners = tuple(listeners)
         self._prober = prober  # (endpoint, timeout_s) -> whether it answered (the request plane's)
@@ -331,9 +335,18 @@ class DiscoveryWatcher:
         events = self.registry.apply(message, now=now, user_id=user_id)
         self._handle(events)
         if isinstance(message, Announce):
+            self._note_load(message)
             self._maybe_retry_build(message.instance_id, message.endpoint, now)
             if any(isinstance(e, CardRejected) and e.reason == "too_many_instances" for e in events):
                 self._maybe_probe(message.instance_id, message.endpoint, now)
+
+    def _note_load(self, message: Announce) -> None:
+        """Hand on the load an admitted instance reports, from news only (not a duplicate or stale)."""
+        load = message.load
+        if self._on_load is None or isinstance(load, msgspec.UnsetType):
+            return
+        if self.registry.serving(message.instance_id, message.seq):
+            self._on_load(message.instance_id, load)
 
     def _maybe_probe(self, instance_id: str, endpoint: str, now: float) -> None:
         """Probe a newcomer the full table refused (see ``PROBE_TIMEOUT_S``)."""
@@ -402,8 +415,8 @@ class DiscoveryWatcher:
                 for listener in self._listeners:
                     self._tell(listener.instance_removed, event.model, event.instance)
                 self._log.instance_removed(event)
-                if event.reason == "expired" and self._on_endpoint_lost is not None:
-                    self._on_endpoint_lost(event.instance.endpoint)  # it died: fail its streams now
+                if event.reason == "expired" and self._on_endpoint_expired is not None:
+                    self._on_endpoint_expired(event.instance.endpoint)  # dead, unless it still delivers
                 self._note_composition(event.model)
             case ModelFirstSeen():
                 self.catalog.mark_pending(event.model)

@@ -57,6 +57,7 @@ from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
 from dynamo_prep.frontend.kv_routing import KvRouting
+from dynamo_prep.frontend.load import LoadBoard
 from dynamo_prep.frontend.logprobs import Pacer, content_logprobs_for, paced, pacer_for
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
 from dynamo_prep.frontend.migration import Migration, forked
@@ -115,6 +116,7 @@ def create_app(
     *,
     router: Router | None = None,
     kv: KvRouting | None = None,
+    board: LoadBoard | None = None,
     settings: HttpSettings | None = None,
     metrics: FrontendMetrics | None = None,
     on_answered: Callable[[str], None] | None = None,
@@ -122,7 +124,9 @@ def create_app(
 ) -> ASGIApp:
     """The ASGI app serving ``catalog``'s live models through ``client``.
 
-    ``kv`` routes by KV-cache overlap (else ``router``'s round robin). ``metrics`` is the
+    ``kv`` routes by KV-cache overlap (else ``router``'s round robin); ``board`` holds the
+    instances' load and the requests waiting for room (the watcher's; else a private one, which
+    knows only this frontend's own requests). ``metrics`` is the
     frontend's own registry (shared with its watcher and router); without one the app gets a
     private registry, never prometheus_client's global one. ``on_answered`` is told a model's name
     when one of its workers answers a request (the watcher's ``model_answered``). ``schema_checks``
@@ -132,7 +136,7 @@ def create_app(
     settings = settings or HttpSettings()
     declarations = DeclarationPreprocessors(metrics.discovery)
     migration = Migration(
-        catalog, router or Router(), client, declarations, kv=kv, on_answered=on_answered,
+        catalog, router or Router(), client, declarations, kv=kv, board=board, on_answered=on_answered,
         schema_limits=settings.schema_limits,
     )  # fmt: skip
     schemas = schema_checks or SchemaChecks(settings.schema_limits, metrics)

@@ -5,8 +5,10 @@ One DEALER per worker endpoint carries every request to it; the event loop's rea
 its descriptor routes replies to per-request queues by ``request_id``. A worker that dies says
 nothing, so each endpoint has a watchdog: when a busy endpoint has been silent for a while it is
 pinged (a slow worker still answers), and after ``stall_timeout_s`` of silence every request on it
-fails with ``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_lost`` when an
-instance expires. An endpoint that has never answered anything ``connect_timeout_s`` after its
+fails with ``WorkerLost``. The discovery watcher makes that immediate by calling ``endpoint_expired`` when an
+instance expires, unless the channel still delivers: then its streams stay until it has been silent
+for ``expired_grace_s`` (a worker whose heartbeats were late, or lost, is not dead while it streams).
+An endpoint that has never answered anything ``connect_timeout_s`` after its
 first request is ``unreachable`` (a black-holed or forged announce): its requests fail at once, and
 it is kept out of routing (``unreachable_endpoints``) until it answers or ``UNREACHABLE_HOLD_S``
 passes.
@@ -24,7 +26,9 @@ one step. The request's deadline is one timer, not a timeout per message.
 A worker's replies are not trusted (docs/operations.md, "Worker replies"): a stream is cut at its
 ``max_tokens`` (``length``, and the worker told to stop), a request's unread replies are bounded
 (``MAX_BUFFERED_TOKENS``: past it the client is too slow and the stream is cancelled), a request
-with no token ``first_token_timeout_s`` after it was sent fails over like a lost worker, error
+with no token ``first_token_timeout_s`` after it was sent, or a stream without one for
+``stream_stall_timeout_s`` after its first, fails over like a lost worker (unless its instance is
+busy: ``busy(endpoint)``, a queue its heartbeat reports, keeps the request in its place), error
 messages are cut, and a worker that floods the channel with replies nobody asked for, or with
 undecodable frames, has its channel dropped (its requests fail over); the replies still in flight
 to a stream the frontend cancelled are dropped uncounted for ``LATE_GRACE_S``. Each receive wake
@@ -46,7 +50,11 @@ import zmq
 import zmq.asyncio
 from prometheus_client import Counter
 
-from dynamo_prep.frontend.config import DEFAULT_FIRST_TOKEN_TIMEOUT_S
+from dynamo_prep.frontend.config import (
+    DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+    DEFAULT_STREAM_STALL_TIMEOUT_S,
+    DEFAULT_WORKER_STALL_TIMEOUT_S,
+)
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.limits import is_exhausted
 from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
@@ -67,7 +75,7 @@ __all__ = [
 
 log = structlog.get_logger("dynamo_prep.frontend")
 
-DEFAULT_STALL_TIMEOUT_S = 10.0
+DEFAULT_STALL_TIMEOUT_S = DEFAULT_WORKER_STALL_TIMEOUT_S
 DEFAULT_IDLE_CLOSE_S = 30.0
 # A worker answers a Ping within milliseconds; one that never answered anything this long after
 # its first request is not there.
@@ -75,6 +83,9 @@ DEFAULT_CONNECT_TIMEOUT_S = 2.0
 UNREACHABLE_HOLD_S = 30.0
 # Probes per stall timeout: a live worker gets several chances to answer a Ping before it is lost.
 PROBES_PER_STALL = 4
+# Looks per stream stall timeout: a stream is given up on after that long without a token, at most
+# a look's length later.
+STALL_CHECKS = 4
 # How long past its deadline the client waits for the worker's own "deadline" reply.
 DEADLINE_GRACE_S = 1.0
 # Tokens of one request received and not yet taken by its consumer (its client does not read):
@@ -135,6 +146,24 @@ class NoSocketLeft(WorkerLost):
 
 class _Deadline:
     """Queued for a request whose deadline passed without its final reply."""
+
+
+class _Progress:
+    """One request's progress timers: its first-token deadline and its stall checks (each re-armed
+    in place), and the stream's token room at the last check."""
+
+    __slots__ = ("first", "quiet_s", "room", "stall")
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.quiet_s = 0.0
+        self.first: asyncio.TimerHandle | None = None
+        self.stall: asyncio.TimerHandle | None = None
+
+    def cancel(self) -> None:
+        for timer in (self.first, self.stall):
+            if timer is not None:
+                timer.cancel()
 
 
 class _Overflow:
@@ -290,12 +319,17 @@ class _Channel:
         self._on_hostile = on_hostile  # (endpoint, reason): drop a flooding worker
         self._scheduled = False  # a pass over the socket is queued
         self._writable: asyncio.Future[None] | None = None  # a send waiting for room
+        self.expired = False  # its instance expired: its streams stay only while it speaks
         self.tasks: list[asyncio.Task[None]] = []
         self._loop.add_reader(socket.fileno(), self._ready)
 
     @property
     def heard(self) -> bool:
         return self.first_heard.is_set()
+
+    def silent_s(self) -> float:
+        """How long the worker has said nothing (since the channel got busy, at most)."""
+        return self._loop.time() - self._heard_at
 
     def open(self, request_id: str, max_tokens: int) -> _Inbox:
         if request_id in self.queues:
@@ -467,6 +501,7 @@ class _Channel:
         self.queues.pop(request_id, None)
         if not self.queues:
             self._idle_since = self._loop.time()
+            self.expired = False  # the expired instance's streams are over; a re-announce starts afresh
 
     async def watch(self, on_lost: Callable[[str, str], None], on_idle: Callable[[str], None]) -> None:
         """Ping a busy, silent endpoint; declare it lost after ``stall_timeout_s`` of silence, or
@@ -490,9 +525,15 @@ class _Channel:
                 )
                 on_lost(self.endpoint, "unreachable")
                 return
-            if silent_s >= self.stall_timeout_s:
-                log.warning("worker_stalled", endpoint=self.endpoint, silent_s=round(silent_s, 3))
-                on_lost(self.endpoint, "stalled")
+            limit = self._client.expired_grace_s if self.expired else self.stall_timeout_s
+            if silent_s >= limit:
+                log.warning(
+                    "worker_stalled",
+                    endpoint=self.endpoint,
+                    silent_s=round(silent_s, 3),
+                    expired=self.expired,
+                )
+                on_lost(self.endpoint, "removed" if self.expired else "stalled")
                 return
             if silent_s >= probe_s or not self.heard:
                 self.send_nowait(Ping(request_id=f"ping-{next(self._pings)}"))
@@ -543,10 +584,21 @@ class RequestPlaneClient:
         idle_close_s: float = DEFAULT_IDLE_CLOSE_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         first_token_timeout_s: float = DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+        stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
         refused: Counter | None = None,
         metrics: FrontendMetrics | None = None,
+        busy: Callable[[str], bool] | None = None,
     ) -> None:
-        timeouts = (stall_timeout_s, idle_close_s, connect_timeout_s, first_token_timeout_s)
+        """``busy(endpoint)``: whether the worker there is busy rather than stuck (its heartbeat
+        reports a queue and recent steps): its requests then keep their place past the first-token
+        and stall deadlines (``LoadBoard.busy``)."""
+        timeouts = (
+            stall_timeout_s,
+            idle_close_s,
+            connect_timeout_s,
+            first_token_timeout_s,
+            stream_stall_timeout_s,
+        )
         if min(timeouts) <= 0:
             raise ValueError(f"timeouts must be positive, got {', '.join(map(str, timeouts))}")
         shared = context or zmq.asyncio.Context.instance()
@@ -555,6 +607,9 @@ class RequestPlaneClient:
         self.idle_close_s = idle_close_s
         self.connect_timeout_s = connect_timeout_s
         self.first_token_timeout_s = first_token_timeout_s
+        self.stream_stall_timeout_s = stream_stall_timeout_s
+        self.expired_grace_s = stall_timeout_s / PROBES_PER_STALL
+        self._busy = busy or (lambda _endpoint: False)
         self._channels: dict[str, _Channel] = {}
         self._unreachable: dict[str, float] = {}  # endpoint -> until (loop time)
         self._held: dict[str, float] = {}  # given up on (flooding, garbage, no first token) -> until
@@ -575,8 +630,12 @@ class RequestPlaneClient:
         inbox = channel.open(request_id, request.stop_conditions.max_tokens)
         loop = asyncio.get_running_loop()
         deadline = loop.call_at(loop.time() + timeout_s + DEADLINE_GRACE_S, inbox.put, _DEADLINE)
-        first_token = loop.call_at(
-            loop.time() + self.first_token_timeout_s, self._no_first_token, channel, request_id, inbox
+        progress = _Progress(inbox.room)
+        progress.first = loop.call_later(
+            self.first_token_timeout_s, self._no_first_token, channel, request_id, inbox, progress
+        )
+        progress.stall = loop.call_later(
+            self._stall_check_s, self._check_stall, channel, request_id, inbox, progress
         )
         try:
             deadline_ms = now_ms() + int(timeout_s * 1000)
@@ -599,11 +658,33 @@ class RequestPlaneClient:
                     raise failure
         finally:
             deadline.cancel()
-            first_token.cancel()
+            progress.cancel()
             channel.finish(request_id)
             if not inbox.worker_done and not inbox.cancel_sent:  # the client left, a stop string, ...
                 channel.cancel(request_id, inbox)
                 log.debug("request_cancel_sent", request_id=request_id, endpoint=endpoint)
+
+    def endpoint_expired(self, endpoint: str) -> None:
+        """The instance at ``endpoint`` expired (its heartbeats stopped reaching us). A channel that
+        still delivers (it spoke within ``expired_grace_s``) keeps its streams until it falls silent
+        for that long, or they end; no new request goes there (it left the catalog). Else every
+        request on it fails now, as with ``endpoint_lost``."""
+        channel = self._channels.get(endpoint)
+        if channel is None:
+            return
+        silent_s = channel.silent_s()
+        if not channel.queues or silent_s >= self.expired_grace_s:
+            self._lose(endpoint, "removed")
+            return
+        channel.expired = True
+        channel.send_nowait(Ping(request_id="expired"))
+        log.info(
+            "worker_expired_delivering",
+            endpoint=endpoint,
+            in_flight=len(channel.queues),
+            silent_s=round(silent_s, 3),
+            grace_s=self.expired_grace_s,
+        )
 
     def endpoint_lost(self, endpoint: str) -> None:
         """Fail every in-flight request to ``endpoint`` with ``WorkerLost`` now and close its socket.
@@ -752,22 +833,57 @@ class RequestPlaneClient:
             self._metrics.slow_readers.inc()
         self._warn("request_buffer_full", request_id=request_id, endpoint=channel.endpoint)
 
-    def _no_first_token(self, channel: _Channel, request_id: str, inbox: _Inbox) -> None:
+    def _no_first_token(self, channel: _Channel, request_id: str, inbox: _Inbox, progress: _Progress) -> None:
         """No token ``first_token_timeout_s`` after the request was sent: it fails over like a
-        lost worker, the worker is told to stop and is routed around for a while."""
+        lost worker, the worker is told to stop and is routed around for a while; unless the
+        worker is busy (its queue keeps the request's place: the deadline starts again)."""
         if inbox.started or inbox.ended or channel.closed:
             return
+        if self._busy(channel.endpoint):
+            progress.first = asyncio.get_running_loop().call_later(
+                self.first_token_timeout_s, self._no_first_token, channel, request_id, inbox, progress
+            )
+            log.debug(
+                "worker_busy_kept", request_id=request_id, endpoint=channel.endpoint, phase="first_token"
+            )
+            return
+        self._give_up(channel, request_id, inbox, "no_first_token", waited_s=self.first_token_timeout_s)
+
+    @property
+    def _stall_check_s(self) -> float:
+        return self.stream_stall_timeout_s / STALL_CHECKS
+
+    def _check_stall(self, channel: _Channel, request_id: str, inbox: _Inbox, progress: _Progress) -> None:
+        """Every ``stream_stall_timeout_s / STALL_CHECKS``: a stream that got no token over the
+        last ``stream_stall_timeout_s`` moves on like one without a first token (its worker is
+        routed around), unless the worker is busy. A token costs nothing here: the timer compares
+        the stream's token count with the last check's."""
+        if inbox.ended or channel.closed:
+            return
+        if inbox.room != progress.room or not inbox.started:  # the first-token deadline rules until then
+            progress.room, progress.quiet_s = inbox.room, 0.0
+        else:
+            progress.quiet_s += self._stall_check_s
+        if progress.quiet_s >= self.stream_stall_timeout_s * (1 - 1e-9):
+            if not self._busy(channel.endpoint):
+                self._give_up(channel, request_id, inbox, "stalled_stream", waited_s=progress.quiet_s)
+                return
+            progress.quiet_s = 0.0
+            log.debug("worker_busy_kept", request_id=request_id, endpoint=channel.endpoint, phase="stream")
+        progress.stall = asyncio.get_running_loop().call_later(
+            self._stall_check_s, self._check_stall, channel, request_id, inbox, progress
+        )
+
+    def _give_up(
+        self, channel: _Channel, request_id: str, inbox: _Inbox, reason: str, *, waited_s: float
+    ) -> None:
+        """The stream fails over (``WorkerLost(reason)``), its worker told to stop and routed around."""
         inbox.ended = True
-        inbox.replace(WorkerLost(channel.endpoint, "no_first_token"))
+        inbox.replace(WorkerLost(channel.endpoint, reason))
         channel.cancel(request_id, inbox)
         self._hold(channel.endpoint)
-        self._fault(
-            "no_first_token",
-            "worker_no_first_token",
-            request_id=request_id,
-            endpoint=channel.endpoint,
-            waited_s=self.first_token_timeout_s,
-        )
+        event = "worker_no_first_token" if reason == "no_first_token" else "worker_stream_stalled"
+        self._fault(reason, event, request_id=request_id, endpoint=channel.endpoint, waited_s=waited_s)
 
     def _drop(self, endpoint: str, reason: str) -> None:
         """A flooding worker (replies nobody asked for, or garbage): its channel is closed and its

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import Zero
     from dynamo_prep.discovery.trust import ServerCurve
 
 __all__ = [
+    "BUSY_STEP_WINDOW_S",
     "DEFAULT_BODY_TIMEOUT_S",
     "DEFAULT_FIRST_TOKEN_TIMEOUT_S",
     "DEFAULT_HEADER_TIMEOUT_S",
@@ -29,13 +30,19 @@ __all__ = [
     "DEFAULT_MAX_CONNECTIONS",
     "DEFAULT_MAX_HEADERS",
     "DEFAULT_MAX_HEADER_BYTES",
+    "DEFAULT_MAX_QUEUED_REQUESTS",
     "DEFAULT_MAX_URL_BYTES",
+    "DEFAULT_QUEUE_TIMEOUT_S",
     "DEFAULT_REQUEST_TIMEOUT_S",
     "DEFAULT_ROUTER_MODE",
     "DEFAULT_ROUTER_TEMPERATURE",
+    "DEFAULT_STREAM_STALL_TIMEOUT_S",
+    "DEFAULT_WORKER_STALL_TIMEOUT_S",
+    "RETRY_AFTER_S",
     "ROUTER_MODES",
     "FrontendConfig",
     "HttpSettings",
+    "PoolSettings",
     "RouterMode",
     "RouterSettings",
 ]
@@ -47,6 +54,21 @@ DEFAULT_REQUEST_TIMEOUT_S = 300.0
 # A request whose worker streamed no token this long after it was sent moves to another instance
 # (docs/operations.md, "Worker replies"): above the longest prefill of a long prompt on a busy engine.
 DEFAULT_FIRST_TOKEN_TIMEOUT_S = 120.0
+# A stream that had its first token and then none for this long moves like one without a first
+# token (docs/request-plane.md, "Busy, hung and dead"): above any real engine's pause between two
+# tokens, and above the workers' own --engine-stall-timeout (30 s), who know first.
+DEFAULT_STREAM_STALL_TIMEOUT_S = 60.0
+# A worker with requests in flight that says nothing at all (no reply, not even a pong) for this
+# long is lost; an expired instance keeps its streams while it spoke within a quarter of it.
+DEFAULT_WORKER_STALL_TIMEOUT_S = 10.0
+# When every instance of a model is saturated (its card's max_num_seqs requests running), requests
+# wait at the frontend, at most this many per model and this long each; then 503 with Retry-After.
+DEFAULT_MAX_QUEUED_REQUESTS = 256
+DEFAULT_QUEUE_TIMEOUT_S = 30.0
+RETRY_AFTER_S = 2
+# An instance whose heartbeat says requests wait is busy, not dead (a request there keeps its place
+# past the first-token and stall deadlines), while its engine made a step within this long.
+BUSY_STEP_WINDOW_S = 5.0
 # A client gets this long for a request's headers, and again for its body; slower ones get 408.
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_BODY_TIMEOUT_S = 30.0
@@ -101,6 +123,27 @@ class RouterSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class PoolSettings:
+    """What the flags about the worker pool mean (``--stream-stall-timeout``,
+    ``--worker-stall-timeout``, ``--max-queued-requests``, ``--queue-timeout``)."""
+
+    stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S
+    worker_stall_timeout_s: float = DEFAULT_WORKER_STALL_TIMEOUT_S
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not (
+            self.stream_stall_timeout_s > 0 and self.worker_stall_timeout_s > 0 and self.queue_timeout_s > 0
+        ):
+            raise ValueError(
+                "--stream-stall-timeout, --worker-stall-timeout and --queue-timeout must be positive"
+            )
+        if self.max_queued_requests < 0:
+            raise ValueError(f"--max-queued-requests must be >= 0, got {self.max_queued_requests}")
+
+
+@dataclass(frozen=True, slots=True)
 class FrontendConfig:
     """Validated frontend options (what the CLI flags mean, checked once)."""
 
@@ -115,6 +158,7 @@ class FrontendConfig:
     http_workers: int = DEFAULT_HTTP_WORKERS
     http: HttpSettings = field(default_factory=HttpSettings)
     router: RouterSettings = field(default_factory=RouterSettings)
+    pool: PoolSettings = field(default_factory=PoolSettings)
 
     @classmethod
     def from_options(
@@ -145,6 +189,10 @@ class FrontendConfig:
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
         kv_endpoint_hosts: Sequence[str] = (),
+        stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
+        worker_stall_timeout_s: float = DEFAULT_WORKER_STALL_TIMEOUT_S,
+        max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+        queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S,
     ) -> FrontendConfig:
         """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options.
 
@@ -220,5 +268,11 @@ class FrontendConfig:
                 kv_overlap_score_weight=kv_overlap_score_weight,
                 temperature=router_temperature,
                 kv_endpoint_hosts=tuple(kv_endpoint_hosts),
+            ),
+            pool=PoolSettings(
+                stream_stall_timeout_s=stream_stall_timeout_s,
+                worker_stall_timeout_s=worker_stall_timeout_s,
+                max_queued_requests=max_queued_requests,
+                queue_timeout_s=queue_timeout_s,
             ),
         )

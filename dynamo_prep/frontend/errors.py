@@ -32,13 +32,17 @@ _encoder = msgspec.json.Encoder()
 
 
 class OpenAIError(Exception):
-    """An HTTP error with OpenAI's body; ``param`` names the offending request field when known."""
+    """An HTTP error with OpenAI's body; ``param`` names the offending request field when known,
+    ``retry_after_s`` goes into a ``Retry-After`` header (a 503 that will pass)."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, retry_after_s: int | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s
 
     def body(self) -> ErrorBody:
         kind = _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -83,6 +87,8 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
 
 
 def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+    if error.retry_after_s is not None:
+        headers = {**(headers or {}), "retry-after": str(error.retry_after_s)}
     return Response(
         _encoder.encode(error.body()),
         status_code=error.status,

@@ -83,7 +83,8 @@ class FrontendMetrics:
         )
         self.worker_faults = Counter(
             f"{PREFIX}worker_faults",
-            "Workers given up on: a channel dropped (flooding, garbage) or a request moved (no_first_token)",
+            "Workers given up on: a channel dropped (flooding, garbage) or a request moved "
+            "(no_first_token, stalled_stream)",
             ["reason"],
             registry=reg,
         )

@@ -9,6 +9,16 @@ This module owns the request policy; ``client.py`` only carries messages. Rules:
   back to an instance it already tried; a worker that never answered at all (unreachable: a
   black-holed or forged announce) or streamed no token by the first-token deadline costs no
   budget, and such endpoints are routed around while another instance is there;
+* a constrained request (a structured output: ``response_format`` json_schema / json_object, a
+  forced tool) that has streamed tokens is never continued elsewhere: the new engine would start
+  its grammar again from the schema's root after the text already sent, and the client would get
+  two JSON texts glued (its failure stands: a clean error); one that streamed nothing moves as any,
+  but moves for free at most once (a grammar that hangs one engine must not take every engine in
+  turn);
+* an instance whose card says ``max_num_seqs`` is not given more requests than that (``LoadBoard``:
+  this frontend's own and what its heartbeat reports); when every instance the request may go to is
+  saturated, it waits for room in its model's queue, in arrival order, and past the queue's bound
+  or timeout gets a 503 with ``Retry-After``;
 * after a move the new instance gets the prompt rendered for ITS declaration, followed by the
   tokens already streamed, with ``max_tokens`` (and ``min_tokens``) reduced by as many, like
   Dynamo's migration; usage stays the client's: the prompt it sent and every token it received;
@@ -36,6 +46,7 @@ from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerL
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import OpenAIError
 from dynamo_prep.frontend.kv_routing import KvRouting, RoutingPrompt
+from dynamo_prep.frontend.load import LoadBoard, Ticket
 from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.frontend.router import Router
@@ -58,6 +69,15 @@ _T = TypeVar("_T")
 # Completion tokens a worker may report beyond those it streamed: the stop ids an engine counts
 # but the worker does not send (one per stop, as a rule).
 COMPLETION_SLACK = 16
+# Free moves a constrained request may make (its grammar may be what hangs an engine).
+CONSTRAINED_FREE_MOVES = 1
+
+
+class _Saturated:
+    """What ``_choose`` says when the request has instances left, and none of them has room."""
+
+
+_SATURATED = _Saturated()
 
 
 @dataclass
@@ -81,6 +101,12 @@ class Journey:
     streamed: list[int] = field(default_factory=list)
     last_error: WorkerLost | WorkerError | None = None
     decision: Decision | None = None  # the KV router's last choice, when it chose
+    free_moves: int = 0  # moves that cost no budget so far
+
+    @property
+    def constrained(self) -> bool:
+        """A structured output: its engine applies a grammar from the schema's root."""
+        return next(iter(self.renders.values())).sampling_options.structured is not None
 
 
 class Migration:
@@ -94,6 +120,7 @@ class Migration:
         declarations: DeclarationPreprocessors,
         *,
         kv: KvRouting | None = None,
+        board: LoadBoard | None = None,
         on_answered: Callable[[str], None] | None = None,
         schema_limits: SchemaLimits | None = None,
     ) -> None:
@@ -105,6 +132,7 @@ class Migration:
         self.client = client
         self.declarations = declarations
         self.kv = kv
+        self.board = board if board is not None else LoadBoard()
         self._on_answered = on_answered  # told the model's name when one of its workers answers
         self._usage_log = RateLimiter()
 
@@ -153,54 +181,87 @@ class Migration:
         """
         model = journey.model
         while True:
-            current = self.catalog.get(model.name) or model
-            instance = await self._choose(current, journey)
+            instance = await self._admitted(journey)
             if instance is None:
                 if journey.last_error is not None:
                     raise journey.last_error
                 raise OpenAIError(503, f"no live instance of model {model.name!r} can take the request")
-            journey.tried.add(instance.instance_id)
-            base = await self._render(instance.declared_token, journey)
-            journey.record.routed(instance, journey.decision)
-            log.debug(
-                "request_routed", instance_id=instance.instance_id, declared_token=instance.declared_token
-            )
-            if self.kv is not None and journey.decision is not None:
-                self.kv.dispatch(model.name, journey.request_id, journey.decision)
             try:
-                outputs = self._stream(instance, base, journey)
-                if self.kv is not None:
-                    first = await anext(outputs, None)
-                    self.kv.prefilled(model.name, journey.request_id)
-                    if first is None:
-                        return
-                    yield first
-                async for output in outputs:
-                    yield output
-                return
-            except (WorkerLost, WorkerError) as exc:
-                self._move_or_raise(exc, instance, journey)
+                journey.tried.add(instance.instance_id)
+                base = await self._render(instance.declared_token, journey)
+                journey.record.routed(instance, journey.decision)
+                log.debug(
+                    "request_routed", instance_id=instance.instance_id, declared_token=instance.declared_token
+                )
+                if self.kv is not None and journey.decision is not None:
+                    self.kv.dispatch(model.name, journey.request_id, journey.decision)
+                earlier = len(journey.streamed)
+                try:
+                    outputs = self._stream(instance, base, journey)
+                    if self.kv is not None:
+                        first = await anext(outputs, None)
+                        self.kv.prefilled(model.name, journey.request_id)
+                        if first is None:
+                            return
+                        yield first
+                    async for output in outputs:
+                        yield output
+                    return
+                except (WorkerLost, WorkerError) as exc:
+                    self._move_or_raise(exc, instance, journey, streamed=len(journey.streamed) - earlier)
+                finally:
+                    if self.kv is not None:
+                        self.kv.release(model.name, journey.request_id)
             finally:
-                if self.kv is not None:
-                    self.kv.release(model.name, journey.request_id)
+                self.board.release(instance.instance_id)
 
-    async def _choose(self, model: LiveModel, journey: Journey) -> Instance | None:
-        """The next instance: one the request has not tried, preferably one that answers; by the
-        router's turn, or where its prefix is cached (KV routing)."""
+    async def _admitted(self, journey: Journey) -> Instance | None:
+        """The next instance, counted as holding the request (``LoadBoard.acquire``); None when no
+        untried instance is left. While every untried one is saturated the request waits in its
+        model's queue (behind those already waiting; ``SaturatedError`` past the queue's bounds)."""
+        name = journey.model.name
+        ticket: Ticket | None = None
+        try:
+            while True:
+                if ticket is not None or not self.board.queued(name):
+                    current = self.catalog.get(name) or journey.model
+                    choice = await self._choose(current, journey)
+                    if not isinstance(choice, _Saturated):
+                        if choice is not None:
+                            self.board.acquire(choice.instance_id)
+                        return choice
+                if ticket is None:
+                    ticket = self.board.enqueue(name)
+                    loop = asyncio.get_running_loop()
+                    until = min(loop.time() + self.board.queue_timeout_s, journey.give_up_at)
+                await self.board.wait(ticket, until)
+        finally:
+            if ticket is not None:
+                self.board.leave(ticket)
+
+    async def _choose(self, model: LiveModel, journey: Journey) -> Instance | _Saturated | None:
+        """The next instance: one the request has not tried, preferably one that answers, with room
+        (``_SATURATED``: there are untried ones, none with room); by the router's turn, or where its
+        prefix is cached (KV routing). Nothing awaits between the room check and the return."""
         untried = [i for instance_id, i in model.instances.items() if instance_id not in journey.tried]
         unreachable = self.client.unreachable_endpoints()
         candidates = [instance for instance in untried if instance.endpoint not in unreachable] or untried
         if not candidates:
             return None
-        if self.kv is None:
+        prompts = None
+        if self.kv is not None:
+            prompts = {
+                declared: RoutingPrompt(
+                    await self._render(declared, journey), self.declarations.placeholder(model, declared)
+                )
+                for declared in {instance.declared_token for instance in candidates}
+            }
+        candidates = [instance for instance in candidates if not self.board.saturated(instance)]
+        if not candidates:
+            return _SATURATED
+        if self.kv is None or prompts is None:
             chosen = {instance.instance_id for instance in candidates}
             return self.router.pick(model, excluded=model.instances.keys() - chosen)
-        prompts = {
-            declared: RoutingPrompt(
-                await self._render(declared, journey), self.declarations.placeholder(model, declared)
-            )
-            for declared in {instance.declared_token for instance in candidates}
-        }
         journey.decision = self.kv.decide(model.name, candidates, prompts)
         return model.instances[journey.decision.instance_id]
 
@@ -288,14 +349,34 @@ class Migration:
         )
 
     @staticmethod
-    def _move_or_raise(exc: WorkerLost | WorkerError, instance: Instance, journey: Journey) -> None:
+    def _move_or_raise(
+        exc: WorkerLost | WorkerError, instance: Instance, journey: Journey, *, streamed: int
+    ) -> None:
         """Spend one move of the budget on a lost or draining worker (one that never saw the
-        request, or never streamed a token of it, moves for free); otherwise the error stands."""
+        request, or never streamed a token of it, moves for free: a constrained request once);
+        otherwise the error stands. A constrained request that streamed tokens never moves."""
         free = isinstance(exc, WorkerLost) and exc.reason in FREE_MOVES
         movable = isinstance(exc, WorkerLost) or exc.code == 503
+        if movable and journey.constrained and journey.streamed:
+            log.warning(
+                "migration_refused",
+                request_id=journey.request_id,
+                from_instance_id=instance.instance_id,
+                streamed_tokens=len(journey.streamed),
+                reason="constrained_output",
+            )
+            raise OpenAIError(
+                503,
+                f"the worker serving this structured output was lost after {len(journey.streamed)} tokens "
+                f"({str(exc)[:DETAIL_CHARS]}); it is not continued on another engine, whose grammar would "
+                "start again from the schema's root: retry the request",
+            ) from exc
+        if free and journey.constrained and journey.free_moves >= CONSTRAINED_FREE_MOVES:
+            free = False
         if not movable or (journey.budget <= 0 and not free):
             raise exc
         journey.budget -= 0 if free else 1
+        journey.free_moves += 1 if free else 0
         journey.last_error = exc
         log.info(
             "request_migrated",
@@ -303,7 +384,9 @@ class Migration:
             from_instance_id=instance.instance_id,
             from_endpoint=instance.endpoint,
             streamed_tokens=len(journey.streamed),
+            attempt_tokens=streamed,
             moves_left=journey.budget,
+            free=free,
             reason=str(exc)[:DETAIL_CHARS],
         )
 

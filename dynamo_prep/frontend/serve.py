@@ -30,6 +30,7 @@ from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.http_server import HttpServer, bind_http, new_event_loop
 from dynamo_prep.frontend.kv_routing import KvRouting
+from dynamo_prep.frontend.load import LoadBoard
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.router import Router
 from dynamo_prep.frontend.schema_checks import SchemaChecks
@@ -71,14 +72,18 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     catalog = ModelCatalog()
     store = ModelFileStore(config.cache_dir)
     metrics = FrontendMetrics()  # this frontend's own registry, handed to every component
+    board = LoadBoard(max_queued=config.pool.max_queued_requests, queue_timeout_s=config.pool.queue_timeout_s)
     client = RequestPlaneClient(
         context,
+        stall_timeout_s=config.pool.worker_stall_timeout_s,
         first_token_timeout_s=config.http.first_token_timeout_s,
+        stream_stall_timeout_s=config.pool.stream_stall_timeout_s,
         refused=metrics.request_plane_refused,
         metrics=metrics,
+        busy=board.busy,
     )
     kv = _kv_routing(config, context, metrics)
-    watcher = _watcher(config, catalog, store, context, client, metrics, kv)
+    watcher = _watcher(config, catalog, store, context, client, metrics, kv, board)
     try:
         watcher.open()
     except (zmq.ZMQError, TrustError, ValueError) as exc:
@@ -96,6 +101,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         client,
         router=Router(),
         kv=kv,
+        board=board,
         settings=config.http,
         metrics=metrics,
         on_answered=watcher.model_answered,
@@ -146,6 +152,7 @@ def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collabora
     client: RequestPlaneClient,
     metrics: FrontendMetrics,
     kv: KvRouting | None,
+    board: LoadBoard,
 ) -> DiscoveryWatcher:
     builder = PreprocessorBuilder(store, local_model_path=config.model_path, context=context)
     return DiscoveryWatcher(
@@ -156,11 +163,12 @@ def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collabora
         curve=config.curve,
         catalog=catalog,
         context=context,
-        on_endpoint_lost=client.endpoint_lost,
+        on_endpoint_expired=client.endpoint_expired,
+        on_load=board.report,
         prober=client.answers,
         on_model_removed=store.release,
         metrics=metrics.discovery,
-        listeners=[kv] if kv is not None else [],
+        listeners=[board] if kv is None else [board, kv],
     )
 
 

@@ -50,11 +50,26 @@ class KvEventsEndpoint(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=
     topic: Annotated[str, msgspec.Meta(max_length=256)] = ""
 
 
+# A load figure larger than any engine holds: a bound on what a worker's heartbeat may claim.
+_Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 30)]
+
+
+class Load(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True, gc=False):
+    """What an instance's engine holds as its heartbeat leaves (docs/request-plane.md, "Busy, hung
+    and dead"): ``unfinished`` requests, ``waiting`` of them without a token yet (queued or in
+    prefill), and ``stalled_ms``, how long its engine has had work without making a step (0: it
+    stepped within the last heartbeat, or has nothing to do)."""
+
+    unfinished: _Count = 0
+    waiting: _Count = 0
+    stalled_ms: _Count = 0
+
+
 class Announce(msgspec.Struct, kw_only=True, tag="announce", tag_field="kind"):
     """A worker instance is alive and serves ``card`` at ``endpoint`` (re-sent every heartbeat).
 
-    ``kv_events`` is optional and left out of the payload when unset, so a worker without KV events
-    sends exactly what wire v1 always had and older frontends ignore the key.
+    ``kv_events`` and ``load`` are optional and left out of the payload when unset, so a worker
+    without them sends exactly what wire v1 always had and older frontends ignore the keys.
     """
 
     v: int = PROTOCOL_VERSION
@@ -65,6 +80,7 @@ class Announce(msgspec.Struct, kw_only=True, tag="announce", tag_field="kind"):
     endpoint: _NonEmpty
     card: msgspec.Raw
     kv_events: KvEventsEndpoint | msgspec.UnsetType = msgspec.UNSET
+    load: Load | msgspec.UnsetType = msgspec.UNSET
 
 
 class Withdraw(msgspec.Struct, kw_only=True, tag="withdraw", tag_field="kind"):
@@ -94,7 +110,9 @@ class Instance(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     ``declared_token`` is what the worker declared in its card (``image_placeholder_token``;
     None means it renders the checkpoint default). It is never the token a formatter writes:
     that is the formatter's ``rendered_token``. ``total_kv_blocks`` is its engine's KV capacity
-    (its card's ``runtime_config``; None: not said), which the KV router weighs load against.
+    (its card's ``runtime_config``; None: not said), which the KV router weighs load against;
+    ``max_num_seqs`` the requests its engine runs at once (None: not said), past which the
+    instance is saturated.
     """
 
     instance_id: str
@@ -102,6 +120,7 @@ class Instance(msgspec.Struct, kw_only=True, frozen=True, gc=False):
     declared_token: str | None = None
     kv_events: KvEventsEndpoint | None = None
     total_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
 
 
 class _Header(msgspec.Struct):

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import Zero
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
     "DEFAULT_ENDPOINT_HOST",
+    "DEFAULT_ENGINE_STALL_TIMEOUT_S",
     "DEFAULT_KV_BLOCKS",
     "DEFAULT_PREFILL_MS_PER_1K",
     "DEFAULT_TOKEN_DELAY_S",
@@ -36,6 +37,10 @@ __all__ = [
 DEFAULT_ENDPOINT_HOST = "127.0.0.1"
 DEFAULT_TOKEN_DELAY_S = 0.02
 DEFAULT_DRAIN_TIMEOUT_S = 5.0
+# Requests in flight and no engine step for this long: the engine is hung (worker.watchdog). Far
+# above a real engine's longest step (a chunked prefill, a batch of image encodes) and below the
+# frontend's --stream-stall-timeout, so the worker, which knows, speaks first.
+DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 DEFAULT_KV_BLOCKS = 2048
 DEFAULT_PREFILL_MS_PER_1K = 0.0
 EngineKind = Literal["mock", "vllm", "sglang"]
@@ -49,7 +54,9 @@ class WorkerConfig:
     ``kv_events``: the mock engine keeps a paged prefix cache of ``kv_blocks`` blocks (the card's
     ``kv_cache_block_size`` tokens each), publishes its KV events and charges ``prefill_ms_per_1k``
     per 1000 prompt tokens it does not hold. ``media``: where request images may be fetched from
-    (every engine, the mock included).
+    (every engine, the mock included). ``slots``: the mock runs at most that many requests at once
+    (its card's ``max_num_seqs``), the others wait. ``engine_stall_timeout_s``: the watchdog's
+    (0: off).
     """
 
     model_dir: Path
@@ -74,6 +81,8 @@ class WorkerConfig:
     kv_blocks: int = DEFAULT_KV_BLOCKS
     prefill_ms_per_1k: float = DEFAULT_PREFILL_MS_PER_1K
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    slots: int | None = None
+    engine_stall_timeout_s: float = DEFAULT_ENGINE_STALL_TIMEOUT_S
     engine_args: tuple[str, ...] = ()
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
@@ -115,14 +124,16 @@ class WorkerConfig:
         prefill_ms_per_1k: float | None = None,
         allowed_media_domains: Sequence[str] | None = None,
         allowed_media_networks: Sequence[str] = (),
+        slots: int | None = None,
+        engine_stall_timeout_s: float = DEFAULT_ENGINE_STALL_TIMEOUT_S,
         engine_args: Sequence[str] = (),
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
     ) -> WorkerConfig:
         """Raises ValueError (TrustError for CURVE key files) naming the option that is wrong.
 
-        ``flavor``, ``token_delay_s``, ``replies``, ``reply_format`` and ``kv_events`` are the mock
-        engine's (None: its default); ``kv_blocks`` and ``prefill_ms_per_1k`` options of
+        ``flavor``, ``token_delay_s``, ``replies``, ``reply_format``, ``slots`` and ``kv_events`` are
+        the mock engine's (None: its default); ``kv_blocks`` and ``prefill_ms_per_1k`` options of
         ``kv_events``. ``allowed_media_domains`` (None: any) and ``allowed_media_networks`` are
         the image fetcher's ``MediaPolicy``. ``engine_args`` go to a real engine's own parser (the
         mock takes none). ``tool_call_parser`` / ``reasoning_parser``: vLLM's names, for every engine
@@ -144,6 +155,7 @@ class WorkerConfig:
                 "--token-delay": token_delay_s,
                 "--replies": replies,
                 "--reply-format": reply_format,
+                "--slots": slots,
                 "--kv-events": kv_events or None,
             },
         )
@@ -163,9 +175,12 @@ class WorkerConfig:
             ("--token-delay", token_delay_s),
             ("--migration-limit", migration_limit),
             ("--drain-timeout", drain_timeout_s),
+            ("--engine-stall-timeout", engine_stall_timeout_s),
         ):
             if not number >= 0:
                 raise ValueError(f"{option} must be >= 0, got {number}")
+        if slots is not None and not slots >= 1:
+            raise ValueError(f"--slots must be >= 1, got {slots}")
         if metrics_port is not None and not 0 <= metrics_port <= 65535:
             raise ValueError(f"--metrics-port must be in 0..65535, got {metrics_port}")
         _check_kv_options(kv_events, kv_blocks, prefill_ms_per_1k)
@@ -194,6 +209,8 @@ class WorkerConfig:
             kv_blocks=DEFAULT_KV_BLOCKS if kv_blocks is None else kv_blocks,
             prefill_ms_per_1k=DEFAULT_PREFILL_MS_PER_1K if prefill_ms_per_1k is None else prefill_ms_per_1k,
             media=media,
+            slots=slots,
+            engine_stall_timeout_s=engine_stall_timeout_s,
             engine_args=tuple(engine_args),
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,

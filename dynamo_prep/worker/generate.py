@@ -11,6 +11,10 @@ step (the first token) never waits, and the final message carries whatever was s
 Every request ends with exactly one final message: an ``Output`` with ``finish_reason`` ("stop",
 "length", "cancelled", "deadline") or an ``ErrorReply``. The one exception is a request cancelled
 for an unknown reason (the event loop is going away): nothing more can be sent then.
+
+The server keeps its engine's load in plain counters (``load()``, read by the heartbeat thread):
+requests in flight, those without a step yet, and when the engine last made a step while it had
+work (``stalled_s``, what the worker's watchdog reads).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import zmq
 
 from dynamo_prep.engines.base import CheckFn, EngineContractError, EngineError, GenerateFn
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import now_ms
+from dynamo_prep.protocol.discovery import Load, now_ms
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong, merged
 
 __all__ = ["COALESCE_S", "GenerationServer", "Reply", "frame_interval"]
@@ -54,6 +58,7 @@ class _Running:
 
     task: asyncio.Task[None]
     stop_reason: _StopReason | None = None
+    stepped: bool = False  # the engine made a step for it (else it is waiting)
 
 
 @dataclass
@@ -77,10 +82,24 @@ class GenerationServer:
         self._running: dict[str, _Running] = {}
         self._sends: set[asyncio.Future[None]] = set()
         self.draining = False
+        self._waiting = 0  # requests in flight without a step yet
+        self._progress_at = time.monotonic()  # the last step, or when work arrived at an idle engine
 
     @property
     def in_flight(self) -> int:
         return len(self._running)
+
+    def stalled_s(self) -> float:
+        """How long the engine has had work without making a step (0: it has nothing to do)."""
+        return time.monotonic() - self._progress_at if self._running else 0.0
+
+    def load(self) -> Load:
+        """What the heartbeat says (safe from another thread: it only reads plain counters)."""
+        return Load(
+            unfinished=len(self._running),
+            waiting=max(self._waiting, 0),
+            stalled_ms=int(self.stalled_s() * 1000),
+        )
 
     async def drain(self, timeout_s: float) -> int:
         """Refuse new work, let in-flight requests finish for ``timeout_s``, cancel the rest.
@@ -110,7 +129,10 @@ class GenerationServer:
             return
         task = asyncio.create_task(self._run(message, reply), name=f"generate-{message.request_id}")
         running = _Running(task)
+        if not self._running:
+            self._progress_at = time.monotonic()  # an idle engine's clock starts with its work
         self._running[message.request_id] = running
+        self._waiting += 1
         task.add_done_callback(lambda _: self._answer_unstarted(message, reply, running))
 
     def _answer_unstarted(self, message: Generate, reply: Reply, running: _Running) -> None:
@@ -120,7 +142,7 @@ class GenerationServer:
             return
         progress = _Progress(prompt_tokens=len(message.request.token_ids))
         final = self._cancelled(request_id, progress)
-        del self._running[request_id]
+        self._forget(request_id)
         if final is not None:
             sending = asyncio.ensure_future(_send_quietly(reply, final))
             self._sends.add(sending)
@@ -173,7 +195,7 @@ class GenerationServer:
             log.exception("request_failed", request_id=request_id)
             final = ErrorReply(request_id=request_id, code=500, message=type(exc).__name__)
         finally:
-            self._running.pop(request_id, None)
+            self._forget(request_id)
         progress.finish_reason = final.finish_reason if isinstance(final, Output) else f"error_{final.code}"
         await _send_quietly(reply, final)
         log.debug(
@@ -184,13 +206,28 @@ class GenerationServer:
             completion_tokens=progress.completion_tokens,
         )
 
+    def _forget(self, request_id: str) -> None:
+        running = self._running.pop(request_id, None)
+        if running is not None and not running.stepped:
+            running.stepped = True
+            self._waiting -= 1
+
+    def _stepped(self, running: _Running | None) -> None:
+        """The engine made a step (for ``running``, when still tracked)."""
+        self._progress_at = time.monotonic()
+        if running is not None and not running.stepped:
+            running.stepped = True
+            self._waiting -= 1
+
     async def _stream(self, message: Generate, reply: Reply, progress: _Progress) -> Output:
         """Send every engine output but the last; return the final one (or the deadline's)."""
         steps = self._generate(message.request)
         frames = _Frames(reply, self._frame_interval)
+        running = self._running.get(message.request_id)
         try:
             async with asyncio.timeout(message.deadline_ms / 1000 - time.time()) as scope:
                 async for step in steps:
+                    self._stepped(running)
                     progress.prompt_tokens = step.prompt_tokens or progress.prompt_tokens
                     progress.completion_tokens = step.completion_tokens
                     progress.cached_tokens = step.cached_tokens

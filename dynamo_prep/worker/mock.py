@@ -4,15 +4,24 @@ Request images are fetched and decoded as for a real engine (the same ``ImageFet
 ``--allowed-media-*`` policy), and the mock gets each image's identity from the fetcher, as vLLM
 does. With ``--kv-events`` the mock engine runs behind a paged prefix cache (``engines.mock.kv``)
 whose events a ``KvEventPublisher`` bound on ``endpoint_host`` publishes; the Worker starts it,
-announces its addresses and closes it after the drain.
+announces its addresses and closes it after the drain. Its scheduler (``engines.mock.scheduler``)
+runs at most ``--slots`` requests at once.
+
+Faults to try from outside, on a real process (``MOCK_FAULT_SIGNALS``): SIGUSR1 holds the engine's
+steps (a hung engine core: the process, its heartbeats and its request plane go on) or releases
+them when held; SIGUSR2 keeps the event loop busy for ``STARVE_S`` seconds (a starved worker).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
+import structlog
 import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
@@ -22,13 +31,20 @@ from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
 from dynamo_prep.engines.mock.kv import MockKvEngine
 from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
+from dynamo_prep.engines.mock.scheduler import MockScheduler
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer
 from dynamo_prep.worker.metrics import WorkerMetrics
 from dynamo_prep.worker.server import Worker
 
-__all__ = ["mock_card", "mock_engine", "mock_worker", "with_images"]
+__all__ = ["MOCK_FAULT_SIGNALS", "STARVE_S", "mock_card", "mock_engine", "mock_worker", "with_images"]
+
+log = structlog.get_logger("dynamo_prep.worker")
+
+MOCK_FAULT_SIGNALS = {"hold_or_release_engine": signal.SIGUSR1, "starve_loop": signal.SIGUSR2}
+# How long SIGUSR2 keeps the loop busy: longer than a test's short TTL (the default TTL is 3 s).
+STARVE_S = 2.5
 
 
 def mock_engine(config: WorkerConfig) -> MockContinuation:
@@ -54,6 +70,7 @@ def mock_card(config: WorkerConfig, declared_token: str | None) -> ModelDeployme
         runtime_config=ModelRuntimeConfig(
             image_placeholder_token=declared_token,
             total_kv_blocks=capacity,
+            max_num_seqs=config.slots,
             tool_call_parser=config.tool_call_parser,
             reasoning_parser=config.reasoning_parser,
         ),
@@ -101,7 +118,31 @@ def mock_worker(
             kv_publisher.publish,
             prefill_ms_per_1k=config.prefill_ms_per_1k,
         ).generate
+    scheduler = MockScheduler(generate, slots=config.slots)  # images are fetched before a slot is taken
+    _on_fault_signals(scheduler)
     generation = GenerationServer(
-        with_images(generate, images), check=metrics.counting_check(engine.check_contract, config.flavor)
+        with_images(scheduler.generate, images),
+        check=metrics.counting_check(engine.check_contract, config.flavor),
     )
     return Worker.from_config(config, card, context, generation, metrics, kv_publisher=kv_publisher)
+
+
+def _on_fault_signals(scheduler: MockScheduler) -> None:
+    """SIGUSR1 holds or releases the engine, SIGUSR2 starves the loop (from the running loop)."""
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(
+        MOCK_FAULT_SIGNALS["hold_or_release_engine"],
+        lambda: scheduler.release() if scheduler.held else scheduler.hold(),
+    )
+    loop.add_signal_handler(MOCK_FAULT_SIGNALS["starve_loop"], _starve)
+
+
+def _starve() -> None:
+    """Keep the loop busy running Python for ``STARVE_S`` (it lets the GIL go only when CPython
+    makes it, every switch interval), as a worker busy with a slow request would."""
+    log.warning("mock_loop_starving", seconds=STARVE_S)
+    until = time.monotonic() + STARVE_S
+    spins = 0
+    while time.monotonic() < until:
+        spins += 1
+    log.warning("mock_loop_starved", seconds=STARVE_S, spins=spins)

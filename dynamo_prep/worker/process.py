@@ -3,8 +3,11 @@
 The engine is the mock (``worker.mock``) or a real one (``worker.engine``: vLLM or SGLang, built
 from its own flags). Stopping is the same for both: on SIGTERM or SIGINT the worker withdraws its
 card, drains (in-flight requests may finish for ``--drain-timeout``, the rest are aborted in the
-engine), closes its sockets, then shuts a real engine down and exits 0. A real engine that dies
-makes the worker withdraw and exit 1, so the orchestrator restarts it.
+engine), closes its sockets, then shuts a real engine down and exits 0. A real engine that dies, or
+any engine that hangs (no step for ``--engine-stall-timeout`` with requests in flight), makes the
+worker withdraw, fail its requests over at once (503) and exit 1, so the orchestrator restarts it.
+The mock worker's engine can be made to hang and its loop to starve by signals, to exercise that
+from outside (``worker.mock.MOCK_FAULT_SIGNALS``).
 
 A worker that cannot start logs ``worker_start_failed`` before anything is announced (never a
 worker that announces and then cannot serve): exit code 2 for wrong options
@@ -159,9 +162,12 @@ async def _serve_signalled(
 
 
 async def _run_until(worker: Worker, stopping: asyncio.Event, engine_dead: Awaitable[str] | None) -> int:
+    """Serve until a signal (exit 0), or until the worker fails, its engine dies or hangs (exit 1:
+    withdrawn, its requests failed over at once)."""
     running = asyncio.create_task(worker.run())
     signalled = asyncio.create_task(stopping.wait())
-    watched: set[asyncio.Future[Any]] = {running, signalled}
+    stalled = asyncio.create_task(worker.engine_stalled())
+    watched: set[asyncio.Future[Any]] = {running, signalled, stalled}
     dead = None if engine_dead is None else asyncio.ensure_future(engine_dead)
     if dead is not None:
         watched.add(dead)
@@ -173,12 +179,14 @@ async def _run_until(worker: Worker, stopping: asyncio.Event, engine_dead: Await
     if dead is not None and dead.done():
         log.error("engine_dead", reason=dead.result())
         code = EXIT_FAILED
+    if stalled.done():
+        code = EXIT_FAILED  # the watchdog logged engine_stalled
     try:
-        await asyncio.wait_for(worker.stop(), timeout=worker.stop_timeout_s)
+        await asyncio.wait_for(worker.stop(drain=code == EXIT_OK), timeout=worker.stop_timeout_s)
     except TimeoutError:
         log.error("worker_stop_timeout", timeout_s=worker.stop_timeout_s)
         code = EXIT_FAILED
-    for task in (signalled, running, dead):
+    for task in (signalled, running, dead, stalled):
         if task is not None:
             task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):

@@ -12,7 +12,9 @@ either a fixed address (a real engine's publisher, ``register``) or the bound ad
 Stopping is graceful in Dynamo's order: withdraw the card first (frontends stop routing here),
 then drain (new Generate gets a retryable 503, in-flight requests may finish for
 ``drain_timeout_s``), then cancel what is left, close the KV publisher (the drained requests'
-last events are out) and close the request plane.
+last events are out) and close the request plane. A worker whose engine died or hung
+(``engine_stalled``, the ``EngineWatchdog``) refuses new work at once and does not wait: nothing in
+flight would finish, so its requests get their 503 (and move) right after the withdraw.
 """
 
 from __future__ import annotations
@@ -42,9 +44,15 @@ from dynamo_prep.protocol.discovery import (
     KvEventsEndpoint,
 )
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
-from dynamo_prep.worker.config import DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_ENDPOINT_HOST, WorkerConfig
+from dynamo_prep.worker.config import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_ENDPOINT_HOST,
+    DEFAULT_ENGINE_STALL_TIMEOUT_S,
+    WorkerConfig,
+)
 from dynamo_prep.worker.generate import GenerationServer, Reply
 from dynamo_prep.worker.metrics import MetricsServer, WorkerMetrics
+from dynamo_prep.worker.watchdog import EngineWatchdog
 
 __all__ = ["STOP_TIMEOUT_S", "RequestDispatcher", "Worker"]
 
@@ -116,6 +124,7 @@ class Worker:
         metrics_port: int | None = None,
         kv_events: KvEventsEndpoint | None = None,
         kv_publisher: KvEventPublisher | None = None,
+        engine_stall_timeout_s: float = DEFAULT_ENGINE_STALL_TIMEOUT_S,
     ) -> None:
         if kv_events is not None and kv_publisher is not None:
             raise ValueError("give kv_events (a fixed address) or kv_publisher (started here), not both")
@@ -127,6 +136,11 @@ class Worker:
         self.dispatcher.register(FetchFile, self._fetch_file)
         self.generation = generation
         self.drain_timeout_s = drain_timeout_s
+        self.watchdog = (
+            EngineWatchdog(generation, engine_stall_timeout_s)
+            if generation is not None and engine_stall_timeout_s > 0
+            else None
+        )
         if generation is not None:
             self.metrics.track_inflight(lambda: generation.in_flight)
             self.dispatcher.register(Generate, self.metrics.counting_generate(generation.on_generate))
@@ -180,6 +194,7 @@ class Worker:
             metrics_port=config.metrics_port,
             kv_events=kv_events,
             kv_publisher=kv_publisher,
+            engine_stall_timeout_s=config.engine_stall_timeout_s,
         )
 
     async def start(self) -> None:
@@ -213,6 +228,7 @@ class Worker:
             curve=self._curve,
             context=self._context,
             kv_events=self.kv_events,
+            load=self.generation.load if self.generation is not None else None,
         )
         structlog.contextvars.bind_contextvars(instance_id=self.instance_id, model=self.card.display_name)
         log.info(
@@ -247,16 +263,27 @@ class Worker:
         """The longest ``stop()`` may take: withdraw, drain, then close."""
         return self.drain_timeout_s + STOP_TIMEOUT_S + STOP_LINGER_MS / 1000
 
-    async def stop(self) -> None:
+    async def engine_stalled(self) -> str:
+        """Return (a reason) when the engine hung (the watchdog); never without one."""
+        if self.watchdog is None:
+            await asyncio.Event().wait()
+        assert self.watchdog is not None
+        return await self.watchdog.stalled()
+
+    async def stop(self, *, drain: bool = True) -> None:
         """Withdraw the card first, drain in-flight generations, then close the request plane.
 
         The request plane keeps serving during the drain, so late requests get a 503 (retryable
-        on another instance) and in-flight streams can still be cancelled.
+        on another instance) and in-flight streams can still be cancelled. ``drain=False`` (the
+        engine died or hung): new work is refused from now on, and what is in flight fails at once
+        after the withdraw.
         """
+        if self.generation is not None and not drain:
+            self.generation.draining = True  # a dying worker: new work gets a retryable 503 at once
         if self._publisher is not None:
             await self._publisher.stop()
         if self.generation is not None:
-            await self.generation.drain(self.drain_timeout_s)
+            await self.generation.drain(self.drain_timeout_s if drain else 0.0)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -7,5 +7,7 @@
 * ``kv_cache``: ``PagedPrefixCache``, a paged prefix cache emitting vLLM's KV events;
   ``kv_publisher``: ``KvEventPublisher``, vLLM's ZeroMQ publisher with its replay ROUTER;
   ``kv``: ``MockKvEngine``, the mock behind that cache (``--kv-events``);
+* ``scheduler``: ``MockScheduler``, a bounded batch with a waiting queue and a core that can hang
+  (``--slots``, the worker's fault signals);
 * ``standins``: objects shaped like SGLang's classes, for the mock's declaration and for tests.
 """
