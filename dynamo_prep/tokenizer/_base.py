@@ -2,21 +2,37 @@
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
+
+import structlog
 
 from dynamo_prep.card import ModelCardError, model_files, read_json, read_optional_json
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.prompt import Run
 
-__all__ = ["Tokenizer", "TokenizerError", "token_content"]
+__all__ = ["Tokenizer", "TokenizerError", "TokenizerSource", "token_content"]
+
+log = structlog.get_logger()
 
 
 class TokenizerError(ValueError):
     """A tokenizer cannot be loaded or used; the message names the file and the field."""
+
+
+class TokenizerSource(NamedTuple):
+    """What a model directory tells a tokenizer: its files (paths by logical name) and the JSON
+    of the ones every kind reads (empty where the directory has none)."""
+
+    model_dir: Path
+    files: Mapping[str, Path]
+    config: dict[str, Any]
+    tokenizer_config: dict[str, Any]  # special_tokens_map.json under tokenizer_config.json
+    generation_config: dict[str, Any]
 
 
 class Tokenizer(ABC):
@@ -53,32 +69,44 @@ class Tokenizer(ABC):
         Hugging Face ``tokenizers``; tiktoken ranks: Kimi). ``config`` is the parsed ``config.json``
         when the caller has already read it. A bad layout or file raises ``TokenizerError`` naming
         the file."""
+        started = time.perf_counter()
         model_dir = resolve_model_dir(path)
         try:
             files = model_files(model_dir)
-            if config is None:
-                config = read_json(files["config.json"])
-            tokenizer_config = {
-                **read_optional_json(files, "special_tokens_map.json"),
-                **read_optional_json(files, "tokenizer_config.json"),
-            }
-            generation_config = read_optional_json(files, "generation_config.json")
+            source = TokenizerSource(
+                model_dir,
+                files,
+                read_json(files["config.json"]) if config is None else config,
+                {
+                    **read_optional_json(files, "special_tokens_map.json"),
+                    **read_optional_json(files, "tokenizer_config.json"),
+                },
+                read_optional_json(files, "generation_config.json"),
+            )
         except ModelCardError as exc:
             raise TokenizerError(str(exc)) from exc
         kind = next(kind for name, kind in Tokenizer._kinds.items() if name in files)
-        return kind.load(model_dir, files, config, tokenizer_config, generation_config)
+        tokenizer = kind.load(source)
+        tokenizer._set_stop_ids(source)
+        log.debug(
+            "tokenizer_loaded",
+            model_dir=str(model_dir),
+            kind=tokenizer.kind,
+            model_type=tokenizer.model_type,
+            n_vocab=tokenizer.n_vocab,
+            load_ms=round((time.perf_counter() - started) * 1000, 1),
+            **tokenizer.load_facts(),
+        )
+        return tokenizer
 
     @classmethod
     @abstractmethod
-    def load(
-        cls,
-        model_dir: Path,
-        files: Mapping[str, Path],
-        config: dict[str, Any],
-        tokenizer_config: dict[str, Any],
-        generation_config: dict[str, Any],
-    ) -> Tokenizer:
-        """This kind's tokenizer from the directory's files (their paths by logical name)."""
+    def load(cls, source: TokenizerSource) -> Tokenizer:
+        """This kind's tokenizer from the directory's files (stop ids are set by the caller)."""
+
+    def load_facts(self) -> dict[str, Any]:
+        """What this kind's load is worth logging beside the common fields."""
+        return {}
 
     # -- encoding -----------------------------------------------------------------------------
 
@@ -157,15 +185,10 @@ class Tokenizer(ABC):
             return None
         return f"token id {bad} is outside the vocabulary of {size} ids (0 to {size - 1})"
 
-    def _set_stop_ids(
-        self,
-        config: Mapping[str, Any],
-        tokenizer_config: Mapping[str, Any],
-        generation_config: Mapping[str, Any],
-        files: Mapping[str, Path],
-    ) -> None:
+    def _set_stop_ids(self, source: TokenizerSource) -> None:
         """``bos_token_id`` and every stop id: generation_config, then config.json, then the tokenizer's
         own ``eos_token`` (tokenizer_config.json, else special_tokens_map.json)."""
+        config, tokenizer_config, files = source.config, source.tokenizer_config, source.files
         tc_path = files.get("tokenizer_config.json", Path("tokenizer_config.json"))
         if (name := token_content(tokenizer_config.get("bos_token"))) is not None:
             self.bos_token_id = self._resolve(name, tc_path, "bos_token")
@@ -174,8 +197,8 @@ class Tokenizer(ABC):
                 config.get("bos_token_id"), files.get("config.json", Path("config.json")), "bos_token_id"
             )
         ids: list[int] = []
-        for source, name in ((generation_config, "generation_config.json"), (config, "config.json")):
-            value = source.get("eos_token_id")
+        for origin, name in ((source.generation_config, "generation_config.json"), (config, "config.json")):
+            value = origin.get("eos_token_id")
             for item in value if isinstance(value, list) else [value]:
                 token_id = self._checked_id(item, files.get(name, Path(name)), "eos_token_id")
                 if token_id is not None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -22,7 +21,7 @@ import tokenizers
 
 from dynamo_prep.card import HF_TOKENIZER_FILE
 from dynamo_prep.prompt import Run
-from dynamo_prep.tokenizer._base import Tokenizer, TokenizerError, frozen, token_content
+from dynamo_prep.tokenizer._base import Tokenizer, TokenizerError, TokenizerSource, frozen, token_content
 from dynamo_prep.tokenizer._decoding import stream_bytes_table
 
 __all__ = ["HfTokenizer"]
@@ -115,18 +114,10 @@ class HfTokenizer(Tokenizer):
         self._table, self.decoder_exact = stream_bytes_table(tokenizer, decoder, self.n_vocab, source)
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        files: Mapping[str, Path],
-        config: dict[str, Any],
-        tokenizer_config: dict[str, Any],
-        generation_config: dict[str, Any],
-    ) -> HfTokenizer:
+    def load(cls, source: TokenizerSource) -> HfTokenizer:
         """Load ``tokenizer.json`` with the added tokens ``tokenizer_config.json`` declares, as
         transformers does; a malformed file or an inconsistent token names the file and the field."""
-        started = time.perf_counter()
-        path = files[HF_TOKENIZER_FILE]
+        path = source.files[HF_TOKENIZER_FILE]
         text = _read_text(path)
         try:
             spec = json.loads(text)
@@ -135,28 +126,20 @@ class HfTokenizer(Tokenizer):
             raise TokenizerError(f"{path}: not a valid tokenizer.json: {str(exc)[:300]}") from exc
         if not isinstance(spec, dict):
             raise TokenizerError(f"{path}: not a valid tokenizer.json: not a JSON object")
-        _declare_added_tokens(tokenizer, tokenizer_config, files)
-        model_type = config.get("model_type")
-        hf = cls(
-            name=model_dir.resolve().name,
+        _declare_added_tokens(tokenizer, source.tokenizer_config, source.files)
+        model_type = source.config.get("model_type")
+        return cls(
+            name=source.model_dir.resolve().name,
             model_type=model_type if isinstance(model_type, str) else None,
             tokenizer=tokenizer,
             source=path,
             decoder=spec.get("decoder"),
             text_encoders=_text_encoders(tokenizer, spec.get("pre_tokenizer"), path),
-            clean_up_tokenization_spaces=_cleans_up(spec, tokenizer_config),
+            clean_up_tokenization_spaces=_cleans_up(spec, source.tokenizer_config),
         )
-        hf._set_stop_ids(config, tokenizer_config, generation_config, files)
-        log.debug(
-            "tokenizer_loaded",
-            model_dir=str(model_dir),
-            kind=cls.kind,
-            model_type=hf.model_type,
-            n_vocab=hf.n_vocab,
-            decoder_exact=hf.decoder_exact,
-            load_ms=round((time.perf_counter() - started) * 1000, 1),
-        )
-        return hf
+
+    def load_facts(self) -> dict[str, Any]:
+        return {"decoder_exact": self.decoder_exact}
 
     # -- encoding -----------------------------------------------------------------------------
 

@@ -15,7 +15,6 @@ import functools
 import hashlib
 import re
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ import tiktoken
 
 from dynamo_prep.card import TIKTOKEN_FILE
 from dynamo_prep.prompt import Run
-from dynamo_prep.tokenizer._base import Tokenizer, TokenizerError, token_content
+from dynamo_prep.tokenizer._base import Tokenizer, TokenizerError, TokenizerSource, token_content
 
 __all__ = ["KNOWN_MODEL_TYPES", "NUM_RESERVED_SPECIAL_TOKENS", "TiktokenTokenizer"]
 
@@ -149,42 +148,30 @@ class TiktokenTokenizer(Tokenizer):
         self._line_ids: dict[str, tuple[int, ...]] = {}
         self._line_chars = 0
         self._lines_seen: dict[int, int] = {}  # line hash -> sightings before it is kept
+        self._encoding_cached = False  # whether the load found this file's Encoding already built
 
     @classmethod
-    def load(
-        cls,
-        model_dir: Path,
-        files: Mapping[str, Path],
-        config: dict[str, Any],
-        tokenizer_config: dict[str, Any],
-        generation_config: dict[str, Any],
-    ) -> TiktokenTokenizer:
+    def load(cls, source: TokenizerSource) -> TiktokenTokenizer:
         """Load a model directory's tiktoken ranks exactly as Kimi's TikTokenTokenizer does."""
-        started = time.perf_counter()
-        model_type = _model_type(config)
+        files, tokenizer_config = source.files, source.tokenizer_config
+        model_type = _model_type(source.config)
         tc_path = files["tokenizer_config.json"]
         pat_str = _pat_str(model_type, tokenizer_config, tc_path, files["config.json"])
         added = _added_tokens(tokenizer_config, tc_path)
         vocab, cached = _vocab(files[TIKTOKEN_FILE], pat_str, added, tc_path)
         tokenizer = cls(
-            name=model_dir.resolve().name,
+            name=source.model_dir.resolve().name,
             model_type=model_type,
             encoding=vocab.encoding,
             num_base_tokens=vocab.num_base_tokens,
             special_tokens=vocab.special_tokens,
             all_special_ids=_all_special_ids(vocab.special_tokens, added, tokenizer_config),
         )
-        tokenizer._set_stop_ids(config, tokenizer_config, generation_config, files)
-        log.debug(
-            "tokenizer_loaded",
-            model_dir=str(model_dir),
-            kind=cls.kind,
-            model_type=model_type,
-            n_vocab=tokenizer.n_vocab,
-            encoding_cached=cached,
-            load_ms=round((time.perf_counter() - started) * 1000, 1),
-        )
+        tokenizer._encoding_cached = cached
         return tokenizer
+
+    def load_facts(self) -> dict[str, Any]:
+        return {"encoding_cached": self._encoding_cached}
 
     @functools.cached_property
     def longest_token_bytes(self) -> int:
