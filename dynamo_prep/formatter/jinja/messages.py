@@ -57,11 +57,19 @@ class MessageRules:
     knows_developer: bool
 
 
+# The four possible rules, shared: a served model keeps no object of its own for them.
+_RULES = {
+    (content_format, knows): MessageRules(content_format, knows)
+    for content_format in ("string", "openai")
+    for knows in (False, True)
+}
+
+
 def message_rules(environment: jinja2.Environment, source: str | None) -> MessageRules:
     """The template's rules; without its source, vLLM's default ("string", developer converted)."""
     if source is None:
-        return MessageRules("string", knows_developer=False)
-    return MessageRules(detect_content_format(environment, source), knows_developer_role(source))
+        return _RULES["string", False]
+    return _RULES[detect_content_format(environment, source), knows_developer_role(source)]
 
 
 def vllm_messages(messages: Sequence[Any], rules: MessageRules) -> list[dict[str, Any]]:
