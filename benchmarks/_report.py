@@ -84,7 +84,8 @@ def machine() -> dict[str, Any]:
 
 def markdown_table() -> str:
     """Every suite's records as one Markdown table, with the machine line of the latest run."""
-    suites = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RESULTS_DIR.glob("*.json"))]
+    files = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(RESULTS_DIR.glob("*.json"))]
+    suites = [suite for suite in files if "records" in suite and "finished_at" in suite]  # a Suite's file
     lines = ["# Benchmark results", ""]
     if suites:
         info = max(suites, key=lambda suite: suite["finished_at"])["machine"]

@@ -13,6 +13,10 @@ interleaved round by round, and reports medians of per-round ratios:
   against the floor, and transformers' ``apply_chat_template(tokenize=False)`` (a real offline
   ``PreTrainedTokenizerFast`` with the same template and special tokens) plus the same tiktoken
   encoding against ours. Without transformers the table says so.
+* Jinja messages (a plain chat: string contents, no tool calls): ``JinjaFormatter.render`` (the
+  messages converted as vLLM hands them to the template) against rendering the messages as the
+  client sent them, on a "string"-format template (ChatML) and an "openai"-format one (Qwen-VL's,
+  where vLLM's text parts make the template loop over each message's parts).
 
 ``--profile [k3|jinja]`` prints pyinstrument profiles of our paths (both by default): self time by
 component, the top frames, then the call tree.
@@ -37,7 +41,8 @@ import tiktoken
 
 from benchmarks._report import Suite
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.formatter import KimiK3Formatter, Segment
+from dynamo_prep.formatter import JinjaFormatter, KimiK3Formatter, Segment
+from dynamo_prep.formatter.jinja.messages import MessageRules, vllm_messages
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.preprocessor import OpenAIPreprocessor, TokenizedPrompt
 from dynamo_prep.protocol.openai import ChatCompletionRequest
@@ -201,6 +206,31 @@ def k3_request(nonce: str = "") -> ChatCompletionRequest:
         },
     ]
     return ChatCompletionRequest(model="k3", messages=messages)
+
+
+def plain_request(nonce: str = "") -> ChatCompletionRequest:
+    """A plain chat of about 1 KB: a system prompt and four turns, every content a string."""
+    turns = [
+        "We are planning a two-day team offsite in Berlin for about forty people in early June.",
+        "Good plan. Early June is usually mild; book a venue with indoor space in case of rain.",
+        "What should the agenda of the first day look like, roughly, from nine to five?",
+        "Start with a short welcome, then two working sessions split by lunch and a walk outside.",
+        "And the second day? People will be tired, so keep it lighter than the first one.",
+    ]
+    messages = [{"role": "system", "content": f"You are a concise, friendly planning assistant.{nonce}"}]
+    messages += [
+        {"role": "user" if index % 2 == 0 else "assistant", "content": f"{text}{nonce}"}
+        for index, text in enumerate(turns)
+    ]
+    return ChatCompletionRequest(model="plain", messages=messages)
+
+
+# The classic ChatML template: content read as a string (vLLM's "string" content format).
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+    "+ '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
 
 
 def qwen_request(nonce: str = "") -> ChatCompletionRequest:
@@ -392,14 +422,9 @@ def hf_tokenizer(model_dir: Path) -> Any:
 
 
 def hf_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
-    """The request's messages as HF processors take them (image parts as ``{"type": "image"}``)."""
-    messages = []
-    for message in request.messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            content = [{"type": "image"} if part.get("type") == "image_url" else part for part in content]
-        messages.append({**message, "content": content})
-    return messages
+    """The request's messages as vLLM hands them to the qwen-vl-demo template (it loops over content
+    parts: vLLM's "openai" content format), what the engines' path renders too."""
+    return vllm_messages(request.messages, MessageRules("openai", knows_developer=False))
 
 
 def bench_jinja(suite: Suite, model_dir: Path, *, rounds: int, number: int) -> None:
@@ -451,6 +476,33 @@ def bench_jinja(suite: Suite, model_dir: Path, *, rounds: int, number: int) -> N
         )
     else:
         suite.record(name, None, "x", target=">= 2x", note=hf_note)
+
+
+def bench_jinja_messages(suite: Suite, model_dir: Path, *, rounds: int, number: int) -> None:
+    qwen = JinjaFormatter.from_model_dir(model_dir)
+    chatml = JinjaFormatter.from_template(CHATML_TEMPLATE, special_tokens=qwen.special_tokens)
+    for label, formatter, target in (("string", chatml, 1.05), ("openai", qwen, None)):
+        pool = Pool(plain_request, lambda request, f=formatter: f.render(request).text, number)
+        times = interleaved(
+            {
+                "ours": lambda index, f=formatter, p=pool: f.render(p.requests[index]),
+                "as sent": lambda index, f=formatter, p=pool: f.render_segments(
+                    p.requests[index].messages, add_generation_prompt=True
+                ),
+            },
+            number,
+            rounds=rounds,
+            new_pool=pool.refill,
+        )
+        value = ratio(times, "ours", "as sent")
+        suite.record(
+            f"Jinja plain chat, {label}-format template: render / render of the messages as sent",
+            value,
+            "x",
+            target="" if target is None else f"<= {target}x",
+            met=None if target is None else value <= target,
+            note=f"{micros(times, 'ours'):.0f} us vs {micros(times, 'as sent'):.0f} us",
+        )
 
 
 # self time by component: (label, path fragment); the first match names a frame's component
@@ -556,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         suite = Suite("preprocess")
         bench_k3(suite, k3_dir, rounds=args.rounds, number=args.number)
         bench_jinja(suite, qwen_dir, rounds=args.rounds, number=args.number)
+        bench_jinja_messages(suite, qwen_dir, rounds=args.rounds, number=args.number)
         print(f"wrote {suite.write()}", file=sys.stderr)
     return 0
 

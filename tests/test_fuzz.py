@@ -143,9 +143,14 @@ def test_repro_jinja_documents_not_a_list() -> None:
 
 
 def test_repro_jinja_deeply_nested_message_value() -> None:
-    request = {"model": "m", "messages": [{"role": "user", "content": "hi", "meta": _nested(5000)}]}
+    """A deeply nested value the template is given (tool-call arguments) is a 400; one under a key
+    vLLM drops (docs/formatters.md) never reaches the template."""
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": {"a": _nested(5000)}}}
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     with pytest.raises(PreprocessError):
-        preprocessor(QWEN).preprocess(request)
+        preprocessor(QWEN).preprocess({"model": "m", "messages": messages})
+    dropped = {"model": "m", "messages": [{"role": "user", "content": "hi", "meta": _nested(5000)}]}
+    assert preprocessor(QWEN).preprocess(dropped).token_ids
 
 
 def test_repro_request_body_deeply_nested_json() -> None:

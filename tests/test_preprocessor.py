@@ -274,8 +274,9 @@ def test_template_that_drops_images_is_a_400(tmp_path: Path) -> None:
     model.mkdir()
     for name in ("config.json", "tokenizer_config.json", "tiktoken.model"):
         (model / name).write_bytes((source / name).read_bytes())
-    template = (
-        "{% for m in messages %}{{ m.role }}: {{ m.content if m.content is string else '' }}\n{% endfor %}"
+    template = (  # content parts are looped over (vLLM's "openai" format), image parts skipped
+        "{% for m in messages %}{{ m.role }}: {% for p in m.content if p.type == 'text' %}{{ p.text }}"
+        "{% endfor %}\n{% endfor %}"
     )
     (model / "chat_template.jinja").write_text(template)
     preprocessor = OpenAIPreprocessor.new(ModelDeploymentCard.from_model_dir(model), model)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
@@ -11,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
-import structlog
 
 from dynamo_prep.card import read_json
 from dynamo_prep.formatter.jinja.bounds import RENDER_LIMITS, TemplateLimits, bounded
@@ -28,14 +26,13 @@ from dynamo_prep.formatter.jinja.environment import (
     to_plain,
 )
 from dynamo_prep.formatter.jinja.injection import USER_INPUTS, SpecialTokens, injection_safe_segments
+from dynamo_prep.formatter.jinja.messages import MessageRules, message_rules, vllm_messages
 from dynamo_prep.formatter.template_args import template_args_of
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.prompt import PromptRenderError, RenderedPrompt, Segment
 from dynamo_prep.protocol.openai import ChatCompletionRequest
 
 __all__ = ["JinjaFormatter"]
-
-log = structlog.get_logger("dynamo_prep.formatter")
 
 _RESERVED_ARGS = ("messages", "tools")
 # Formatters cutting at the same specials (the names of one checkpoint) share one SpecialTokens: its
@@ -84,6 +81,7 @@ class JinjaFormatter:
         self._template_sources = template_sources
         self._specials = self._special_tokens(registered_specials)
         self._template_vars = to_plain(self.special_tokens)
+        self._rules, self._tool_use_rules = _message_rules(template, tool_use_template, template_sources)
 
     def _special_tokens(self, registered: Iterable[str]) -> SpecialTokens:
         known = [*self.special_tokens.values(), *registered]
@@ -240,7 +238,8 @@ class JinjaFormatter:
         return RenderedPrompt(text=text, pieces=segments, image_count=image_count)
 
     def render(self, request: ChatCompletionRequest) -> RenderedPrompt:
-        """Render a request: image parts as HF processors expect, tools unless tool_choice is none."""
+        """Render a request: its messages as vLLM hands them to the template (``jinja.messages``), its
+        tools unless tool_choice is none."""
         args = template_args_of(request, self.special_tokens)
         if reserved := [name for name in _RESERVED_ARGS if name in args]:
             raise PromptRenderError(
@@ -250,7 +249,8 @@ class JinjaFormatter:
         tools = request.tools
         if request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none:
             tools = None
-        messages = [_hf_message(message) for message in request.messages]
+        rules = self._tool_use_rules if tools is not None else self._rules
+        messages = vllm_messages(request.messages, rules)
         return self.render_segments(messages, tools, add_generation_prompt=add_generation_prompt, **args)
 
     def _context(
@@ -277,6 +277,17 @@ class JinjaFormatter:
         return template, context
 
 
+def _message_rules(
+    template: jinja2.Template, tool_use: jinja2.Template | None, sources: Sequence[str] | None
+) -> tuple[MessageRules, MessageRules]:
+    """vLLM's reading of the default template and of the tool-use one (the default's when absent)."""
+    sources = sources or ()
+    rules = message_rules(template.environment, sources[0] if sources else None)
+    if tool_use is None:
+        return rules, rules
+    return rules, message_rules(tool_use.environment, sources[1] if len(sources) > 1 else None)
+
+
 def _tokenizer_config(model_dir: Path) -> dict[str, Any]:
     """``tokenizer_config.json`` over ``special_tokens_map.json``, as transformers merges them; either
     may be missing (a ``tokenizer.json`` checkpoint needs neither)."""
@@ -285,39 +296,3 @@ def _tokenizer_config(model_dir: Path) -> dict[str, Any]:
         if (model_dir / name).is_file():
             merged.update(read_json(model_dir / name))
     return merged
-
-
-def _hf_message(message: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI message as vLLM hands it to a template: ``image_url`` parts -> ``{"type": "image"}``;
-    assistant tool calls with ``arguments`` as an object (a JSON string parsed; empty, malformed or
-    not an object -> ``{}``, so a bad call in the history never blocks the conversation); an empty
-    ``tool_calls`` list dropped."""
-    content = message.get("content")
-    if isinstance(content, list):
-        message = {**message, "content": [_hf_part(part) for part in content]}
-    calls = message.get("tool_calls")
-    if message.get("role") == "assistant" and isinstance(calls, list):
-        if not calls:
-            return {key: value for key, value in message.items() if key != "tool_calls"}
-        message = {**message, "tool_calls": [_hf_call(call) for call in calls]}
-    return message
-
-
-def _hf_call(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or isinstance(function.get("arguments"), dict):
-        return call
-    arguments = function.get("arguments")
-    parsed: Any = arguments
-    if isinstance(arguments, str) and arguments:
-        try:
-            parsed = json.loads(arguments)
-        except ValueError:
-            log.warning(
-                "tool_call_arguments_not_json", function=str(function.get("name"))[:80], chars=len(arguments)
-            )
-    return {**call, "function": {**function, "arguments": parsed if isinstance(parsed, dict) else {}}}
-
-
-def _hf_part(part: Any) -> Any:
-    return {"type": "image"} if isinstance(part, dict) and part.get("type") == "image_url" else part
