@@ -326,9 +326,21 @@ def test_render_template_args_order_and_overrides() -> None:
     with pytest.raises(PromptRenderError, match="eos_token") as refused:
         formatter.render(user_request(chat_template_kwargs={"eos_token": "<k>"}))
     assert refused.value.param == "chat_template_kwargs"
-    overridden = user_request(chat_template_args={"add_generation_prompt": False})
-    assert formatter.render(overridden).text == "null|False|-|</s>"
+    # vLLM merges the request's own add_generation_prompt over the template arguments
+    overridden = user_request(chat_template_kwargs={"add_generation_prompt": False})
+    assert formatter.render(overridden).text == "null|True|-|</s>"
     assert formatter.render(user_request()).text == "null|True|-|</s>"
+
+
+def test_reasoning_effort_reaches_the_template_as_vllm_passes_it() -> None:
+    formatter = JinjaFormatter.from_template(
+        "{{ reasoning_effort | default('-') }}|{{ enable_thinking | default('-') }}"
+    )
+    assert formatter.render(user_request()).text == "-|-"
+    assert formatter.render(user_request(reasoning_effort="low")).text == "low|True"
+    assert formatter.render(user_request(reasoning_effort="none")).text == "none|False"
+    kept = user_request(reasoning_effort="high", chat_template_kwargs={"enable_thinking": False})
+    assert formatter.render(kept).text == "high|False"
 
 
 @pytest.mark.parametrize("key", ["messages", "tools"])

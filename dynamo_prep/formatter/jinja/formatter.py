@@ -245,7 +245,11 @@ class JinjaFormatter:
             raise PromptRenderError(
                 f"chat_template_args cannot set {', '.join(reserved)}: they come from the request"
             )
-        add_generation_prompt = args.pop("add_generation_prompt", request.add_generation_prompt)
+        args.pop("add_generation_prompt", None)  # the request's own field wins, as vLLM merges them
+        add_generation_prompt = request.add_generation_prompt
+        if request.reasoning_effort is not None:  # vLLM's: the effort, and thinking unless asked otherwise
+            args["reasoning_effort"] = request.reasoning_effort
+            args.setdefault("enable_thinking", request.reasoning_effort != "none")
         tools = request.tools
         if request.tool_choice == "none" and self.exclude_tools_when_tool_choice_none:
             tools = None
