@@ -150,6 +150,8 @@ def test_mixed_pool_alternates_and_each_worker_gets_its_contract(
             flavors.append(flavor)
     assert flavors in (["sglang", "vllm"] * 3, ["vllm", "sglang"] * 3)
     for worker in workers.values():
+        # the worker's log lines are read on a thread of their own: wait for them, do not race them
+        wait_for(lambda w=worker: len(w.find("mock_generate_started", images=2)) >= 3, 20, message="logs")
         assert not worker.find("mock_contract_violation")
         assert len(worker.find("mock_generate_started", images=2)) == 3
     sglang_prompt = workers["sglang"].find("mock_generate_started")[0]["prompt_tokens"]
