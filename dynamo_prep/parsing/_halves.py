@@ -10,12 +10,13 @@ the contract and a walk-through: docs/answers.md ("Adding a family").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import CallIds, DeltaList, ToolCallDelta, new_call_id
 from dynamo_prep.parsing._recoveries import Recoveries
+from dynamo_prep.parsing._schema_types import NO_TOOLS, ToolProperties
 
 __all__ = ["Half", "NoReasoning", "NoTools", "ParseOptions", "ReasoningHalf", "ToolHalf"]
 
@@ -28,12 +29,18 @@ class ParseOptions:
     ``tools_enabled=False`` (``tool_choice: "none"``): every call is dropped, never content.
     ``tools_declared``: the request declared tools (a format that cannot tell a call from a JSON
     answer, ``ToolHalf.NEEDS_TOOLS``, parses calls only then).
+    ``thinking_requested``: the request's ``chat_template_kwargs`` asked for thinking (``thinking``
+    or ``enable_thinking``), which is how vLLM's ``deepseek_v3`` reasoning parser decides.
+    ``tool_properties``: the declared tools' property schemas, by name (``tool_properties``), for
+    formats whose argument values are raw text typed by the schema (``qwen3_coder``).
     """
 
     thinking: bool = False
     tools_enabled: bool = True
     tools_declared: bool = True
     call_ids: CallIds = new_call_id
+    thinking_requested: bool = False
+    tool_properties: ToolProperties = field(default_factory=lambda: NO_TOOLS)
 
 
 class Half:
