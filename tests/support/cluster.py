@@ -45,7 +45,7 @@ def mock_cluster(
             delay = () if "--token-delay" in flags else ("--token-delay", "0")
             args = (*flags, "--discovery", discovery, *delay)
             procs.append(start_dynamo("worker", *args, log_level=worker_log_level))
-        models = {flags[flags.index("--model-path") + 1] for flags in workers}
+        models = {_served(flags) for flags in workers}
         wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), 30, message="the workers")
         wait_for(lambda: len(frontend.find("model_added")) >= len(models), 30, message="every model added")
         cluster = Cluster(f"http://127.0.0.1:{port}")
@@ -54,6 +54,12 @@ def mock_cluster(
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def _served(flags: Sequence[str]) -> str:
+    """The model a worker serves: its ``--served-name``, else its ``--model-path``."""
+    name = "--served-name" if "--served-name" in flags else "--model-path"
+    return flags[list(flags).index(name) + 1]
 
 
 def openai_client(url: str, *, timeout: float = 30) -> openai.OpenAI:
