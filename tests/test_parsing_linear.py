@@ -14,6 +14,7 @@ import gc
 import itertools
 import tracemalloc
 from collections.abc import Callable
+from typing import SupportsIndex
 
 import pytest
 from support.hf_models import built_models
@@ -27,8 +28,12 @@ from dynamo_prep.parsing import (
     PlainAnswerParser,
     parser_for,
 )
+from dynamo_prep.parsing._answer import DeltaList, ToolCallDelta
+from dynamo_prep.parsing._halves import ToolHalf
+from dynamo_prep.parsing._recoveries import Recoveries
 from dynamo_prep.parsing._tokens import vocab_of
-from dynamo_prep.parsing.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, TOOL_SEP
+from dynamo_prep.parsing.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, TOOL_SEP, DeepSeekV31Tools
+from dynamo_prep.parsing.qwen3_coder import Qwen3CoderTools
 
 WARM_IDS = 10_000
 """Streamed before the measure: the allocator's free lists and the tokenizer's caches fill up."""
@@ -244,3 +249,29 @@ def test_long_runs_parse_the_same_whole_and_streamed(case: str) -> None:
     model = K3 if "k3" in case else QWEN
     ids = prefix + body * (2_000 // len(body) + 1) + words(model)  # the words are text in every vocabulary
     all_ways(make, ids)
+
+
+class CountingText(str):
+    """Text that counts the characters its ``find`` calls look at."""
+
+    looked = 0
+
+    def find(self, sub: str, start: SupportsIndex | None = None, end: SupportsIndex | None = None) -> int:
+        where = super().find(sub, start, end)
+        begin = 0 if start is None else int(start)
+        CountingText.looked += (where if where >= 0 else len(self) if end is None else int(end)) - begin
+        return where
+
+
+@pytest.mark.parametrize("tools", [DeepSeekV31Tools, Qwen3CoderTools])
+def test_markers_in_text_are_searched_in_one_pass_whatever_never_comes(tools: type[ToolHalf]) -> None:
+    """A whole answer of many calls (markers in text) where a valid marker never comes (the calls
+    section's end): each marker is searched forward once, not again from every call."""
+    one = "".join(DEEPSEEK_CALL) if tools is DeepSeekV31Tools else "".join(CODER_CALL) + "\n"
+    text = CountingText((CALLS_BEGIN if tools is DeepSeekV31Tools else "") + one * 2_000)
+    half = tools(ParseOptions(call_ids=counting_ids()), frozenset(tools.MARKERS), Recoveries())
+    out = DeltaList()
+    CountingText.looked = 0
+    half.text(text, out)
+    assert sum(isinstance(delta, ToolCallDelta) for delta in out.done()) == 2_000
+    assert CountingText.looked <= 2 * len(tools.MARKERS) * len(text)
