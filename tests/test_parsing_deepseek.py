@@ -11,6 +11,8 @@ from collections.abc import Callable
 from functools import cache
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.hf_models import built_models
 from test_parsing_streams import QWEN, all_ways, counting_ids
 from test_parsing_streams import tokenizer as demo_tokenizer
@@ -266,3 +268,51 @@ def test_a_card_declaring_the_parsers_gets_them() -> None:
     assert (answer.reasoning, answer.content) == ("hm", "ok")
     answer, _ = all_ways(made(False), ids_of("hm", THINK_CLOSE, "ok"))
     assert (answer.reasoning, answer.content) == ("", "hmok")
+
+
+# -- anything at all -------------------------------------------------------------------------------
+
+PIECES = (
+    *MARKERS,
+    "get_weather",
+    "function",
+    "\n```json\n",
+    "\n```",
+    WEATHER,
+    '{"a": ',
+    "}",
+    " ",
+    "\n",
+    "你好 😀",
+    "<｜tool",
+)
+
+
+@settings(max_examples=150, derandomize=True, database=None, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), max_size=40),
+    tools=st.sampled_from(["deepseek_v3", "deepseek_v31"]),
+    requested=st.booleans(),
+    finish=st.sampled_from(["stop", "length"]),
+)
+def test_any_sequence_of_markers_and_text_gives_only_documented_behaviour(
+    pieces: list[str], tools: str, requested: bool, finish: str
+) -> None:
+    answer, recoveries = parsed(*pieces, finish=finish, maker=reasoning_of(tools, requested))
+    for tool_call in answer.tool_calls:
+        assert tool_call.name and isinstance(json.loads(tool_call.arguments), dict)
+    if not recoveries.get("invalid_tool_call"):  # only a block that is no call spells its markers
+        assert not any(marker in answer.content for marker in MARKERS[:5])
+    assert not any(tag in answer.content + answer.reasoning for tag in (THINK_OPEN, THINK_CLOSE))
+
+
+def reasoning_of(tools: str, requested: bool) -> Callable[[], AnswerParser]:
+    return make(tools, "deepseek_v3", thinking_requested=requested)
+
+
+def test_a_hostile_100k_id_answer_keeps_every_character() -> None:
+    """50,000 calls that never get their separator, then text: each is content, counted, in one pass."""
+    ids = ids_of(*[(CALL_BEGIN, "x")] * 50_000, "end")
+    answer, recoveries = all_ways(make(), ids, seeds=(0,))
+    assert answer.content == f"{CALL_BEGIN}x" * 50_000 + "end"
+    assert recoveries == {"invalid_tool_call": 50_000, "missing_tools_open": 1}

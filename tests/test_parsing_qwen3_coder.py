@@ -10,6 +10,8 @@ from functools import cache
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.hf_models import built_models
 from test_parsing_streams import QWEN, all_ways, counting_ids
 from test_parsing_streams import tokenizer as demo_tokenizer
@@ -269,3 +271,54 @@ def test_tool_properties_reads_the_first_function_tool_of_each_name() -> None:
     ]
     assert tool_properties(tools) == {"f": {"a": {"type": "integer"}}, "g": {}}
     assert tool_properties(None) == {}
+
+
+# -- anything at all -------------------------------------------------------------------------------
+
+PIECES = (
+    OPEN,
+    CLOSE,
+    THINK_CLOSE,
+    "<function=",
+    "</function>",
+    "<parameter=",
+    "</parameter>",
+    "get_weather",
+    "days",
+    "city",
+    ">",
+    "\n",
+    " ",
+    "3",
+    "true",
+    '{"a": [1',
+    "]}",
+    "你好 😀",
+    "<",
+    "<func",
+)
+
+
+@settings(max_examples=150, derandomize=True, database=None, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(PIECES), max_size=40),
+    reasoning=st.sampled_from([None, "qwen3"]),
+    thinking=st.booleans(),
+    finish=st.sampled_from(["stop", "length"]),
+)
+def test_any_sequence_of_tags_and_text_gives_only_documented_behaviour(
+    pieces: list[str], reasoning: str | None, thinking: bool, finish: str
+) -> None:
+    answer, recoveries = parsed(*pieces, finish=finish, maker=make(reasoning=reasoning, thinking=thinking))
+    for tool_call in answer.tool_calls:
+        assert tool_call.name and isinstance(json.loads(tool_call.arguments), dict)
+    if not recoveries.get("invalid_tool_call"):  # only what is no call keeps its tags
+        assert OPEN not in answer.content and "<function=" not in answer.content
+
+
+def test_a_hostile_100k_id_answer_keeps_every_character() -> None:
+    """Wrappers that never hold a function, then text: each is content, counted, in one pass."""
+    ids = ids_of(*[OPEN, "x", CLOSE] * 30_000, "end")
+    answer, recoveries = all_ways(make(), ids, seeds=(0,))
+    assert answer.content == f"{OPEN}x{CLOSE}" * 30_000 + "end"
+    assert recoveries == {"invalid_tool_call": 30_000}
