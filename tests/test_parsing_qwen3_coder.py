@@ -196,6 +196,17 @@ def test_a_name_that_never_closes_is_content() -> None:
     )
 
 
+def test_a_function_opened_before_the_last_one_closed_ends_it() -> None:
+    """However the text is chunked (a name's ">" and what follows it may come in one piece)."""
+    answer, recoveries = parsed("a <function=> b <function=f>\n</function>")
+    assert (answer.content, calls(answer)) == ("a <function=> b ", [("f", {})])
+    assert recoveries == {"invalid_tool_call": 1, "missing_tools_open": 2}
+    answer, recoveries = parsed(
+        OPEN, "<function=f>\n<parameter=a>\n1\n</parameter>\n<function=g>\n</function>", CLOSE
+    )
+    assert (calls(answer), recoveries) == ([("f", {"a": "1"}), ("g", {})], {"unclosed_call": 1})
+
+
 def test_recoveries_inside_a_function() -> None:
     # a value without </parameter> (kept), a key without ">" (dropped), text between parameters
     # (dropped), a key written twice (the later value, in the first place)

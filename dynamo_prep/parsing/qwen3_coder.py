@@ -49,7 +49,9 @@ CLOSE_ANGLE: Final = ">"
 # Where the half stands: content; inside <tool_call> before a function; a function's name (up to
 # its ">"); between parameters; a parameter's key (up to its ">"); its value; after </function>.
 _CONTENT, _PREAMBLE, _NAME, _ARGS, _KEY, _VALUE, _BETWEEN = range(7)
-_IN_FUNCTION: Final = (PARAMETER, PARAMETER_CLOSE, FUNCTION_CLOSE, TOOL_CALL_CLOSE, TOOL_CALL)
+# Text read in one state may move to another within that text (past a name's ">"): what a state
+# looks for includes what the states it moves to that way look for.
+_IN_FUNCTION: Final = (PARAMETER, PARAMETER_CLOSE, FUNCTION_CLOSE, TOOL_CALL_CLOSE, TOOL_CALL, FUNCTION)
 _WANTED: Final = {
     _CONTENT: (TOOL_CALL, FUNCTION),
     _PREAMBLE: (FUNCTION, TOOL_CALL_CLOSE, TOOL_CALL),
@@ -145,7 +147,10 @@ class Qwen3CoderTools(ToolHalf):
         if marker == TOOL_CALL:
             self._end_any(out)
             self._state, self._raw = _PREAMBLE, [TOOL_CALL]
-        elif marker == FUNCTION and state in (_CONTENT, _PREAMBLE, _BETWEEN):
+        elif marker == FUNCTION:
+            if state in _FUNCTION_STATES:  # a new function before this one closed: it ends here
+                self._end_any(out)
+                self._state = _BETWEEN
             self._open_function(out)
         elif marker == TOOL_CALL_CLOSE and state != _CONTENT:
             if state == _PREAMBLE:
