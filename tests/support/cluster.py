@@ -12,6 +12,10 @@ import openai
 
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
+READY_S = 120.0
+"""How long the workers may take to be added: a worker of a Hugging Face checkpoint loads its tokenizer
+(seconds on an idle core), and several start at once on 2 loaded cores."""
+
 
 class Cluster(str):
     """The frontend's base URL (what the tests talk to), with its processes beside it."""
@@ -46,8 +50,10 @@ def mock_cluster(
             args = (*flags, "--discovery", discovery, *delay)
             procs.append(start_dynamo("worker", *args, log_level=worker_log_level))
         models = {_served(flags) for flags in workers}
-        wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), 30, message="the workers")
-        wait_for(lambda: len(frontend.find("model_added")) >= len(models), 30, message="every model added")
+        wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), READY_S, message="the workers")
+        wait_for(
+            lambda: len(frontend.find("model_added")) >= len(models), READY_S, message="every model added"
+        )
         cluster = Cluster(f"http://127.0.0.1:{port}")
         cluster.frontend, cluster.discovery, cluster.procs = frontend, discovery, procs
         yield cluster
