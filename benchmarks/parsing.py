@@ -2,15 +2,18 @@
 
 ``python -m benchmarks.parsing [--sizes 1000 10000 100000] [--only NAME ...]``
 
-Each parser family (K3 in the reference form after its think channel, K3 hosted, Hermes on the
-qwen-vl-demo vocabulary where the tags are text, plain) parses three kinds of output of each size:
+Each parser family (K3 in the reference form after its think channel, K3 hosted, Hermes, Llama 3
+JSON, DeepSeek V3 / V3.1 and Qwen3-Coder on the qwen-vl-demo vocabulary where their markers are text
+and on it with the markers added as tokens, as real vocabularies have them, plain) parses three
+kinds of output of each size:
 
 * ``whitespace``: message-level whitespace ids (a degenerate but ordinary output: K3 after the
   think channel closed, K3 hosted before any channel, Hermes before a possible ``<think>``, and
   after a tool call);
 * ``text``: ordinary words in a text channel;
 * ``markers``: structure all along (K3 tool calls with an argument each, Hermes ``<tool_call>``
-  blocks, plain text with stray special ids between words).
+  blocks, DeepSeek calls in one calls section, Qwen3-Coder ``<function=...>`` blocks, plain text
+  with stray special ids between words).
 
 Both ways the frontend uses a parser: ``streamed`` (one id per ``feed``, the worst chunking) and
 ``whole`` (``parse_answer`` on every id at once). Each size is run over about the same number of
@@ -124,9 +127,19 @@ def hermes_workloads(tokenizer: Tokenizer) -> list[Workload]:
     ]
 
 
-TAG_TOKENS = {"<tool_call>": 14, "</tool_call>": 15, "<think>": 24, "</think>": 25, "<|python_tag|>": 40}
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_MARKERS = (DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP)
+TAG_TOKENS = {
+    "<tool_call>": 14,
+    "</tool_call>": 15,
+    "<think>": 24,
+    "</think>": 25,
+    "<|python_tag|>": 40,
+    **{marker: 41 + index for index, marker in enumerate(DS_MARKERS)},
+}
 """Markers registered as added tokens above the Qwen demo's base (Qwen's own offsets for its tags),
-as real Qwen3 and Llama 3 vocabularies have them: then they are matched on their ids."""
+as real Qwen3, Llama 3 and DeepSeek vocabularies have them: then they are matched on their ids."""
 
 
 def tagged_tokenizer(directory: Path) -> Tokenizer:
@@ -165,6 +178,45 @@ def tagged_workloads(tokenizer: Tokenizer) -> list[Workload]:
         Workload("hermes on tag tokens, markers", hermes, think_closed, hermes_call),
         Workload("llama3_json on tag tokens, text", llama, [], words),
         Workload("llama3_json on tag tokens, markers", llama, [], llama_call),
+        *family_workloads(tokenizer, "on tag tokens"),
+    ]
+
+
+def family_workloads(tokenizer: Tokenizer, where: str) -> list[Workload]:
+    """DeepSeek V3 / V3.1 (with DeepSeek's reasoning, thinking on) and Qwen3-Coder (with Qwen3's)."""
+    vocab = vocab_of(tokenizer)
+    blank = tokenizer.encode(" ") + tokenizer.encode("\n")
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    marked = [DS_CALLS_BEGIN, DS_CALLS_END, DS_CALL_BEGIN, DS_CALL_END, DS_SEP, "<tool_call>", "</tool_call>"]
+
+    def ids(*parts: str) -> list[int]:
+        return tokenizer.encode_segments([(part, part in marked or part == "</think>") for part in parts])
+
+    def composed(reasoning: str, tools: str) -> Callable[[], AnswerParser]:
+        return lambda: parser_for(vocab, reasoning, tools, ParseOptions(thinking=True))
+
+    v31_call = ids(DS_CALL_BEGIN, "f", DS_SEP, '{"a": 1, "s": "x \\" y"}', DS_CALL_END, "\n")
+    v3_call = ids(DS_CALL_BEGIN, "function", DS_SEP, 'f\n```json\n{"a": [1, "}"]}\n```', DS_CALL_END)
+    coder_call = ids(
+        "<tool_call>",
+        "\n<function=f>\n<parameter=a>\n1 < 2\n</parameter>\n</function>\n",
+        "</tool_call>",
+        "\n",
+    )
+    think_closed, section = ids("hm", "</think>"), ids("hm", "</think>", DS_CALLS_BEGIN)
+    v31, v3, coder = (
+        composed("deepseek_v3", "deepseek_v31"),
+        composed("deepseek_v3", "deepseek_v3"),
+        composed("qwen3", "qwen3_coder"),
+    )
+    return [
+        Workload(f"deepseek_v31 {where}, whitespace", v31, section + v31_call, blank),
+        Workload(f"deepseek_v31 {where}, text", v31, think_closed, words),
+        Workload(f"deepseek_v31 {where}, markers", v31, section, v31_call),
+        Workload(f"deepseek_v3 {where}, markers", v3, section, v3_call),
+        Workload(f"qwen3_coder {where}, whitespace", coder, think_closed + coder_call, blank),
+        Workload(f"qwen3_coder {where}, text", coder, think_closed, words),
+        Workload(f"qwen3_coder {where}, markers", coder, think_closed, coder_call),
     ]
 
 
@@ -304,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         k3_workloads(k3)
         + hermes_workloads(qwen)
         + llama3_json_workloads(qwen)
+        + family_workloads(qwen, "on text markers")
         + tagged_workloads(tagged)
         + plain_workloads(qwen)
     )

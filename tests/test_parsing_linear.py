@@ -14,8 +14,10 @@ import gc
 import itertools
 import tracemalloc
 from collections.abc import Callable
+from typing import SupportsIndex
 
 import pytest
+from support.hf_models import built_models
 from test_parsing_streams import K3, QWEN, all_ways, counting_ids, tokenizer
 
 from dynamo_prep.parsing import (
@@ -26,7 +28,12 @@ from dynamo_prep.parsing import (
     PlainAnswerParser,
     parser_for,
 )
+from dynamo_prep.parsing._answer import DeltaList, ToolCallDelta
+from dynamo_prep.parsing._halves import ToolHalf
+from dynamo_prep.parsing._recoveries import Recoveries
 from dynamo_prep.parsing._tokens import vocab_of
+from dynamo_prep.parsing.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, TOOL_SEP, DeepSeekV31Tools
+from dynamo_prep.parsing.qwen3_coder import Qwen3CoderTools
 
 WARM_IDS = 10_000
 """Streamed before the measure: the allocator's free lists and the tokenizer's caches fill up."""
@@ -70,6 +77,21 @@ def llama3_json() -> AnswerParser:
     return parser_for(vocab_of(tokenizer(QWEN)), None, "llama3_json", ParseOptions(call_ids=counting_ids()))
 
 
+DEEPSEEK, QWEN3 = str(built_models()["deepseek_v3"]), str(built_models()["qwen3"])
+"""Real vocabularies (tests/support/hf_models directories; ``tokenizer`` takes their paths too)."""
+
+
+def composed(model: str, reasoning: str | None, tools: str) -> Callable[[], AnswerParser]:
+    vocab = vocab_of(tokenizer(model))
+    return lambda: parser_for(vocab, reasoning, tools, ParseOptions(call_ids=counting_ids()))
+
+
+def with_markers(model: str, *parts: str) -> list[int]:
+    """The parts, each one id where the vocabulary has it as a token, text otherwise."""
+    tok = tokenizer(model)
+    return tok.encode_segments([(part, part in tok.added_tokens) for part in parts])
+
+
 def plain() -> AnswerParser:
     return PlainAnswerParser(vocab_of(tokenizer(QWEN)))
 
@@ -92,6 +114,13 @@ K3_CALL = k3_ids(
 HERMES_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
 LLAMA_CALL = '{"name": "f", "parameters": {"a": 1, "s": "x \\" } y"}}; '
 THINK_CLOSED = k3_ids(("hm", False), *k3_tag("think", close=True))
+DEEPSEEK_CALL = (CALL_BEGIN, "f", TOOL_SEP, '{"a": 1, "s": "x \\" } y"}', CALL_END)
+DEEPSEEK_V3_CALL = (CALL_BEGIN, "function", TOOL_SEP, 'f\n```json\n{"a": [1, "}"]}\n```', CALL_END)
+CODER_CALL = (
+    "<tool_call>",
+    "\n<function=f>\n<parameter=a>\n1 < 2 > 0\n</parameter>\n</function>\n",
+    "</tool_call>",
+)
 
 CASES = {
     # (parser, ids before the stream, ids streamed over and over, whether it holds the whitespace)
@@ -119,6 +148,54 @@ CASES = {
     ),
     "llama3_json, text": (llama3_json, [], words(QWEN), False),
     "llama3_json, tool calls": (llama3_json, [], tokenizer(QWEN).encode(LLAMA_CALL), False),
+    "deepseek_v31, whitespace between calls": (
+        composed(DEEPSEEK, None, "deepseek_v31"),
+        with_markers(DEEPSEEK, CALLS_BEGIN, *DEEPSEEK_CALL),
+        blank(DEEPSEEK),
+        True,
+    ),
+    "deepseek_v31, tool calls": (
+        composed(DEEPSEEK, None, "deepseek_v31"),
+        with_markers(DEEPSEEK, CALLS_BEGIN),
+        with_markers(DEEPSEEK, *DEEPSEEK_CALL),
+        False,
+    ),
+    "deepseek_v3, tool calls": (
+        composed(DEEPSEEK, None, "deepseek_v3"),
+        with_markers(DEEPSEEK, CALLS_BEGIN),
+        with_markers(DEEPSEEK, *DEEPSEEK_V3_CALL),
+        False,
+    ),
+    "deepseek_v3 reasoning off, text": (
+        composed(DEEPSEEK, "deepseek_v3", "deepseek_v31"),
+        [],
+        words(DEEPSEEK),
+        False,
+    ),
+    "deepseek_v31, markers in text": (
+        composed(QWEN, None, "deepseek_v31"),
+        with_markers(QWEN, CALLS_BEGIN),
+        with_markers(QWEN, *DEEPSEEK_CALL),
+        False,
+    ),
+    "qwen3_coder, tool calls": (
+        composed(QWEN3, None, "qwen3_coder"),
+        [],
+        with_markers(QWEN3, *CODER_CALL),
+        False,
+    ),
+    "qwen3_coder, whitespace after a call": (
+        composed(QWEN3, None, "qwen3_coder"),
+        with_markers(QWEN3, *CODER_CALL),
+        blank(QWEN3),
+        True,
+    ),
+    "qwen3_coder, text and tags in text": (
+        composed(QWEN, None, "qwen3_coder"),
+        [],
+        words(QWEN) + with_markers(QWEN, *CODER_CALL),
+        False,
+    ),
     "plain, whitespace": (plain, [], blank(QWEN), False),
 }
 
@@ -170,5 +247,31 @@ def test_long_runs_parse_the_same_whole_and_streamed(case: str) -> None:
     """Held whitespace is released, or dropped, exactly as before it was set aside."""
     make, prefix, body, _ = CASES[case]
     model = K3 if "k3" in case else QWEN
-    ids = prefix + body * (2_000 // len(body) + 1) + words(model)
+    ids = prefix + body * (2_000 // len(body) + 1) + words(model)  # the words are text in every vocabulary
     all_ways(make, ids)
+
+
+class CountingText(str):
+    """Text that counts the characters its ``find`` calls look at."""
+
+    looked = 0
+
+    def find(self, sub: str, start: SupportsIndex | None = None, end: SupportsIndex | None = None) -> int:
+        where = super().find(sub, start, end)
+        begin = 0 if start is None else int(start)
+        CountingText.looked += (where if where >= 0 else len(self) if end is None else int(end)) - begin
+        return where
+
+
+@pytest.mark.parametrize("tools", [DeepSeekV31Tools, Qwen3CoderTools])
+def test_markers_in_text_are_searched_in_one_pass_whatever_never_comes(tools: type[ToolHalf]) -> None:
+    """A whole answer of many calls (markers in text) where a valid marker never comes (the calls
+    section's end): each marker is searched forward once, not again from every call."""
+    one = "".join(DEEPSEEK_CALL) if tools is DeepSeekV31Tools else "".join(CODER_CALL) + "\n"
+    text = CountingText((CALLS_BEGIN if tools is DeepSeekV31Tools else "") + one * 2_000)
+    half = tools(ParseOptions(call_ids=counting_ids()), frozenset(tools.MARKERS), Recoveries())
+    out = DeltaList()
+    CountingText.looked = 0
+    half.text(text, out)
+    assert sum(isinstance(delta, ToolCallDelta) for delta in out.done()) == 2_000
+    assert CountingText.looked <= 2 * len(tools.MARKERS) * len(text)

@@ -35,6 +35,9 @@ FAMILY_MODELS = {
     "llama4_json": "llama4",
     "qwen3": "qwen3",
     "deepseek_r1": "deepseek_v3",
+    "deepseek_v3": "deepseek_v3",
+    "deepseek_v31": "deepseek_v3",
+    "qwen3_coder": "qwen3",
     "kimi_k3": K3,
 }
 """A model directory of each registered name's family (a real vocabulary with its markers): a
@@ -115,7 +118,7 @@ def test_unknown_names_are_refused_with_the_known_ones() -> None:
     ):
         check_parser_names("pythonic", None)
     with pytest.raises(
-        ValueError, match=r"unknown --reasoning-parser 'granite' \(known: deepseek_r1, kimi_k3"
+        ValueError, match=r"unknown --reasoning-parser 'granite' \(known: deepseek_r1, deepseek_v3, kimi_k3"
     ):
         check_parser_names(None, "granite")
 
@@ -124,6 +127,7 @@ def test_the_reasoning_parser_is_also_the_engines_own_flag() -> None:
     assert engine_reasoning_flags("vllm", "deepseek_r1") == ("--reasoning-parser", "deepseek_r1")
     assert engine_reasoning_flags("sglang", "deepseek_r1") == ("--reasoning-parser", "deepseek-r1")
     assert engine_reasoning_flags("sglang", "qwen3") == ("--reasoning-parser", "qwen3")
+    assert engine_reasoning_flags("sglang", "deepseek_v3") == ("--reasoning-parser", "deepseek-v3")
     assert engine_reasoning_flags("mock", "qwen3") == ()
     assert engine_reasoning_flags("vllm", None) == ()
     # the engine's reasoning parser needs its tokenizer (vLLM refuses to start without one)

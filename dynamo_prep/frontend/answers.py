@@ -20,6 +20,8 @@ from dynamo_prep.parsing import (
     ReasoningDelta,
     answer_parser_for,
     prompt_ends_in_think,
+    thinking_requested,
+    tool_properties,
 )
 from dynamo_prep.parsing.forced import ForcedToolParser
 from dynamo_prep.preprocessor import stop_strings
@@ -98,6 +100,8 @@ def answer_stream_for(
         prompt_form="reference" if channel is not None else "hosted",
         tools_enabled=chat.tool_choice != "none",
         tools_declared=bool(chat.tools),
+        thinking_requested=thinking_requested(chat.template_args()),
+        tool_properties=tool_properties(chat.tools),
     )
     forced = forced_tool(chat.tool_choice) if chat.tools else None
     if forced is not None:  # the engine was constrained to the call's JSON (docs/structured-outputs.md)

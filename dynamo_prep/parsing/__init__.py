@@ -2,7 +2,8 @@
 
 Chosen per model by ``answer_parser_for`` (the worker's declared parsers, by vLLM's names in
 ``registry``, else the model family): Kimi-K3 XTML channels parsed on token ids, or a reasoning half
-(think tags) composed with a tool half (Hermes ``<tool_call>``, Llama 3 JSON), or plain content.
+(think tags) composed with a tool half (Hermes ``<tool_call>``, Llama 3 JSON, DeepSeek V3/V3.1,
+Qwen3-Coder XML), or plain content.
 Every parser streams (``feed`` as ids arrive, ``finish`` once) and counts what it recovered from
 malformed output by kind (``RECOVERY_KINDS``). The contract: docs/answers.md.
 """
@@ -30,6 +31,7 @@ from dynamo_prep.parsing._choose import (
 from dynamo_prep.parsing._compose import ComposedAnswerParser
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._recoveries import RECOVERY_KINDS
+from dynamo_prep.parsing._schema_types import tool_properties
 from dynamo_prep.parsing.hermes import HermesAnswerParser
 from dynamo_prep.parsing.kimi_k3 import KimiK3AnswerParser
 from dynamo_prep.parsing.plain import PlainAnswerParser, plain_parser_for
@@ -41,7 +43,7 @@ from dynamo_prep.parsing.registry import (
     engine_reasoning_flags,
     parser_for,
 )
-from dynamo_prep.parsing.think import prompt_ends_in_think
+from dynamo_prep.parsing.think import prompt_ends_in_think, thinking_requested
 
 __all__ = [
     "HERMES_TOOL_PARSER",
@@ -74,4 +76,6 @@ __all__ = [
     "parser_for",
     "plain_parser_for",
     "prompt_ends_in_think",
+    "thinking_requested",
+    "tool_properties",
 ]

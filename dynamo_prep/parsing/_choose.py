@@ -11,6 +11,7 @@ from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
 from dynamo_prep.parsing._halves import ParseOptions
+from dynamo_prep.parsing._schema_types import NO_TOOLS, ToolProperties
 from dynamo_prep.parsing._tokens import vocab_of
 from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS
 from dynamo_prep.parsing.registry import KIMI_K3_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS, parser_for
@@ -107,6 +108,8 @@ def answer_parser_for(
     tools_enabled: bool = True,
     tools_declared: bool = True,
     call_ids: CallIds | None = None,
+    thinking_requested: bool = False,
+    tool_properties: ToolProperties = NO_TOOLS,
 ) -> AnswerParser:
     """A fresh parser for one response of ``card``'s model.
 
@@ -117,6 +120,9 @@ def answer_parser_for(
     before ``</think>`` is reasoning (``deepseek_r1`` always assumes so, as vLLM's does).
     ``tools_enabled=False`` (``tool_choice: "none"``) drops every call; ``tools_declared``: the
     request declared tools (formats that cannot tell a call from a JSON answer need them).
+    ``thinking_requested``: the request's template kwargs asked for thinking (``deepseek_v3``
+    reads it, as vLLM's does); ``tool_properties``: the declared tools' property schemas
+    (``tool_properties(chat.tools)``; ``qwen3_coder`` types its values by them).
     """
     choice = parser_choice(card, tokenizer)
     options = ParseOptions(
@@ -124,5 +130,7 @@ def answer_parser_for(
         tools_enabled=tools_enabled,
         tools_declared=tools_declared,
         call_ids=call_ids or new_call_id,
+        thinking_requested=thinking_requested,
+        tool_properties=tool_properties,
     )
     return parser_for(vocab_of(tokenizer), *choice, options, prompt_form=prompt_form)

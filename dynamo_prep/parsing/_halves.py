@@ -10,12 +10,13 @@ the contract and a walk-through: docs/answers.md ("Adding a family").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import CallIds, DeltaList, ToolCallDelta, new_call_id
 from dynamo_prep.parsing._recoveries import Recoveries
+from dynamo_prep.parsing._schema_types import NO_TOOLS, ToolProperties
 
 __all__ = ["Half", "NoReasoning", "NoTools", "ParseOptions", "ReasoningHalf", "ToolHalf"]
 
@@ -28,12 +29,18 @@ class ParseOptions:
     ``tools_enabled=False`` (``tool_choice: "none"``): every call is dropped, never content.
     ``tools_declared``: the request declared tools (a format that cannot tell a call from a JSON
     answer, ``ToolHalf.NEEDS_TOOLS``, parses calls only then).
+    ``thinking_requested``: the request's ``chat_template_kwargs`` asked for thinking (``thinking``
+    or ``enable_thinking``), which is how vLLM's ``deepseek_v3`` reasoning parser decides.
+    ``tool_properties``: the declared tools' property schemas, by name (``tool_properties``), for
+    formats whose argument values are raw text typed by the schema (``qwen3_coder``).
     """
 
     thinking: bool = False
     tools_enabled: bool = True
     tools_declared: bool = True
     call_ids: CallIds = new_call_id
+    thinking_requested: bool = False
+    tool_properties: ToolProperties = field(default_factory=lambda: NO_TOOLS)
 
 
 class Half:
@@ -106,15 +113,17 @@ class Half:
 
     def _scan(self, text: str, out: DeltaList, *, final: bool) -> None:
         """Releases ``text`` up to each text marker valid where it stands; unless ``final``, holds back
-        a tail that is a proper prefix of one. Each character is looked at a bounded number of times."""
+        a tail that is a proper prefix of one. Each character is looked at a bounded number of times:
+        where each marker next occurs is remembered, so a marker that never comes is searched once."""
         at = 0
+        next_at: dict[str, int] = {}
         while True:
             wanted = self._text_wanted()
             if not wanted:
                 if at < len(text):
                     self._on_text(text[at:] if at else text, out)
                 return
-            hit = _first(text, at, wanted)
+            hit = _first(text, at, wanted, next_at)
             if hit is None:
                 end = len(text) if final else len(text) - _partial(text, at, wanted)
                 if end > at:
@@ -225,14 +234,22 @@ class NoReasoning(ReasoningHalf):
         self._tools.end(cut, out)
 
 
-def _first(text: str, at: int, wanted: tuple[str, ...]) -> tuple[int, str] | None:
-    """The first of ``wanted`` in ``text[at:]`` (the longest where two start at one place)."""
+def _first(text: str, at: int, wanted: tuple[str, ...], next_at: dict[str, int]) -> tuple[int, str] | None:
+    """The first of ``wanted`` in ``text[at:]`` (the longest where two start at one place).
+
+    ``next_at`` remembers, per marker, where it was last found (-1: nowhere after where the search
+    began); ``at`` only grows within one text, so a remembered place at or after ``at`` is still the
+    next one, and each marker's search moves forward through the text once."""
     best: tuple[int, str] | None = None
     for marker in wanted:
-        where = text.find(marker, at)
-        if where >= 0 and (
-            best is None or where < best[0] or (where == best[0] and len(marker) > len(best[1]))
-        ):
+        where = next_at.get(marker, -2)
+        if where == -1:
+            continue
+        if where < at:
+            where = next_at[marker] = text.find(marker, at)
+            if where < 0:
+                continue
+        if best is None or where < best[0] or (where == best[0] and len(marker) > len(best[1])):
             best = (where, marker)
     return best
 

@@ -15,10 +15,12 @@ from dynamo_prep.parsing._answer import AnswerParser
 from dynamo_prep.parsing._compose import ComposedAnswerParser
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._tokens import Vocab
+from dynamo_prep.parsing.deepseek import DeepSeekV3Reasoning, DeepSeekV3Tools, DeepSeekV31Tools
 from dynamo_prep.parsing.hermes import HermesTools
 from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
 from dynamo_prep.parsing.llama3_json import Llama3JsonTools
 from dynamo_prep.parsing.plain import PlainAnswerParser
+from dynamo_prep.parsing.qwen3_coder import Qwen3CoderTools
 from dynamo_prep.parsing.think import DeepSeekR1Reasoning, ThinkTagReasoning
 
 __all__ = [
@@ -41,12 +43,16 @@ TOOL_HALVES: Final[Mapping[str, type[ToolHalf]]] = MappingProxyType(
         "qwen3_json": HermesTools,  # vLLM's alias of hermes for Qwen2.5/QwQ/Qwen3 JSON calls
         "llama3_json": Llama3JsonTools,
         "llama4_json": Llama3JsonTools,  # vLLM's alias: the same parser class
+        "deepseek_v3": DeepSeekV3Tools,
+        "deepseek_v31": DeepSeekV31Tools,
+        "qwen3_coder": Qwen3CoderTools,
     }
 )
 REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
     {
         "qwen3": ThinkTagReasoning,
         "deepseek_r1": DeepSeekR1Reasoning,
+        "deepseek_v3": DeepSeekV3Reasoning,
     }
 )
 TOOL_CALL_PARSERS: Final = tuple(sorted({*TOOL_HALVES, KIMI_K3_PARSER}))
@@ -56,7 +62,7 @@ SKIP_TOKENIZER_INIT: Final = "--skip-tokenizer-init"
 # The engines' own --reasoning-parser (they hold a structured-output grammar back until the
 # reasoning ends): vLLM takes vLLM's names; SGLang spells some differently (None: SGLang has none).
 _SGLANG_REASONING: Final[Mapping[str, str | None]] = MappingProxyType(
-    {"qwen3": "qwen3", "deepseek_r1": "deepseek-r1", KIMI_K3_PARSER: "kimi_k3"}
+    {"qwen3": "qwen3", "deepseek_r1": "deepseek-r1", "deepseek_v3": "deepseek-v3", KIMI_K3_PARSER: "kimi_k3"}
 )
 
 

@@ -4,14 +4,22 @@ in reasoning). Grammar and recoveries: docs/answers.md."""
 
 from __future__ import annotations
 
-from typing import ClassVar, Final
+from collections.abc import Mapping
+from typing import Any, ClassVar, Final
 
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import DeltaList
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._recoveries import Recoveries
 
-__all__ = ["THINK_CLOSE", "THINK_OPEN", "DeepSeekR1Reasoning", "ThinkTagReasoning", "prompt_ends_in_think"]
+__all__ = [
+    "THINK_CLOSE",
+    "THINK_OPEN",
+    "DeepSeekR1Reasoning",
+    "ThinkTagReasoning",
+    "prompt_ends_in_think",
+    "thinking_requested",
+]
 
 THINK_OPEN: Final = "<think>"
 THINK_CLOSE: Final = "</think>"
@@ -109,3 +117,12 @@ def prompt_ends_in_think(prompt_text: str) -> bool:
     """Whether a rendered prompt leaves a ``<think>`` block open (DeepSeek-R1 and Qwen3 thinking
     templates do): then the answer starts in reasoning. A closed empty block (thinking off) is not."""
     return prompt_text.rstrip().endswith(THINK_OPEN)
+
+
+THINKING_KWARGS: Final = ("thinking", "enable_thinking")
+
+
+def thinking_requested(template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether a request's ``chat_template_kwargs`` ask for thinking (``thinking`` or
+    ``enable_thinking`` truthy), as vLLM's ``deepseek_v3`` reasoning parser reads them."""
+    return any(bool(template_kwargs.get(key)) for key in THINKING_KWARGS)

@@ -38,6 +38,8 @@ from dynamo_prep.parsing import (
     parse_answer,
     parser_for,
     prompt_ends_in_think,
+    thinking_requested,
+    tool_properties,
 )
 from dynamo_prep.parsing._tokens import vocab_of
 from dynamo_prep.tokenizer import Tokenizer
@@ -157,6 +159,21 @@ class Family:
     """Tags vLLM's streaming parser holds back while the text could still become one: an answer
     ending in a proper prefix of one has the shape ``ends_in_tag_prefix``."""
     tools: tuple[str, ...] = field(default=TOOL_NAMES)
+    text_markers: tuple[str, ...] = ()
+    """Markers that are no token in the vocabulary (matched in text by both sides)."""
+    properties: dict[str, Any] = field(default_factory=dict)
+    """The ``properties`` of every tool's parameters schema (formats that type values by it)."""
+
+    def declared(self) -> list[dict[str, Any]]:
+        """The request's ``tools``, as both sides get them."""
+        schema = {"type": "object", "properties": self.properties, "additionalProperties": True}
+        return [{"type": "function", "function": {"name": name, "parameters": schema}} for name in self.tools]
+
+    def cut_in_marker(self, text: str) -> bool:
+        """``text`` (an answer cut by max_tokens) ends in a proper prefix of a text marker."""
+        return any(
+            text.endswith(marker[:size]) for marker in self.text_markers for size in range(1, len(marker))
+        )
 
     def known(self, output: Output, mode: Mode, text: str | None = None) -> Divergence | None:
         """The divergence that covers ``output`` (``text``: as cut) in ``mode``, if any."""
@@ -186,7 +203,12 @@ def our_answers(
 
     def parser():  # type: ignore[no-untyped-def]
         counter = iter(range(1000))
-        options = ParseOptions(thinking=thinking, call_ids=lambda: f"call_{next(counter)}")
+        options = ParseOptions(
+            thinking=thinking,
+            call_ids=lambda: f"call_{next(counter)}",
+            thinking_requested=thinking_requested(template_kwargs(output)),
+            tool_properties=tool_properties(family.declared()),
+        )
         return parser_for(vocab_of(tokenizer), family.reasoning_parser, family.tool_parser, options)
 
     ids = output.ids(tokenizer)[:cut]
@@ -210,9 +232,10 @@ def vllm_tokenizer(directory: Path) -> Any:
     return get_tokenizer(str(directory))
 
 
-def _tools(names: Sequence[str]) -> list[dict[str, Any]]:
-    schema = {"type": "object", "properties": {}, "additionalProperties": True}
-    return [{"type": "function", "function": {"name": name, "parameters": schema}} for name in names]
+def template_kwargs(output: Output) -> dict[str, Any]:
+    """The request's ``chat_template_kwargs``: thinking on unless the prompt closed the block (Qwen3
+    reads ``enable_thinking``, DeepSeek ``thinking``)."""
+    return {"enable_thinking": output.prompt != "closed", "thinking": output.prompt != "closed"}
 
 
 class VllmRun:
@@ -223,11 +246,11 @@ class VllmRun:
         from vllm.parser.parser_manager import ParserManager  # noqa: PLC0415
 
         self.tokenizer = vllm_tokenizer(directory)
-        self.kwargs = {"enable_thinking": output.prompt != "closed"}
+        self.kwargs = template_kwargs(output)
         request = ChatCompletionRequest(
             model="oracle",
             messages=[{"role": "user", "content": "hi"}],
-            tools=_tools(family.tools),
+            tools=family.declared(),
             chat_template_kwargs=self.kwargs,
         )
         self.parser_cls = ParserManager.get_parser(

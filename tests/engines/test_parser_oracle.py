@@ -4,6 +4,7 @@ and streamed id by id, truncated at every position. A family is one ``Family`` l
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from parser_oracle import (
     ARGUMENTS,
+    JSON_VALUES,
     MODES,
     TOOL_NAMES,
     Divergence,
@@ -61,10 +63,13 @@ def chatml_prompt(end: PromptEnd) -> list[Segment]:
 
 
 def deepseek_prompt(end: PromptEnd) -> list[Segment]:
-    """DeepSeek-R1's template opens the think block after the assistant marker."""
+    """DeepSeek-R1's template opens the think block after the assistant marker; V3.1's opens it with
+    thinking on and closes it (``</think>``) with thinking off."""
     head: list[Segment] = [("<｜begin▁of▁sentence｜>", True), ("<｜User｜>", True), ("hi", False)]
     head += [("<｜Assistant｜>", True)]
-    return [*head, (THINK_OPEN, True), ("\n", False)] if end == "open" else head
+    if end == "open":
+        return [*head, (THINK_OPEN, True), ("\n", False)]
+    return [*head, (THINK_CLOSE, True)] if end == "closed" else head
 
 
 def llama3_prompt(end: PromptEnd) -> list[Segment]:
@@ -199,6 +204,154 @@ def llama3_outputs(draw: st.DrawFn) -> Output:
     return writer.output()
 
 
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, TOOL_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DEEPSEEK_MARKERS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, CALL_END, TOOL_SEP)
+
+
+@st.composite
+def deepseek_call(draw: st.DrawFn, writer: Writer, v3: bool) -> None:
+    """One call in V3's fenced form or V3.1's; now and then pretty-printed or no call at all."""
+    kind = draw(st.sampled_from(["call"] * 6 + ["multiline_arguments", "invalid_call"]))
+    name = draw(st.sampled_from(TOOL_NAMES))
+    arguments = draw(ARGUMENTS)
+    if kind == "multiline_arguments":
+        body = json.dumps(arguments, ensure_ascii=draw(st.booleans()), indent=2)
+    elif kind == "invalid_call":
+        body = draw(st.sampled_from(BAD_BODIES[:1] + BAD_BODIES[2:]))
+    else:
+        body = draw(json_text(arguments))
+    if kind != "call":
+        writer.shapes.add(kind)
+    if not arguments:
+        writer.shapes.add("empty_arguments")
+    head, body = ("function", f"{name}\n```json\n{body}\n```") if v3 else (name, body)
+    writer.call((CALL_BEGIN, True), (head, False), (TOOL_SEP, True), (body, False), (CALL_END, True))
+
+
+@st.composite
+def deepseek_outputs(draw: st.DrawFn, v3: bool, prompts: tuple[PromptEnd, ...] = ()) -> Output:
+    """[reasoning] text [<｜tool▁calls▁begin｜> call ([ws] call)* <｜tool▁calls▁end｜>] [text]."""
+    writer = Writer()
+    prompt = think(draw, writer, prompts)
+    before = draw(words(min_size=0))
+    writer.text(before)
+    if draw(st.integers(0, 9)) == 0:  # the model spells a marker as text (its pieces, not its token)
+        writer.shapes.add("typed_marker")
+        writer.typed(draw(st.sampled_from([*DEEPSEEK_MARKERS, THINK_CLOSE])))
+    count = draw(st.integers(0, 3))
+    if count:
+        writer.marker(CALLS_BEGIN)
+    spaced = False
+    for index in range(count):
+        if index:
+            between = draw(st.sampled_from(["", "\n", " "]))
+            spaced = spaced or bool(between)
+            writer.text(between)
+        draw(deepseek_call(writer, v3))
+    if count:
+        writer.marker(CALLS_END)
+    after = draw(words(min_size=0)) if count else ""
+    writer.text(after)
+    writer.shapes.update(
+        shape
+        for shape, present in (
+            ("calls", count > 0),
+            ("several_calls", count > 1),
+            ("text_before_calls", count > 0 and before.strip()),
+            ("text_after_calls", after.strip()),
+            ("text_around_calls", spaced and after.strip()),
+        )
+        if present
+    )
+    return writer.output(prompt)
+
+
+FUNCTION, FUNCTION_CLOSE = "<function=", "</function>"
+PARAMETER, PARAMETER_CLOSE = "<parameter=", "</parameter>"
+CODER_TEXT_MARKERS = (FUNCTION, FUNCTION_CLOSE, PARAMETER, PARAMETER_CLOSE)
+CODER_PROPERTIES = {
+    "city": {"type": "string"},
+    "days": {"type": "integer"},
+    "ratio": {"type": "number"},
+    "flag": {"type": "boolean"},
+    "options": {"type": "object"},
+    "items": {"type": "array"},
+    "maybe": {"type": ["integer", "null"]},
+    "unit": {"enum": ["c", "f", 1]},
+}
+"""Qwen3-Coder's values are text typed by the tool's schema: these properties, and free keys."""
+_NUMBERS = st.integers(-(10**6), 10**6) | st.floats(allow_nan=False, allow_infinity=False, width=32)
+CODER_VALUES = {
+    "city": words(),
+    "days": st.integers(-(10**9), 10**9).map(str) | words(),
+    "ratio": _NUMBERS.map(str),
+    "flag": st.sampled_from(["true", "false", "True", "0", "1", "yes"]),
+    "options": st.dictionaries(st.text("abc", max_size=3), JSON_VALUES, max_size=3).map(json.dumps),
+    "items": st.lists(JSON_VALUES, max_size=3).map(json.dumps),
+    "maybe": st.sampled_from(["null", "7", "x"]),
+    "unit": st.sampled_from(["c", "f", "1", "k"]),
+}
+
+
+@st.composite
+def coder_call(draw: st.DrawFn, writer: Writer) -> str:
+    """<tool_call>\n<function=NAME>\n(<parameter=KEY>\nVALUE\n</parameter>\n)*</function>\n</tool_call>,
+    now and then without the wrapper, a value without its close, a function without its close, or
+    JSON (Hermes' body) inside the wrapper."""
+    kind = draw(
+        st.sampled_from(["call"] * 6 + ["no_wrapper", "unclosed_value", "unclosed_function", "json_body"])
+    )
+    name = draw(st.sampled_from(TOOL_NAMES))
+    keys = draw(st.lists(st.sampled_from(sorted(CODER_VALUES)) | _FREE_KEY, unique=True, max_size=4))
+    body = f"\n{FUNCTION}{name}>\n"
+    for index, key in enumerate(keys):
+        value = draw(CODER_VALUES.get(key, words(min_size=0)))
+        close = "" if kind == "unclosed_value" and index == len(keys) - 1 else PARAMETER_CLOSE
+        body += f"{PARAMETER}{key}>\n{value}\n{close}\n"
+    body += "" if kind == "unclosed_function" else f"{FUNCTION_CLOSE}\n"
+    if kind == "json_body":
+        body = "\n" + draw(json_text({"name": name, "arguments": draw(ARGUMENTS)})) + "\n"
+    if kind != "call" and (kind != "unclosed_value" or keys):
+        writer.shapes.add(kind)
+    if kind == "no_wrapper":
+        writer.call((body.lstrip("\n"), False))
+    else:
+        writer.call((CALL_OPEN, True), (body, False), (CALL_CLOSE, True))
+    return kind
+
+
+_FREE_KEY = st.text(alphabet="abdxz_é你 ", min_size=1, max_size=8).filter(lambda key: key.strip() == key)
+
+
+@st.composite
+def coder_outputs(draw: st.DrawFn, prompts: tuple[PromptEnd, ...] = ()) -> Output:
+    """[reasoning] text <tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</tool_call> ... text."""
+    writer = Writer()
+    prompt = think(draw, writer, prompts)
+    before = draw(words(min_size=0))
+    writer.text(before)
+    if draw(st.integers(0, 9)) == 0:  # the model spells a tag as text (its pieces, not its token)
+        writer.shapes.add("typed_marker")
+        writer.typed(draw(st.sampled_from([CALL_OPEN, CALL_CLOSE, THINK_CLOSE])))
+    count = draw(st.integers(0, 3))
+    kinds = [draw(coder_call(writer.text("\n"))) for _ in range(count)]
+    after = draw(words(min_size=0)) if count else ""
+    writer.text(after)
+    around = after.strip() and (count > 1 or "no_wrapper" in kinds[-1:])
+    writer.shapes.update(
+        shape
+        for shape, present in (
+            ("calls", count > 0),
+            ("text_around_calls", around),
+            ("text_before_calls", count > 0 and before.strip()),
+            ("text_after_calls", after.strip()),
+        )
+        if present
+    )
+    return writer.output(prompt)
+
+
 def example(
     *segments: Segment,
     prompt: PromptEnd = "plain",
@@ -309,6 +462,122 @@ LLAMA3_DIVERGENCES = (
     ),
 )
 
+
+def deepseek_calls(*calls: tuple[str, str], v3: bool = False, between: str = "") -> tuple[Segment, ...]:
+    """A calls section of (name, arguments) in V3's form or V3.1's."""
+    segments: list[Segment] = [(CALLS_BEGIN, True)]
+    for index, (name, arguments) in enumerate(calls):
+        if index and between:
+            segments.append((between, False))
+        head, body = ("function", f"{name}\n```json\n{arguments}\n```") if v3 else (name, arguments)
+        segments += [(CALL_BEGIN, True), (head, False), (TOOL_SEP, True), (body, False), (CALL_END, True)]
+    return (*segments, (CALLS_END, True))
+
+
+CODER_CALL = ((CALL_OPEN, True), ("\n<function=f>\n</function>\n", False), (CALL_CLOSE, True))
+CODER_DIVERGENCES = (
+    Divergence(
+        "text_after_calls",
+        ("whole",),
+        "vLLM's qwen3_coder parser, whole, drops the text after the last call (it is deferred and never "
+        "released once calls were found). Ours: it is content, as vLLM's streaming sends it",
+        example(*CODER_CALL, ("ok", False)),
+    ),
+    Divergence(
+        "text_around_calls",
+        ("streamed",),
+        "vLLM's qwen3_coder parser, streaming, sends the whitespace between calls as content, and drops "
+        "the text after a call without <tool_call> around it. Ours: whitespace between calls is "
+        "dropped, text after any call is content",
+        example(("a", False), *CODER_CALL, ("\n", False), *CODER_CALL, ("b", False)),
+    ),
+    Divergence(
+        "json_body",
+        MODES,
+        "vLLM's qwen3_coder parser drops whatever stands in <tool_call> before a <function=: a JSON "
+        "(Hermes) body vanishes. Ours: the block is no call, its text content, counted",
+        example((CALL_OPEN, True), ("\n" + WEATHER + "\n", False), (CALL_CLOSE, True)),
+    ),
+    Divergence(
+        "unclosed_function",
+        MODES,
+        "vLLM's qwen3_coder parser reads a </tool_call> inside a function as argument text: a function "
+        "without </function> swallows the rest of the answer, later calls included. Ours: </tool_call> "
+        "ends the call (counted), what follows is read as usual",
+        example(
+            (CALL_OPEN, True),
+            ("\n<function=f>\n", False),
+            (CALL_CLOSE, True),
+            ("\n", False),
+            *CODER_CALL,
+        ),
+    ),
+    Divergence(
+        "unclosed_value",
+        MODES,
+        "vLLM's qwen3_coder parser drops a value without </parameter> before </function>; ours keeps it "
+        "(counted)",
+        example(
+            (CALL_OPEN, True), ("\n<function=f>\n<parameter=a>\n1\n</function>\n", False), (CALL_CLOSE, True)
+        ),
+    ),
+    Divergence(
+        "typed_marker",
+        ("whole",),
+        "vLLM's qwen3_coder parser, whole, reads the content as text: a tag the model spelled in pieces "
+        "(no tag token) is taken for the tag; ours (and vLLM's streaming) match tag tokens by id",
+        example(("I would write ", False), typed=CALL_OPEN, after="text"),
+    ),
+)
+
+
+def deepseek_divergences(v3: bool, prompt: PromptEnd = "plain") -> tuple[Divergence, ...]:
+    weather = ("get_weather", '{"city": "Paris"}')
+    return (
+        Divergence(
+            "text_after_calls",
+            ("whole",),
+            "vLLM's deepseek parsers, whole, drop the text after <｜tool▁calls▁begin｜> that is no call "
+            "(content is what precedes it). Ours: it is content, as vLLM's streaming sends it",
+            example(*deepseek_calls(weather, v3=v3), (" and more text", False), prompt=prompt),
+        ),
+        Divergence(
+            "text_around_calls",
+            ("streamed",),
+            "vLLM's deepseek parsers, streaming, send the whitespace between calls as content. Ours: it "
+            "is dropped",
+            example(
+                ("a", False),
+                *deepseek_calls(weather, weather, v3=v3, between="\n"),
+                ("b", False),
+                prompt=prompt,
+            ),
+        ),
+        Divergence(
+            "typed_marker",
+            ("whole",),
+            "vLLM's deepseek parsers, whole, look for <｜tool▁calls▁begin｜> in the decoded text: a marker "
+            "the model spelled in pieces (no marker token) is taken for it; ours (and vLLM's streaming) "
+            "match marker tokens by id",
+            example(("I would write ", False), typed=CALLS_BEGIN, after="text", prompt=prompt),
+        ),
+        Divergence(
+            "multiline_arguments",
+            MODES,
+            "vLLM's deepseek parsers match a call's arguments with '.' (no newline): pretty-printed "
+            "arguments lose the call (whole) or send a partial one (streaming). Ours: the call",
+            example(*deepseek_calls(("get_weather", '{\n  "city": "Paris"\n}'), v3=v3), prompt=prompt),
+        ),
+        Divergence(
+            "invalid_call",
+            MODES,
+            "vLLM's deepseek parsers return a call whose arguments are not a JSON object as a call with "
+            "those arguments; ours: its text (markers spelled) is content, counted",
+            example(*deepseek_calls(("f", '{"x": }'), v3=v3), prompt=prompt),
+        ),
+    )
+
+
 FAMILIES = [
     Family("hermes", QWEN3, "hermes", None, hermes_outputs(), chatml_prompt, HERMES_DIVERGENCES, HERMES_HELD),
     Family(
@@ -332,6 +601,65 @@ FAMILIES = [
     ),
     Family("deepseek_r1", DEEPSEEK, None, "deepseek_r1", reasoning_outputs(("open",)), deepseek_prompt),
     Family("llama3_json", LLAMA3, "llama3_json", None, llama3_outputs(), llama3_prompt, LLAMA3_DIVERGENCES),
+]
+FAMILIES += [
+    Family(
+        "deepseek_v3",
+        DEEPSEEK,
+        "deepseek_v3",
+        None,
+        deepseek_outputs(True),
+        deepseek_prompt,
+        deepseek_divergences(v3=True),
+    ),
+    Family(
+        "deepseek_v31",
+        DEEPSEEK,
+        "deepseek_v31",
+        None,
+        deepseek_outputs(False),
+        deepseek_prompt,
+        deepseek_divergences(v3=False),
+    ),
+    Family(
+        "deepseek_v3-reasoning",
+        DEEPSEEK,
+        None,
+        "deepseek_v3",
+        reasoning_outputs(("open", "closed")),
+        deepseek_prompt,
+    ),
+    Family(
+        "deepseek_v3+deepseek_v31",
+        DEEPSEEK,
+        "deepseek_v31",
+        "deepseek_v3",
+        deepseek_outputs(False, ("open", "closed")),
+        deepseek_prompt,
+        deepseek_divergences(v3=False, prompt="closed"),
+    ),
+    Family(
+        "qwen3_coder",
+        QWEN3,
+        "qwen3_coder",
+        None,
+        coder_outputs(),
+        chatml_prompt,
+        CODER_DIVERGENCES,
+        text_markers=CODER_TEXT_MARKERS,
+        properties=CODER_PROPERTIES,
+    ),
+    Family(
+        "qwen3+qwen3_coder",
+        QWEN3,
+        "qwen3_coder",
+        "qwen3",
+        coder_outputs(("open", "closed", "plain")),
+        chatml_prompt,
+        CODER_DIVERGENCES + QWEN3_DIVERGENCES,
+        text_markers=CODER_TEXT_MARKERS,
+        properties=CODER_PROPERTIES,
+    ),
 ]
 FAMILIES += [  # vLLM's aliases: the same classes under another name, on both sides
     Family(
@@ -382,7 +710,8 @@ def test_the_same_answer_as_vllm(family: Family, models: dict[str, Path], data: 
 @given(data=st.data())
 def test_truncated_at_every_position(family: Family, models: dict[str, Path], data: st.DataObject) -> None:
     """Cut by max_tokens anywhere: ours never half-sends a call and agrees with vLLM wherever the cut
-    falls outside a call (inside one, vLLM returns the partial call text or a partial call)."""
+    falls outside a call (inside one, vLLM returns the partial call text or a partial call) and
+    outside a marker matched in text (ours drop the partial marker: it may have begun a call)."""
     directory = models[family.model]
     output = data.draw(family.outputs)
     tokenizer = our_tokenizer(directory)
@@ -394,7 +723,7 @@ def test_truncated_at_every_position(family: Family, models: dict[str, Path], da
         ours = our_answers(family, directory, output, "length", cut)
         assert ours.calls == full.calls[: len(ours.calls)]
         assert full.reasoning.startswith(ours.reasoning) and full.content.startswith(ours.content)
-        if any(start < at < end for start, end in output.call_spans):
+        if any(start < at < end for start, end in output.call_spans) or family.cut_in_marker(text):
             continue
         for mode in MODES:
             if family.known(output, mode, text) is None:

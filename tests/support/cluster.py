@@ -12,6 +12,10 @@ import openai
 
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
+READY_S = 120.0
+"""How long the workers may take to be added: a worker of a Hugging Face checkpoint loads its tokenizer
+(seconds on an idle core), and several start at once on 2 loaded cores."""
+
 
 class Cluster(str):
     """The frontend's base URL (what the tests talk to), with its processes beside it."""
@@ -45,15 +49,23 @@ def mock_cluster(
             delay = () if "--token-delay" in flags else ("--token-delay", "0")
             args = (*flags, "--discovery", discovery, *delay)
             procs.append(start_dynamo("worker", *args, log_level=worker_log_level))
-        models = {flags[flags.index("--model-path") + 1] for flags in workers}
-        wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), 30, message="the workers")
-        wait_for(lambda: len(frontend.find("model_added")) >= len(models), 30, message="every model added")
+        models = {_served(flags) for flags in workers}
+        wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), READY_S, message="the workers")
+        wait_for(
+            lambda: len(frontend.find("model_added")) >= len(models), READY_S, message="every model added"
+        )
         cluster = Cluster(f"http://127.0.0.1:{port}")
         cluster.frontend, cluster.discovery, cluster.procs = frontend, discovery, procs
         yield cluster
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+def _served(flags: Sequence[str]) -> str:
+    """The model a worker serves: its ``--served-name``, else its ``--model-path``."""
+    name = "--served-name" if "--served-name" in flags else "--model-path"
+    return flags[list(flags).index(name) + 1]
 
 
 def openai_client(url: str, *, timeout: float = 30) -> openai.OpenAI:

@@ -5,16 +5,23 @@
   what the prompt already holds (the header, and the channel opener of the reference form), so
   the format has one home and a parsed answer fed back renders as it was written. Markers are
   control segments; reasoning, content, names and values are text segments, never special ids.
-* ChatML (Qwen-VL demo): the content, then ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
-  for a call (the chat template's own history rendering), then ``<|im_end|>``.
+* ChatML (Qwen): the content, then the call, then ``<|im_end|>``.
+* DeepSeek: reasoning then ``</think>`` when the prompt opened a think block, the content, the call,
+  then ``<｜end▁of▁sentence｜>``.
 * Any other format: the content as text.
+
+A call is written in the format of the worker's ``--tool-call-parser`` (``CALL_WRITERS``), else the
+family's own: ChatML ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` (Hermes, the
+chat template's own history rendering), DeepSeek V3.1's ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}``.
+Markers are control segments (one id where the vocabulary has the token), the rest text.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, Final, NamedTuple
 
 from dynamo_prep.engines.mock.prompt import IM_END, IM_START, Family, PromptView, Tool
 from dynamo_prep.formatter import KimiK3Formatter
@@ -22,10 +29,13 @@ from dynamo_prep.formatter.kimi_k3 import OPEN, SEP
 from dynamo_prep.prompt import Segment
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["AnswerWriter", "ToolCall", "schema_arguments"]
+__all__ = ["CALL_WRITERS", "AnswerWriter", "ToolCall", "schema_arguments"]
 
 MOCK_STRING = "mock"
 _OPEN, _SEP = Segment(OPEN, True), Segment(SEP, True)
+DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+DS_CALL_BEGIN, DS_CALL_END, DS_SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+DS_THINK_CLOSE = "</think>"
 
 
 class ToolCall(NamedTuple):
@@ -33,19 +43,71 @@ class ToolCall(NamedTuple):
     arguments: dict[str, Any]
 
 
-class AnswerWriter:
-    """Writes answers for one tokenizer's prompt family."""
+Segments = list[Segment]
 
-    def __init__(self, tokenizer: Tokenizer, family: Family) -> None:
+
+def _hermes_call(call: ToolCall) -> Segments:
+    payload = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return [Segment("<tool_call>", True), Segment(f"\n{payload}\n", False), Segment("</tool_call>", True)]
+
+
+def _qwen3_coder_call(call: ToolCall) -> Segments:
+    """Qwen3-Coder's XML: each value as text (strings raw, anything else as JSON)."""
+    body = f"\n<function={call.name}>\n"
+    for key, value in call.arguments.items():
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        body += f"<parameter={key}>\n{text}\n</parameter>\n"
+    return [
+        Segment("<tool_call>", True),
+        Segment(body + "</function>\n", False),
+        Segment("</tool_call>", True),
+    ]
+
+
+def _deepseek_calls(call: ToolCall, *, v3: bool) -> Segments:
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    head, body = ("function", f"{call.name}\n```json\n{arguments}\n```") if v3 else (call.name, arguments)
+    return [
+        Segment(DS_CALLS_BEGIN, True),
+        Segment(DS_CALL_BEGIN, True),
+        Segment(head, False),
+        Segment(DS_SEP, True),
+        Segment(body, False),
+        Segment(DS_CALL_END, True),
+        Segment(DS_CALLS_END, True),
+    ]
+
+
+CALL_WRITERS: Final[Mapping[str, Callable[[ToolCall], Segments]]] = MappingProxyType(
+    {
+        "hermes": _hermes_call,
+        "qwen3_json": _hermes_call,
+        "qwen3_coder": _qwen3_coder_call,
+        "deepseek_v3": lambda call: _deepseek_calls(call, v3=True),
+        "deepseek_v31": lambda call: _deepseek_calls(call, v3=False),
+    }
+)
+"""How a call is written, by the ``--tool-call-parser`` that reads it."""
+_FAMILY_CALLS: Final = MappingProxyType({"chatml": "hermes", "deepseek": "deepseek_v31"})
+
+
+class AnswerWriter:
+    """Writes answers for one tokenizer's prompt family (calls as ``tool_call_parser`` reads them)."""
+
+    def __init__(self, tokenizer: Tokenizer, family: Family, tool_call_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.family = family
         self._k3 = KimiK3Formatter()
+        default = CALL_WRITERS.get(_FAMILY_CALLS.get(family, ""), _hermes_call)
+        self._call = CALL_WRITERS.get(tool_call_parser or "", default)
 
     def write(self, view: PromptView, *, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
         if self.family == "kimi_k3":
             return self._kimi_k3(view, reasoning, content, call)
         if self.family == "chatml":
             return self._chatml(view, content, call)
+        if self.family == "deepseek":
+            return self._deepseek(view, reasoning, content, call)
         return self.tokenizer.encode(content)
 
     def _kimi_k3(self, view: PromptView, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
@@ -58,14 +120,32 @@ class AnswerWriter:
         return self.tokenizer.encode_segments(segments[_written(segments, view) :])
 
     def _chatml(self, view: PromptView, content: str, call: ToolCall | None) -> list[int]:
-        text = content
+        segments = [Segment(content, False)]
         if call is not None:
-            payload = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-            written = f"<tool_call>\n{payload}\n</tool_call>"
-            text = f"{content}\n{written}" if content else written
+            segments = [Segment(f"{content}\n", False)] if content else []
+            segments += self._call(call)
         specials = self.tokenizer.special_tokens
         head = [] if view.opened is not None else [specials[IM_START], *self.tokenizer.encode("assistant\n")]
-        return [*head, *self.tokenizer.encode(text), specials[IM_END]]
+        return [*head, *self._encode(segments), specials[IM_END]]
+
+    def _deepseek(self, view: PromptView, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
+        segments = [Segment(reasoning, False), Segment(DS_THINK_CLOSE, True)] if view.thinking else []
+        segments.append(Segment(content, False))
+        if call is not None:
+            segments += self._call(call)
+        return [*self._encode(segments), *self.tokenizer.eos_token_ids[:1]]
+
+    def _encode(self, segments: Segments) -> list[int]:
+        """Markers that are tokens as their ids; the text between them (and markers the vocabulary
+        does not have) encoded as one text, as the model's tokenizer would."""
+        runs: list[tuple[str, bool]] = []
+        for text, control in segments:
+            token = control and text in self.tokenizer.added_tokens
+            if runs and not token and not runs[-1][1]:
+                runs[-1] = (runs[-1][0] + text, False)
+            elif text:
+                runs.append((text, token))
+        return self.tokenizer.encode_segments(runs)
 
 
 def schema_arguments(tool: Tool) -> dict[str, Any]:

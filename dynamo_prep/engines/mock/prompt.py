@@ -8,6 +8,10 @@ them is decoded. One exception is the demo ChatML format's tool results: ``<tool
 text there, so a user turn that starts with it reads as a tool result (real Qwen vocabularies
 register those tags as tokens).
 
+DeepSeek's turn and tool markers (``<｜User｜>``, ``<｜Assistant｜>``, ``<｜tool▁output▁begin｜>``, ...)
+are added tokens: found on ids the same way; the declared tools are read from the system text's
+``### NAME`` / ``Parameters: {json}`` lines (V3.1's template and the tests' one write them so).
+
 A prompt of another format is read as plain text: its last user message is the whole prompt.
 """
 
@@ -32,7 +36,7 @@ __all__ = [
     "strip_pattern",
 ]
 
-Family = Literal["kimi_k3", "chatml", "plain"]
+Family = Literal["kimi_k3", "chatml", "deepseek", "plain"]
 Opened = Literal["message", "think", "response"]
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -44,6 +48,10 @@ _TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTA
 _TOOL_RESPONSE_OPEN = "<tool_response>"
 _CHATML_ASSISTANT = "assistant\n"
 _MAX_ROLE_TOKENS = 8
+DS_USER, DS_ASSISTANT, DS_EOS = "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>"
+DS_OUTPUT, DS_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+DS_THINK = "<think>"
+_DS_TOOL_NAME, _DS_PARAMETERS = "### ", "Parameters: "
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +117,23 @@ class PromptReader:
         elif IM_START in specials and IM_END in specials:
             self.family = "chatml"
             self._im_start, self._im_end = specials[IM_START], specials[IM_END]
+        elif all(
+            marker in tokenizer.added_tokens for marker in (DS_USER, DS_ASSISTANT, DS_OUTPUT, DS_OUTPUT_END)
+        ):
+            self.family = "deepseek"
+            self._ds = {
+                marker: tokenizer.added_tokens[marker] for marker in (DS_USER, DS_ASSISTANT, DS_OUTPUT)
+            }
+            self._ds_output_end = tokenizer.added_tokens[DS_OUTPUT_END]
+            self._ds_ends = {tokenizer.added_tokens.get(DS_EOS), *tokenizer.eos_token_ids}
 
     def read(self, token_ids: Sequence[int]) -> PromptView:
         if self.family == "kimi_k3":
             return self._read_k3(token_ids)
         if self.family == "chatml":
             return self._read_chatml(token_ids)
+        if self.family == "deepseek":
+            return self._read_deepseek(token_ids)
         return PromptView("plain", last_user=self._text(token_ids, skip_special_tokens=True))
 
     def generation_points(self, token_ids: Sequence[int]) -> list[int] | None:
@@ -250,6 +269,59 @@ class PromptReader:
             if not _CHATML_ASSISTANT.startswith(head) or start + 1 + width >= len(token_ids):
                 return None
         return None
+
+    # --- DeepSeek -----------------------------------------------------------------------------
+
+    def _read_deepseek(self, token_ids: Sequence[int]) -> PromptView:
+        """Turns start at ``<｜User｜>``, ``<｜Assistant｜>`` and ``<｜tool▁output▁begin｜>`` (one per
+        result); the prompt is open when it ends in an assistant turn that has not ended."""
+        roles = {self._ds[DS_USER]: "user", self._ds[DS_ASSISTANT]: "assistant", self._ds[DS_OUTPUT]: "tool"}
+        starts = [(i, roles[t]) for i, t in enumerate(token_ids) if t in roles]
+        users = [i for i, role in starts if role == "user"]
+        last_user = ""
+        if users:
+            end = next((i for i, _ in starts if i > users[-1]), len(token_ids))
+            last_user = self._text(token_ids[users[-1] + 1 : end])
+        turns = starts
+        opened: Opened | None = None
+        if (
+            starts
+            and starts[-1][1] == "assistant"
+            and not self._ds_ends.intersection(token_ids[starts[-1][0] :])
+        ):
+            turns, opened = starts[:-1], "message"
+        results: list[ToolResult] = []
+        for start, role in reversed(turns):  # the last run of tool results
+            if role != "tool":
+                break
+            close = _index(token_ids, self._ds_output_end, start + 1)
+            results.insert(0, ToolResult(None, self._text(token_ids[start + 1 : close])))
+        return PromptView(
+            "deepseek",
+            last_user=last_user,
+            last_role=turns[-1][1] if turns else None,
+            tool_results=tuple(results),
+            tools=_tools(_deepseek_tools(self._text(token_ids[: users[0]]) if users else "")),
+            thinking=self._text(token_ids[-2:]).rstrip().endswith(DS_THINK),
+            opened=opened,
+        )
+
+
+def _deepseek_tools(system: str) -> list[dict[str, Any]]:
+    """``### NAME`` then (after a description) ``Parameters: {json}``, per tool."""
+    found: list[dict[str, Any]] = []
+    name: str | None = None
+    for line in system.splitlines():
+        if line.startswith(_DS_TOOL_NAME):
+            name = line[len(_DS_TOOL_NAME) :].strip()
+        elif line.startswith(_DS_PARAMETERS) and name:
+            try:
+                parameters = json.loads(line[len(_DS_PARAMETERS) :])
+            except (ValueError, RecursionError):
+                parameters = {}
+            found.append({"name": name, "parameters": parameters})
+            name = None
+    return found
 
 
 def count_occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> int:
