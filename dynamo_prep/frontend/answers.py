@@ -98,6 +98,7 @@ def answer_stream_for(
         prompt_form="reference" if channel is not None else "hosted",
         tools_enabled=chat.tool_choice != "none",
         tools_declared=bool(chat.tools),
+        tools=chat.tools or (),
     )
     forced = forced_tool(chat.tool_choice) if chat.tools else None
     if forced is not None:  # the engine was constrained to the call's JSON (docs/structured-outputs.md)

@@ -16,6 +16,7 @@ from typing import ClassVar
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import CallIds, DeltaList, ToolCallDelta, new_call_id
 from dynamo_prep.parsing._recoveries import Recoveries
+from dynamo_prep.parsing._schema import Tools
 
 __all__ = ["Half", "NoReasoning", "NoTools", "ParseOptions", "ReasoningHalf", "ToolHalf"]
 
@@ -27,13 +28,15 @@ class ParseOptions:
     ``thinking``: the prompt opened the reasoning block (text before its close is reasoning).
     ``tools_enabled=False`` (``tool_choice: "none"``): every call is dropped, never content.
     ``tools_declared``: the request declared tools (a format that cannot tell a call from a JSON
-    answer, ``ToolHalf.NEEDS_TOOLS``, parses calls only then).
+    answer, ``ToolHalf.NEEDS_TOOLS``, parses calls only then). ``tools``: the request's tools, for
+    formats whose argument values are untyped text (typed by the tool's schema, ``_schema``).
     """
 
     thinking: bool = False
     tools_enabled: bool = True
     tools_declared: bool = True
     call_ids: CallIds = new_call_id
+    tools: Tools = ()
 
 
 class Half:
@@ -147,12 +150,13 @@ class ToolHalf(Half):
         super().__init__(options, text_markers, recoveries)
         self._calls = 0
 
-    def _call(self, name: str, arguments: str, out: DeltaList) -> None:
-        """One whole call (``arguments`` a JSON object text); dropped, counted, when tools are disabled."""
+    def _call(self, name: str, arguments: str, out: DeltaList, call_id: str | None = None) -> None:
+        """One whole call (``arguments`` a JSON object text; ``call_id``: the model's own, else a new
+        one); dropped, counted, when tools are disabled."""
         if not self._options.tools_enabled:
             self._recoveries.add(kinds.TOOL_CALL_NOT_ALLOWED)
             return
-        out.append(ToolCallDelta(self._calls, self._options.call_ids(), name, arguments))
+        out.append(ToolCallDelta(self._calls, call_id or self._options.call_ids(), name, arguments))
         self._calls += 1
 
 
