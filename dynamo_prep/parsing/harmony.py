@@ -168,6 +168,7 @@ class HarmonyAnswerParser(IdStreamParser[str]):
         self._arguments = bytearray()
         self._sink: type[ReasoningDelta] | type[ContentDelta] | None = None  # where decoded text goes
         self._fresh = True  # this message (or stretch between messages) has released no text yet
+        self._outside = False  # in a stretch of text outside any message (up to the next header)
         self._written: set[type[ReasoningDelta] | type[ContentDelta]] = set()
         self._calls = 0
 
@@ -225,7 +226,7 @@ class HarmonyAnswerParser(IdStreamParser[str]):
     # ------------------------------------------------------------------ headers
 
     def _open_header(self) -> None:
-        self._state = _HEADER
+        self._state, self._outside = _HEADER, False
         self._header.clear()
         self._header_ids = 0
         self._marked = False
@@ -268,7 +269,7 @@ class HarmonyAnswerParser(IdStreamParser[str]):
             data = data.replace(marker.encode(), b"")
         self._header.clear()
         self._recoveries.add(kinds.UNTERMINATED_HEADER)
-        self._state, self._first, self._fresh = _BETWEEN, False, True
+        self._state, self._first, self._fresh, self._outside = _BETWEEN, False, True, True
         self._text(ContentDelta, self._utf8.push(data), out)
 
     def _start_body(self, text: str) -> None:
@@ -320,13 +321,14 @@ class HarmonyAnswerParser(IdStreamParser[str]):
     # ------------------------------------------------------------------ text
 
     def _between(self, data: bytes, out: DeltaList) -> None:
-        """Text outside any message is content (counted once per stretch); whitespace alone is not."""
-        if self._sink is None:
+        """Text outside any message is content (counted once per stretch up to the next header; a
+        stray marker does not end it); whitespace alone before it is not."""
+        if not self._outside:
             if is_blank(data):
                 return
             data = data.lstrip()
             self._recoveries.add(kinds.TEXT_OUTSIDE_CHANNEL)
-            self._fresh = True
+            self._fresh, self._outside = True, True
         self._text(ContentDelta, self._utf8.push(data), out)
 
     def _text(self, kind: type[ReasoningDelta] | type[ContentDelta], text: str, out: DeltaList) -> None:
