@@ -7,14 +7,17 @@
   control segments; reasoning, content, names and values are text segments, never special ids.
 * ChatML (Qwen-VL demo): the content, then ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``
   for a call (the chat template's own history rendering), then ``<|im_end|>``.
+* A declared ``--tool-call-parser`` with a writer here (``PARSER_WRITERS``: ``openai`` for GPT-OSS
+  Harmony, also chosen by model_type ``gpt_oss``; ``kimi_k2``; ``glm45``), on a vocabulary holding
+  its markers as tokens: the answer in that format (``parser_formats``).
 * Any other format: the content as text.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NamedTuple
 
 from dynamo_prep.engines.mock.prompt import IM_END, IM_START, Family, PromptView, Tool
 from dynamo_prep.formatter import KimiK3Formatter
@@ -34,14 +37,17 @@ class ToolCall(NamedTuple):
 
 
 class AnswerWriter:
-    """Writes answers for one tokenizer's prompt family."""
+    """Writes answers for one tokenizer's prompt family, or in its declared tool-call format."""
 
-    def __init__(self, tokenizer: Tokenizer, family: Family) -> None:
+    def __init__(self, tokenizer: Tokenizer, family: Family, *, tool_call_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.family = family
         self._k3 = KimiK3Formatter()
+        self._by_parser = parser_writer(tokenizer, tool_call_parser)
 
     def write(self, view: PromptView, *, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
+        if self._by_parser is not None:
+            return self.tokenizer.encode_segments(list(self._by_parser(reasoning, content, call)))
         if self.family == "kimi_k3":
             return self._kimi_k3(view, reasoning, content, call)
         if self.family == "chatml":
@@ -66,6 +72,107 @@ class AnswerWriter:
         specials = self.tokenizer.special_tokens
         head = [] if view.opened is not None else [specials[IM_START], *self.tokenizer.encode("assistant\n")]
         return [*head, *self.tokenizer.encode(text), specials[IM_END]]
+
+
+# -- answers in a declared tool-call parser's format: reasoning, content, a call -> segments ----------
+
+ParserWriter = Callable[[str, str, "ToolCall | None"], list[Segment]]
+
+
+def _marker(text: str) -> Segment:
+    return Segment(text, True)
+
+
+def _text(text: str) -> Segment:
+    return Segment(text, False)
+
+
+def _arguments_json(call: ToolCall) -> str:
+    return json.dumps(call.arguments, ensure_ascii=False)
+
+
+def _harmony(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]:
+    """GPT-OSS: the prompt opened the assistant's message; analysis, a commentary preamble before a
+    call, then the call (``<|call|>``) or the final answer (``<|return|>``)."""
+    start = [_marker("<|start|>"), _text("assistant")]
+    segments: list[Segment] = []
+    for channel, text in (("analysis", reasoning), ("commentary", content if call is not None else "")):
+        if text:
+            segments += [_marker("<|channel|>"), _text(channel), _marker("<|message|>"), _text(text)]
+            segments += [_marker("<|end|>"), *start]
+    if call is None:
+        return [
+            *segments,
+            _marker("<|channel|>"),
+            _text("final"),
+            _marker("<|message|>"),
+            _text(content),
+            _marker("<|return|>"),
+        ]
+    header = [
+        _marker("<|channel|>"),
+        _text(f"commentary to=functions.{call.name} "),
+        _marker("<|constrain|>"),
+    ]
+    return [
+        *segments,
+        *header,
+        _text("json"),
+        _marker("<|message|>"),
+        _text(_arguments_json(call)),
+        _marker("<|call|>"),
+    ]
+
+
+def _kimi_k2(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]:
+    """Kimi-K2: the content, then the call's section (its id ``functions.NAME:0``), then ``<|im_end|>``."""
+    segments = [_text(content)] if content else []
+    if call is not None:
+        segments += [_marker("<|tool_calls_section_begin|>"), _marker("<|tool_call_begin|>")]
+        segments += [_text(f"functions.{call.name}:0"), _marker("<|tool_call_argument_begin|>")]
+        segments += [
+            _text(_arguments_json(call)),
+            _marker("<|tool_call_end|>"),
+            _marker("<|tool_calls_section_end|>"),
+        ]
+    return [*segments, _marker("<|im_end|>")]
+
+
+def _glm45(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]:
+    """GLM-4.5: the model's think block, the content, the call's tag block (strings raw, other values
+    as JSON, as its template writes them), then the turn's end (``<|observation|>`` after a call)."""
+    segments = [_text("\n"), _marker("<think>"), _text(reasoning), _marker("</think>")]
+    if content:
+        segments.append(_text("\n" + content))
+    if call is None:
+        return [*segments, _marker("<|user|>")]
+    segments += [_text("\n"), _marker("<tool_call>"), _text(call.name + "\n")]
+    for key, value in call.arguments.items():
+        written = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        segments += [_marker("<arg_key>"), _text(key), _marker("</arg_key>"), _text("\n")]
+        segments += [_marker("<arg_value>"), _text(written), _marker("</arg_value>"), _text("\n")]
+    return [*segments, _marker("</tool_call>"), _marker("<|observation|>")]
+
+
+PARSER_WRITERS: Final[dict[str, ParserWriter]] = {
+    "openai": _harmony,
+    "kimi_k2": _kimi_k2,
+    "glm45": _glm45,
+}
+"""The mock's answer formats by vLLM's tool-call parser name."""
+GPT_OSS_MODEL_TYPE: Final = "gpt_oss"
+
+
+def parser_writer(tokenizer: Tokenizer, tool_call_parser: str | None) -> ParserWriter | None:
+    """The writer of the declared parser (GPT-OSS's Harmony by model_type when none is declared), when
+    the vocabulary holds every marker it writes as a token; else None."""
+    if tool_call_parser is None and tokenizer.model_type == GPT_OSS_MODEL_TYPE:
+        tool_call_parser = "openai"
+    writer = PARSER_WRITERS.get(tool_call_parser or "")
+    if writer is None:
+        return None
+    probe = writer("r", "c", ToolCall("f", {"k": 1}))
+    return writer if all(tokenizer.is_special_token(s.text) for s in probe if s.allow_special) else None
 
 
 def schema_arguments(tool: Tool) -> dict[str, Any]:
