@@ -130,6 +130,8 @@ def test_the_reasoning_parser_is_also_the_engines_own_flag() -> None:
     assert engine_reasoning_flags("vllm", "deepseek_r1") == ("--reasoning-parser", "deepseek_r1")
     assert engine_reasoning_flags("sglang", "deepseek_r1") == ("--reasoning-parser", "deepseek-r1")
     assert engine_reasoning_flags("sglang", "qwen3") == ("--reasoning-parser", "qwen3")
+    assert engine_reasoning_flags("sglang", "openai_gptoss") == ("--reasoning-parser", "gpt-oss")
+    assert engine_reasoning_flags("vllm", "glm45") == ("--reasoning-parser", "glm45")
     assert engine_reasoning_flags("mock", "qwen3") == ()
     assert engine_reasoning_flags("vllm", None) == ()
     # the engine's reasoning parser needs its tokenizer (vLLM refuses to start without one)
