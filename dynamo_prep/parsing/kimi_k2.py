@@ -42,6 +42,15 @@ _CALL_ID = re.compile(r".+:\d+", re.DOTALL)
 _TEXT, _SECTION, _HEADER, _ARGUMENTS = range(4)
 
 
+_WANTED: Final = {
+    _TEXT: (SECTION_OPEN, CALL_OPEN),
+    _SECTION: (CALL_OPEN, SECTION_CLOSE),
+    _HEADER: (ARGUMENTS, CALL_END, SECTION_CLOSE, CALL_OPEN),
+    _ARGUMENTS: (CALL_END, SECTION_CLOSE, CALL_OPEN),
+}
+"""The markers valid in each state (on a vocabulary where they are no tokens, searched in text)."""
+
+
 def call_id_and_name(header: str) -> tuple[str | None, str]:
     """vLLM's reading of a call header: the id is the header up to its last ``:DIGITS`` (when it has
     one), the name the id's part before its first ``:``, without ``functions.``."""
@@ -70,7 +79,7 @@ class KimiK2Tools(ToolHalf):
         self._garbage = False  # this stretch of text inside the section is counted
 
     def _looking_for(self) -> tuple[str, ...]:
-        return self.MARKERS
+        return _WANTED[self._state]
 
     def _on_text(self, text: str, out: DeltaList) -> None:
         if self._state == _HEADER:
