@@ -201,6 +201,9 @@ CASES = {
     "glm45, whitespace after a call": (glm45, GLM_CALL, hf_blank("glm45"), True),
     "glm45, text": (glm45, [], hf_words("glm45"), False),
     "glm45, tool calls": (glm45, [], GLM_CALL, False),
+    "harmony, a long call body": (harmony, HARMONY_CALL[:-1], hf("gpt_oss").encode('"ab c'), True),
+    "kimi_k2, long arguments": (kimi_k2, K2_CALL[:-2], hf("kimi_k2").encode('"ab c'), True),
+    "glm45, a long value": (glm45, GLM_CALL[:7], hf("glm45").encode("ab c "), True),
 }
 
 

@@ -36,17 +36,21 @@ _NAME, _PAIRS, _KEY, _BEFORE_VALUE, _VALUE = range(5)
 
 
 class _Call:
-    """A call being read: its name, its pairs (keys as written, values as text) and its raw text."""
+    """A call being read: its raw text (UTF-8, kept compact: a value may be long), the spans of its
+    name and of the key or value being read in it, and its pairs (keys stripped, values as text)."""
 
-    __slots__ = ("arguments", "key", "name", "raw", "state", "value")
+    __slots__ = ("arguments", "key", "name", "raw", "start", "state")
 
     def __init__(self) -> None:
         self.state = _NAME
-        self.name: list[str] = []
-        self.key: list[str] = []
-        self.value: list[str] = []
+        self.raw = bytearray(CALL_OPEN.encode())
+        self.start = len(self.raw)  # where the name, key or value being read starts in ``raw``
+        self.name: str | None = None
+        self.key = ""
         self.arguments: dict[str, str] = {}
-        self.raw: list[str] = [CALL_OPEN]
+
+    def since_start(self, end: int | None = None) -> str:
+        return self.raw[self.start : end].decode()
 
 
 class Glm45Tools(ToolHalf):
@@ -71,15 +75,9 @@ class Glm45Tools(ToolHalf):
         if block is None:
             self._content(text, out)
             return
-        block.raw.append(text)
-        if block.state == _NAME:
-            block.name.append(text)
-        elif block.state == _KEY:
-            block.key.append(text)
-        elif block.state == _VALUE:
-            block.value.append(text)
-        elif text.strip() and not self._garbage:  # text between pairs: not part of the call
-            self._garbage = True
+        block.raw += text.encode()
+        if block.state in (_PAIRS, _BEFORE_VALUE) and text.strip() and not self._garbage:
+            self._garbage = True  # text between pairs: not part of the call
             self._recoveries.add(kinds.GARBAGE)
 
     def _content(self, text: str, out: DeltaList) -> None:
@@ -106,32 +104,35 @@ class Glm45Tools(ToolHalf):
         elif marker == CALL_CLOSE:
             self._end_call(out, closed=True)
         else:
-            block.raw.append(marker)
-            self._pair_marker(block, marker)
+            at = len(block.raw)
+            block.raw += marker.encode()
+            self._pair_marker(block, marker, at)
 
-    def _pair_marker(self, block: _Call, marker: str) -> None:
-        """``<arg_key>`` k ``</arg_key>`` [whitespace] ``<arg_value>`` v ``</arg_value>``; a tag out of
-        that order is dropped (counted), and an unclosed value is kept when the next key opens."""
+    def _pair_marker(self, block: _Call, marker: str, at: int) -> None:
+        """``<arg_key>`` k ``</arg_key>`` [whitespace] ``<arg_value>`` v ``</arg_value>`` (``at``: where
+        the marker starts in the raw text); a tag out of that order is dropped (counted), and an
+        unclosed value is kept when the next key opens. The first tag ends the name."""
         state = block.state
+        if state == _NAME:
+            block.name, state = block.since_start(at).strip(), _PAIRS
         if marker == KEY_OPEN:
             if state == _VALUE:
-                self._end_pair(block, closed=False)
-            block.state = _KEY
+                self._end_pair(block, at, closed=False)
+            block.state, block.start = _KEY, len(block.raw)
         elif marker == KEY_CLOSE and state == _KEY:
-            block.state = _BEFORE_VALUE
+            block.key, block.state = block.since_start(at).strip(), _BEFORE_VALUE
         elif marker == VALUE_OPEN and state == _BEFORE_VALUE:
-            block.state = _VALUE
+            block.state, block.start = _VALUE, len(block.raw)
         elif marker == VALUE_CLOSE and state == _VALUE:
-            self._end_pair(block, closed=True)
+            self._end_pair(block, at, closed=True)
         else:
+            block.state = state
             self._recoveries.add(kinds.UNKNOWN_TAG)
 
-    def _end_pair(self, block: _Call, *, closed: bool) -> None:
+    def _end_pair(self, block: _Call, at: int, *, closed: bool) -> None:
         if not closed:
             self._recoveries.add(kinds.UNCLOSED_CHANNEL)
-        block.arguments["".join(block.key).strip()] = "".join(block.value)
-        block.key.clear()
-        block.value.clear()
+        block.arguments[block.key] = block.since_start(at)
         block.state = _PAIRS
 
     def _on_end(self, cut: bool, out: DeltaList) -> None:
@@ -149,11 +150,11 @@ class Glm45Tools(ToolHalf):
         if block is None:
             return
         if block.state == _VALUE:
-            self._end_pair(block, closed=False)
-        name = "".join(block.name).strip()
+            self._end_pair(block, len(block.raw), closed=False)
+        name = block.since_start().strip() if block.name is None else block.name
         if not name:
             self._recoveries.add(kinds.INVALID_TOOL_CALL)
-            out.content("".join(block.raw) + (CALL_CLOSE if closed else ""))
+            out.content(block.raw.decode() + (CALL_CLOSE if closed else ""))
             return
         if not closed:
             self._recoveries.add(kinds.UNCLOSED_CALL)

@@ -72,8 +72,8 @@ class KimiK2Tools(ToolHalf):
     def __init__(self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries) -> None:
         super().__init__(options, text_markers, recoveries)
         self._state = _TEXT
-        self._header: list[str] = []
-        self._arguments: list[str] = []
+        self._header = bytearray()  # the call's header so far (UTF-8: kept compact, it may be long)
+        self._arguments = bytearray()  # its arguments so far
         self._held = bytearray()  # whitespace before the section or after it (UTF-8)
         self._holding = True  # whitespace alone is held: nothing but whitespace yet, or a section ended
         self._garbage = False  # this stretch of text inside the section is counted
@@ -83,9 +83,9 @@ class KimiK2Tools(ToolHalf):
 
     def _on_text(self, text: str, out: DeltaList) -> None:
         if self._state == _HEADER:
-            self._header.append(text)
+            self._header += text.encode()
         elif self._state == _ARGUMENTS:
-            self._arguments.append(text)
+            self._arguments += text.encode()
         elif self._state == _SECTION:
             if not self._garbage and text.strip():
                 self._garbage = True
@@ -140,7 +140,7 @@ class KimiK2Tools(ToolHalf):
     def _end_call(self, out: DeltaList, *, closed: bool) -> None:
         """The call's id and name from its header, its arguments a JSON object (none: ``{}``); one
         that is not (or has no name) is content: its header and arguments as written."""
-        header, arguments = "".join(self._header), "".join(self._arguments)
+        header, arguments = self._header.decode(), self._arguments.decode()
         self._header.clear()
         self._arguments.clear()
         call_id, name = call_id_and_name(header)
