@@ -30,7 +30,7 @@ from dynamo_prep.parsing._stream import IdStreamParser
 from dynamo_prep.parsing._tokens import Vocab, is_blank
 
 __all__ = [
-    "HARMONY_FAMILY",
+    "FAMILY",
     "MARKER_STRINGS",
     "MAX_HEADER_TOKENS",
     "HarmonyAnswerParser",
@@ -41,7 +41,9 @@ __all__ = [
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 MARKER_STRINGS: Final = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
-HARMONY_FAMILY: Final = "openai_gptoss+openai"
+FAMILY: Final = "openai_gptoss+openai"
+"""The parser's ``family`` label when both of its names are in effect."""
+"""The parser's family label when both of its names are in effect."""
 MAX_HEADER_TOKENS: Final = 256
 """A header longer than this without its ``<|message|>`` is no header: its text is content."""
 
@@ -151,7 +153,7 @@ class HarmonyAnswerParser(IdStreamParser[str]):
         *,
         tools_enabled: bool = True,
         call_ids: CallIds | None = None,
-        family: str = HARMONY_FAMILY,
+        family: str = FAMILY,
     ) -> None:
         specials = vocab.special_tokens
         super().__init__(vocab, {specials[m]: m for m in MARKER_STRINGS if m in specials})
