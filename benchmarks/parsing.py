@@ -4,16 +4,18 @@
 
 Each parser family (K3 in the reference form after its think channel, K3 hosted, Hermes, Llama 3
 JSON, DeepSeek V3 / V3.1 and Qwen3-Coder on the qwen-vl-demo vocabulary where their markers are text
-and on it with the markers added as tokens, as real vocabularies have them, plain) parses three
-kinds of output of each size:
+and on it with the markers added as tokens, as real vocabularies have them; GPT-OSS Harmony, Kimi-K2
+and GLM-4.5 on their scripts/make_hf_models.py vocabularies; plain) parses three kinds of output of
+each size:
 
 * ``whitespace``: message-level whitespace ids (a degenerate but ordinary output: K3 after the
   think channel closed, K3 hosted before any channel, Hermes before a possible ``<think>``, and
   after a tool call);
 * ``text``: ordinary words in a text channel;
 * ``markers``: structure all along (K3 tool calls with an argument each, Hermes ``<tool_call>``
-  blocks, DeepSeek calls in one calls section, Qwen3-Coder ``<function=...>`` blocks, plain text
-  with stray special ids between words).
+  blocks, DeepSeek calls in one calls section, Qwen3-Coder ``<function=...>`` blocks, Harmony
+  analysis and call messages, Kimi-K2 calls in a section, GLM-4.5 call blocks, plain text with stray
+  special ids between words).
 
 Both ways the frontend uses a parser: ``streamed`` (one id per ``feed``, the worst chunking) and
 ``whole`` (``parse_answer`` on every id at once). Each size is run over about the same number of
@@ -39,8 +41,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from benchmarks._report import Suite
-from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.parsing import (
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from support.hf_models import built_models  # noqa: E402
+
+from dynamo_prep.models import resolve_model_dir  # noqa: E402
+from dynamo_prep.parsing import (  # noqa: E402
     AnswerParser,
     HermesAnswerParser,
     KimiK3AnswerParser,
@@ -49,8 +57,8 @@ from dynamo_prep.parsing import (
     parse_answer,
     parser_for,
 )
-from dynamo_prep.parsing._tokens import Vocab, vocab_of
-from dynamo_prep.tokenizer import Tokenizer
+from dynamo_prep.parsing._tokens import Vocab, vocab_of  # noqa: E402
+from dynamo_prep.tokenizer import Tokenizer  # noqa: E402
 
 SIZES = (1_000, 10_000, 100_000)
 TARGET_RATIO = 2.0
@@ -258,6 +266,75 @@ def plain_workloads(tokenizer: Tokenizer) -> list[Workload]:
     ]
 
 
+def hf_family_workloads(models: dict[str, Path]) -> list[Workload]:
+    """GPT-OSS Harmony, Kimi-K2 and GLM-4.5 by their registered names, on their own vocabularies
+    (every marker a special token)."""
+
+    def declared(name: str, reasoning: str | None, tool_calls: str | None) -> Callable[[], AnswerParser]:
+        vocab = vocab_of(tokenizers[name])
+        return lambda: parser_for(vocab, reasoning, tool_calls, ParseOptions())
+
+    def marked(name: str, *parts: str) -> list[int]:
+        tokenizer = tokenizers[name]
+        return tokenizer.encode_segments([(part, tokenizer.is_special_token(part)) for part in parts])
+
+    tokenizers = {name: Tokenizer.from_model_dir(models[name]) for name in ("gpt_oss", "kimi_k2", "glm45")}
+    blank = {name: t.encode(" ") + t.encode("\n") for name, t in tokenizers.items()}
+    words = {
+        name: t.encode("the quick brown fox jumps over the lazy dog. ") for name, t in tokenizers.items()
+    }
+    harmony, k2, glm = (
+        declared("gpt_oss", "openai_gptoss", "openai"),
+        declared("kimi_k2", None, "kimi_k2"),
+        declared("glm45", "glm45", "glm45"),
+    )
+    harmony_call = marked(
+        "gpt_oss", "<|channel|>", "commentary to=functions.f", "<|message|>", '{"a": 1}', "<|call|>"
+    )
+    harmony_messages = marked(
+        "gpt_oss", "<|channel|>", "analysis", "<|message|>", "hm. ", "<|end|>", "<|start|>"
+    )
+    harmony_messages += (
+        marked("gpt_oss", "assistant") + harmony_call + marked("gpt_oss", "<|start|>", "assistant")
+    )
+    k2_call = marked(
+        "kimi_k2",
+        "<|tool_call_begin|>",
+        "functions.f:0",
+        "<|tool_call_argument_begin|>",
+        '{"a": 1}',
+        "<|tool_call_end|>",
+    )
+    glm_call = marked(
+        "glm45",
+        "<tool_call>",
+        "f\n",
+        "<arg_key>",
+        "a",
+        "</arg_key>",
+        "<arg_value>",
+        "1",
+        "</arg_value>",
+        "</tool_call>",
+    )
+    return [
+        Workload("harmony, whitespace", harmony, harmony_call, blank["gpt_oss"]),
+        Workload(
+            "harmony, text",
+            harmony,
+            marked("gpt_oss", "<|channel|>", "final", "<|message|>"),
+            words["gpt_oss"],
+        ),
+        Workload("harmony, markers", harmony, [], harmony_messages),
+        Workload("kimi_k2, whitespace", k2, [], blank["kimi_k2"]),
+        Workload("kimi_k2, text", k2, [], words["kimi_k2"]),
+        Workload("kimi_k2, markers", k2, marked("kimi_k2", "<|tool_calls_section_begin|>"), k2_call),
+        Workload("glm45 after a call, whitespace", glm, glm_call, blank["glm45"]),
+        Workload("glm45, text", glm, marked("glm45", "<think>", "hm", "</think>"), words["glm45"]),
+        Workload("glm45, markers", glm, [], glm_call + tokenizers["glm45"].encode("\n")),
+    ]
+
+
 def ids_of(workload: Workload, size: int) -> list[int]:
     return workload.prefix + list(itertools.islice(itertools.cycle(workload.body), size))
 
@@ -358,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         + llama3_json_workloads(qwen)
         + family_workloads(qwen, "on text markers")
         + tagged_workloads(tagged)
+        + hf_family_workloads(built_models())
         + plain_workloads(qwen)
     )
     if args.only:

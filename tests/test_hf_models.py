@@ -82,6 +82,13 @@ SPECIAL_IDS: dict[str, dict[str, int]] = {
         "<|start|>": BASE + 8,
         "<|call|>": BASE + 14,
     },
+    "kimi_k2": {
+        "<|im_end|>": BASE + 2,
+        "<|tool_calls_section_begin|>": BASE + 11,
+        "<|tool_call_end|>": BASE + 15,
+        "<|im_middle|>": BASE + 17,
+    },
+    "glm45": {"[gMASK]": BASE + 2, "<|user|>": BASE + 7, "<think>": BASE + 21, "<arg_value>": BASE + 29},
 }
 # Added tokens that are NOT special, as the real families ship them.
 NOT_SPECIAL = {
@@ -112,6 +119,8 @@ FILES = {
     "phi3_5": {"added_tokens.json", "tokenizer.model", "tokenizer.json"},
     "llava": {"added_tokens.json", "chat_template.json", "preprocessor_config.json", "processor_config.json"},
     "gpt_oss": {"chat_template.jinja", "tokenizer.json", "special_tokens_map.json"},
+    "kimi_k2": {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"},
+    "glm45": {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"},
 }
 # Texts that probe prefix spaces, byte fallback, specials inside text, rstrip, CJK and digits.
 PROBES = (

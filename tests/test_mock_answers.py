@@ -13,10 +13,15 @@ from typing import Any
 
 import msgspec
 import pytest
+from support.hf_models import built_models
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.engines.mock.answer import AnswerWriter, ToolCall, parser_writer
 from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
+from dynamo_prep.engines.mock.prompt import PromptView
 from dynamo_prep.formatter import prompt_formatter_for
+from dynamo_prep.parsing import answer_parser_for, parse_answer
+from dynamo_prep.parsing._schema_types import tool_properties
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.tokenizer import Tokenizer
@@ -328,3 +333,61 @@ def _extended(request: PreprocessedRequest, streamed: list[int]) -> Preprocessed
         request.stop_conditions, max_tokens=request.stop_conditions.max_tokens - len(streamed)
     )
     return msgspec.structs.replace(request, token_ids=[*request.token_ids, *streamed], stop_conditions=stop)
+
+
+# --- answers in a declared tool-call parser's format ---------------------------------------------------
+
+DECLARED = [("gpt_oss", "openai", "openai_gptoss"), ("kimi_k2", "kimi_k2", None), ("glm45", "glm45", "glm45")]
+
+
+@pytest.mark.parametrize(("model", "tool_parser", "reasoning_parser"), DECLARED)
+def test_a_declared_parsers_format_parses_back_to_what_was_written(
+    model: str, tool_parser: str, reasoning_parser: str | None
+) -> None:
+    """The mock writes reasoning, content and a call in the declared format; that parser reads back
+    the same (GLM's untyped values typed again by the tool's schema)."""
+    directory = built_models()[model]
+    tokenizer = Tokenizer.from_model_dir(directory)
+    writer = AnswerWriter(tokenizer, "plain", tool_call_parser=tool_parser)
+    runtime = ModelRuntimeConfig(tool_call_parser=tool_parser, reasoning_parser=reasoning_parser)
+    card = ModelDeploymentCard.from_model_dir(directory, runtime_config=runtime)
+    for call in (ToolCall("get_weather", QWEN_ARGUMENTS), None):
+        ids = writer.write(PromptView("plain"), reasoning="I think 你好.", content="Here 😀.", call=call)
+        parser = answer_parser_for(
+            card, tokenizer, thinking=False, tool_properties=tool_properties([WEATHER])
+        )
+        answer = parse_answer(parser, ids, "stop")
+        assert answer.content.strip() == "Here 😀."  # GLM: the newlines its template writes around content
+        assert answer.reasoning == ("" if model == "kimi_k2" else "I think 你好.")
+        assert [(c.name, json.loads(c.arguments)) for c in answer.tool_calls] == (
+            [("get_weather", QWEN_ARGUMENTS)] if call else []
+        )
+        assert parser.recoveries == {}
+
+
+def test_without_the_markers_a_declared_format_is_not_written() -> None:
+    tokenizer = Tokenizer.from_model_dir(built_models()["llama3"])
+    assert parser_writer(tokenizer, "kimi_k2") is None and parser_writer(tokenizer, "hermes") is None
+    assert (
+        parser_writer(Tokenizer.from_model_dir(built_models()["gpt_oss"]), None) is not None
+    )  # by model_type
+
+
+@pytest.mark.parametrize(("model", "tool_parser", "reasoning_parser"), DECLARED)
+def test_a_constrained_answer_is_the_json_as_content_in_the_declared_format(
+    model: str, tool_parser: str, reasoning_parser: str | None
+) -> None:
+    """Under a forced tool choice the engine's grammar holds the content to JSON: the mock writes it
+    as the format's content, which the frontend reads as the forced call."""
+    directory = built_models()[model]
+    engine = MockEngine(directory, flavor="vllm", reply_format="model", tool_call_parser=tool_parser)
+    card = ModelDeploymentCard.from_model_dir(
+        directory,
+        runtime_config=ModelRuntimeConfig(tool_call_parser=tool_parser, reasoning_parser=reasoning_parser),
+    )
+    preprocessor = OpenAIPreprocessor.new(card, directory)
+    chat = {"model": model, "messages": user(ASKED), "tools": [WEATHER], "tool_choice": "required"}
+    request = preprocessor.preprocess(chat)
+    ids, finish = engine.plan(request)
+    answer = parse_answer(answer_parser_for(card, engine.tokenizer, thinking=False), ids, finish)
+    assert json.loads(answer.content)[0]["name"] == "get_weather" and not answer.tool_calls

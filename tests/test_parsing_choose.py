@@ -8,6 +8,7 @@ from test_parsing_streams import K3, QWEN, card, tokenizer
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.parsing import (
+    HarmonyAnswerParser,
     KimiK3AnswerParser,
     ParsedAnswer,
     ParserChoice,
@@ -17,6 +18,7 @@ from dynamo_prep.parsing import (
     parser_choice,
     prompt_ends_in_think,
 )
+from dynamo_prep.tokenizer import Tokenizer
 
 CALL = '<tool_call>{"name": "f", "arguments": {}}</tool_call>'
 
@@ -116,3 +118,27 @@ def test_a_model_of_no_family_with_nothing_declared_is_plain() -> None:
 )
 def test_prompt_ends_in_think(prompt: str, opened: bool) -> None:
     assert prompt_ends_in_think(prompt) is opened
+
+
+def test_gpt_oss_gets_harmony_by_model_type_and_harmony_reads_both_halves() -> None:
+    from support.hf_models import built_models  # noqa: PLC0415
+
+    directory = built_models()["gpt_oss"]
+    gpt_oss = Tokenizer.from_model_dir(directory)
+    plain = ModelDeploymentCard.from_model_dir(directory, served_name="gpt-oss-plain")
+    assert parser_choice(plain, gpt_oss) == ParserChoice("openai_gptoss", "openai")
+    declares_qwen3 = ModelDeploymentCard.from_model_dir(
+        directory,
+        served_name="gpt-oss-declares-qwen3",
+        runtime_config=ModelRuntimeConfig(reasoning_parser="qwen3"),
+    )
+    with structlog.testing.capture_logs() as logs:
+        assert isinstance(answer_parser_for(declares_qwen3, gpt_oss, thinking=False), HarmonyAnswerParser)
+    assert [(e["event"], e["reasoning_parser"]) for e in logs] == [("answer_parsers_mixed", "qwen3")]
+
+
+def test_harmony_declared_for_a_tokenizer_without_its_markers_is_not_used() -> None:
+    model = declaring(QWEN, "qwen-declares-openai", tools="openai", reasoning="openai_gptoss")
+    with structlog.testing.capture_logs() as logs:
+        assert parser_choice(model, tokenizer(QWEN)) == ParserChoice("qwen3", "hermes")
+    assert [(e["event"], e["parser"]) for e in logs] == [("answer_parser_unusable", "openai")]

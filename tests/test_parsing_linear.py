@@ -14,6 +14,7 @@ import gc
 import itertools
 import tracemalloc
 from collections.abc import Callable
+from functools import cache
 from typing import SupportsIndex
 
 import pytest
@@ -34,7 +35,9 @@ from dynamo_prep.parsing._recoveries import Recoveries
 from dynamo_prep.parsing._tokens import vocab_of
 from dynamo_prep.parsing.deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, TOOL_SEP, DeepSeekV31Tools
 from dynamo_prep.parsing.qwen3_coder import Qwen3CoderTools
+from dynamo_prep.tokenizer import Tokenizer
 
+HF_FAMILIES = {"harmony": "gpt_oss", "kimi_k2": "kimi_k2", "glm45": "glm45"}
 WARM_IDS = 10_000
 """Streamed before the measure: the allocator's free lists and the tokenizer's caches fill up."""
 STREAMED_IDS = 40_000
@@ -96,12 +99,74 @@ def plain() -> AnswerParser:
     return PlainAnswerParser(vocab_of(tokenizer(QWEN)))
 
 
+@cache
+def hf(name: str) -> Tokenizer:
+    return Tokenizer.from_model_dir(built_models()[name])
+
+
+def declared(name: str, reasoning: str | None, tool_calls: str | None) -> Callable[[], AnswerParser]:
+    """A registered parser on a tests/support/hf_models directory's vocabulary."""
+    return lambda: parser_for(
+        vocab_of(hf(name)), reasoning, tool_calls, ParseOptions(call_ids=counting_ids())
+    )
+
+
+def marked(name: str, *parts: str) -> list[int]:
+    """Text with the family's markers (``<|...|>`` or ``<...>`` parts that are one token) as their ids."""
+    tok = hf(name)
+    return tok.encode_segments([(part, tok.is_special_token(part)) for part in parts if part])
+
+
+harmony = declared("gpt_oss", "openai_gptoss", "openai")
+kimi_k2 = declared("kimi_k2", None, "kimi_k2")
+glm45 = declared("glm45", "glm45", "glm45")
+HARMONY_CALL = marked(
+    "gpt_oss",
+    "<|start|>",
+    "assistant",
+    "<|channel|>",
+    "commentary to=functions.f",
+    "<|message|>",
+    '{"a": 1}',
+    "<|call|>",
+)
+K2_CALL = marked(
+    "kimi_k2",
+    "<|tool_call_begin|>",
+    "functions.f:0",
+    "<|tool_call_argument_begin|>",
+    '{"a": 1}',
+    "<|tool_call_end|>",
+)
+GLM_CALL = marked(
+    "glm45",
+    "<tool_call>",
+    "f\n",
+    "<arg_key>",
+    "a",
+    "</arg_key>",
+    "<arg_value>",
+    "1",
+    "</arg_value>",
+    "</tool_call>",
+    "\n",
+)
+
+
 def blank(model: str) -> list[int]:
     return tokenizer(model).encode(" ") + tokenizer(model).encode("\n")
 
 
 def words(model: str) -> list[int]:
     return tokenizer(model).encode("the quick brown fox jumps over the lazy dog. ")
+
+
+def hf_words(name: str) -> list[int]:
+    return hf(name).encode("the quick brown fox jumps over the lazy dog. ")
+
+
+def hf_blank(name: str) -> list[int]:
+    return hf(name).encode(" ") + hf(name).encode("\n")
 
 
 K3_CALL = k3_ids(
@@ -197,6 +262,24 @@ CASES = {
         False,
     ),
     "plain, whitespace": (plain, [], blank(QWEN), False),
+    "harmony, text": (
+        harmony,
+        marked("gpt_oss", "<|channel|>", "final", "<|message|>"),
+        hf_words("gpt_oss"),
+        False,
+    ),
+    "harmony, whitespace between messages": (harmony, HARMONY_CALL, hf_blank("gpt_oss"), False),
+    "harmony, text without a header": (harmony, [], hf_words("gpt_oss"), False),
+    "harmony, tool calls": (harmony, [], HARMONY_CALL, False),
+    "kimi_k2, whitespace at the start": (kimi_k2, [], hf_blank("kimi_k2"), True),
+    "kimi_k2, text": (kimi_k2, [], hf_words("kimi_k2"), False),
+    "kimi_k2, tool calls": (kimi_k2, marked("kimi_k2", "<|tool_calls_section_begin|>"), K2_CALL, False),
+    "glm45, whitespace after a call": (glm45, GLM_CALL, hf_blank("glm45"), True),
+    "glm45, text": (glm45, [], hf_words("glm45"), False),
+    "glm45, tool calls": (glm45, [], GLM_CALL, False),
+    "harmony, a long call body": (harmony, HARMONY_CALL[:-1], hf("gpt_oss").encode('"ab c'), True),
+    "kimi_k2, long arguments": (kimi_k2, K2_CALL[:-2], hf("kimi_k2").encode('"ab c'), True),
+    "glm45, a long value": (glm45, GLM_CALL[:7], hf("glm45").encode("ab c "), True),
 }
 
 
@@ -246,8 +329,9 @@ def test_streaming_keeps_a_bounded_state_and_makes_no_growing_copy(case: str) ->
 def test_long_runs_parse_the_same_whole_and_streamed(case: str) -> None:
     """Held whitespace is released, or dropped, exactly as before it was set aside."""
     make, prefix, body, _ = CASES[case]
-    model = K3 if "k3" in case else QWEN
-    ids = prefix + body * (2_000 // len(body) + 1) + words(model)  # the words are text in every vocabulary
+    family = case.split(",", maxsplit=1)[0]
+    tail = hf_words(HF_FAMILIES[family]) if family in HF_FAMILIES else words(K3 if "k3" in case else QWEN)
+    ids = prefix + body * (2_000 // len(body) + 1) + tail
     all_ways(make, ids)
 
 

@@ -25,7 +25,7 @@ from dynamo_prep.parsing import (
     parser_for,
 )
 from dynamo_prep.parsing._tokens import vocab_of
-from dynamo_prep.parsing.registry import REASONING_HALVES, TOOL_HALVES
+from dynamo_prep.parsing.registry import REASONING_HALVES, TOOL_HALVES, WHOLE_GRAMMARS, whole_grammar
 from dynamo_prep.tokenizer import Tokenizer
 
 FAMILY_MODELS = {
@@ -39,6 +39,10 @@ FAMILY_MODELS = {
     "deepseek_v31": "deepseek_v3",
     "qwen3_coder": "qwen3",
     "kimi_k3": K3,
+    "openai": "gpt_oss",
+    "openai_gptoss": "gpt_oss",
+    "kimi_k2": "kimi_k2",
+    "glm45": "glm45",
 }
 """A model directory of each registered name's family (a real vocabulary with its markers): a
 tests/support/hf_models directory, or a demo model."""
@@ -60,14 +64,15 @@ NAMES = [("reasoning", name) for name in REASONING_PARSERS] + [("tools", name) f
 
 def test_every_registered_name_has_a_family_model() -> None:
     assert set(FAMILY_MODELS) == {*REASONING_PARSERS, *TOOL_CALL_PARSERS}
-    assert set(TOOL_CALL_PARSERS) == {*TOOL_HALVES, "kimi_k3"}
-    assert set(REASONING_PARSERS) == {*REASONING_HALVES, "kimi_k3"}
+    assert set(TOOL_CALL_PARSERS) == {*TOOL_HALVES, *(grammar.tool_calls for grammar in WHOLE_GRAMMARS)}
+    assert set(REASONING_PARSERS) == {*REASONING_HALVES, *(grammar.reasoning for grammar in WHOLE_GRAMMARS)}
 
 
 def sample_ids(tok: Tokenizer, rng: random.Random) -> list[int]:
     """Every marker string a registered parser reads (as a token where it is one, else as text), text
     that spells them, JSON pieces, specials, an id outside the vocabulary, in random order."""
     markers = {m for half in (*TOOL_HALVES.values(), *REASONING_HALVES.values()) for m in half.MARKERS}
+    markers.update(marker for grammar in WHOLE_GRAMMARS for marker in grammar.markers)
     pieces = [*markers, '{"name": "f", "parameters": {"a": [1, "}"]}}', ";", "\n", " 你好 😀", "{", '"', "}"]
     ids: list[int] = []
     for _ in range(60):
@@ -83,7 +88,8 @@ def sample_ids(tok: Tokenizer, rng: random.Random) -> list[int]:
 def test_every_registered_name_builds_and_parses_anything(half: str, name: str, vocabulary: str) -> None:
     tok = tokenizer(FAMILY_MODELS[name] if vocabulary == "family" else PLAIN_MODEL)
     vocab = vocab_of(tok)
-    unusable = name == "kimi_k3" and vocabulary == "plain"  # K3 without its markers is left out
+    grammar = whole_grammar(*halves(name, half))
+    unusable = grammar is not None and vocabulary == "plain"  # a whole grammar without its markers: left out
     for thinking in (False, True):
 
         def make(thinking: bool = thinking) -> AnswerParser:
@@ -118,7 +124,7 @@ def test_unknown_names_are_refused_with_the_known_ones() -> None:
     ):
         check_parser_names("pythonic", None)
     with pytest.raises(
-        ValueError, match=r"unknown --reasoning-parser 'granite' \(known: deepseek_r1, deepseek_v3, kimi_k3"
+        ValueError, match=r"unknown --reasoning-parser 'granite' \(known: deepseek_r1, .*kimi_k3"
     ):
         check_parser_names(None, "granite")
 
@@ -128,6 +134,8 @@ def test_the_reasoning_parser_is_also_the_engines_own_flag() -> None:
     assert engine_reasoning_flags("sglang", "deepseek_r1") == ("--reasoning-parser", "deepseek-r1")
     assert engine_reasoning_flags("sglang", "qwen3") == ("--reasoning-parser", "qwen3")
     assert engine_reasoning_flags("sglang", "deepseek_v3") == ("--reasoning-parser", "deepseek-v3")
+    assert engine_reasoning_flags("sglang", "openai_gptoss") == ("--reasoning-parser", "gpt-oss")
+    assert engine_reasoning_flags("vllm", "glm45") == ("--reasoning-parser", "glm45")
     assert engine_reasoning_flags("mock", "qwen3") == ()
     assert engine_reasoning_flags("vllm", None) == ()
     # the engine's reasoning parser needs its tokenizer (vLLM refuses to start without one)

@@ -1,9 +1,10 @@
 """Answer parsers: a response's output ids in, its reasoning, content and tool calls out.
 
 Chosen per model by ``answer_parser_for`` (the worker's declared parsers, by vLLM's names in
-``registry``, else the model family): Kimi-K3 XTML channels parsed on token ids, or a reasoning half
-(think tags) composed with a tool half (Hermes ``<tool_call>``, Llama 3 JSON, DeepSeek V3/V3.1,
-Qwen3-Coder XML), or plain content.
+``registry``, else the model family): a whole grammar parsed on token ids (Kimi-K3 XTML channels,
+GPT-OSS Harmony messages), or a reasoning half (think tags) composed with a tool half (Hermes
+``<tool_call>``, Llama 3 JSON, DeepSeek V3/V3.1, Qwen3-Coder XML, Kimi-K2 sections, GLM-4.5 XML), or
+plain content.
 Every parser streams (``feed`` as ids arrive, ``finish`` once) and counts what it recovered from
 malformed output by kind (``RECOVERY_KINDS``). The contract: docs/answers.md.
 """
@@ -32,6 +33,7 @@ from dynamo_prep.parsing._compose import ComposedAnswerParser
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._recoveries import RECOVERY_KINDS
 from dynamo_prep.parsing._schema_types import tool_properties
+from dynamo_prep.parsing.harmony import HarmonyAnswerParser
 from dynamo_prep.parsing.hermes import HermesAnswerParser
 from dynamo_prep.parsing.kimi_k3 import KimiK3AnswerParser
 from dynamo_prep.parsing.plain import PlainAnswerParser, plain_parser_for
@@ -55,6 +57,7 @@ __all__ = [
     "AnswerParser",
     "ComposedAnswerParser",
     "ContentDelta",
+    "HarmonyAnswerParser",
     "HermesAnswerParser",
     "KimiK3AnswerParser",
     "ParseOptions",

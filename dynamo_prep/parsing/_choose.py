@@ -13,14 +13,22 @@ from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
 from dynamo_prep.parsing._halves import ParseOptions
 from dynamo_prep.parsing._schema_types import NO_TOOLS, ToolProperties
 from dynamo_prep.parsing._tokens import vocab_of
-from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS
-from dynamo_prep.parsing.registry import KIMI_K3_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS, parser_for
+from dynamo_prep.parsing.registry import (
+    HARMONY,
+    KIMI_K3,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    WholeGrammar,
+    parser_for,
+    whole_grammar,
+)
 from dynamo_prep.tokenizer import Tokenizer
 
 log = structlog.get_logger("dynamo_prep.parsing")
 
 HERMES_TOOL_PARSER: Final = "hermes"
 CHATML_START: Final = "<|im_start|>"
+GPT_OSS_MODEL_TYPE: Final = "gpt_oss"
 _WARNED_MAX = 1024
 
 
@@ -31,7 +39,8 @@ class ParserChoice(NamedTuple):
     tool_calls: str | None
 
 
-K3_FAMILY: Final = ParserChoice(KIMI_K3_PARSER, KIMI_K3_PARSER)
+K3_FAMILY: Final = ParserChoice(KIMI_K3.reasoning, KIMI_K3.tool_calls)
+HARMONY_FAMILY: Final = ParserChoice(HARMONY.reasoning, HARMONY.tool_calls)
 HERMES_FAMILY: Final = ParserChoice("qwen3", HERMES_TOOL_PARSER)
 PLAIN: Final = ParserChoice(None, None)
 
@@ -49,10 +58,13 @@ def _first_time(*key: str | None) -> bool:
 
 
 def family_parsers(card: ModelDeploymentCard, tokenizer: Tokenizer) -> ParserChoice:
-    """Kimi-K3 by the formatter's detection rule; ChatML (a Qwen model_type, or a tokenizer with
-    ``<|im_start|>``) gets Qwen's think tags and Hermes calls; anything else is plain content."""
+    """Kimi-K3 by the formatter's detection rule; GPT-OSS (model_type ``gpt_oss``, as vLLM picks its
+    Harmony parser) gets Harmony; ChatML (a Qwen model_type, or a tokenizer with ``<|im_start|>``)
+    gets Qwen's think tags and Hermes calls; anything else is plain content."""
     if is_kimi_k3(card.model_type, card.display_name):
         return K3_FAMILY
+    if card.model_type == GPT_OSS_MODEL_TYPE:
+        return HARMONY_FAMILY
     if (card.model_type or "").startswith("qwen") or tokenizer.is_special_token(CHATML_START):
         return HERMES_FAMILY
     return PLAIN
@@ -75,28 +87,41 @@ def parser_choice(card: ModelDeploymentCard, tokenizer: Tokenizer) -> ParserChoi
             log.warning("answer_parser_unknown", model=model, tool_call_parser=tools, using=family.tool_calls)
         tools = None
     choice = ParserChoice(reasoning or family.reasoning, tools or family.tool_calls)
-    if KIMI_K3_PARSER not in choice:
-        return choice
-    if not all(tokenizer.is_special_token(marker) for marker in MARKER_STRINGS):
-        fallback = PLAIN if family == K3_FAMILY else family
+    grammar = whole_grammar(*choice)
+    return choice if grammar is None else _whole(grammar, choice, family, card, tokenizer)
+
+
+def _whole(
+    grammar: WholeGrammar,
+    choice: ParserChoice,
+    family: ParserChoice,
+    card: ModelDeploymentCard,
+    tokenizer: Tokenizer,
+) -> ParserChoice:
+    """A whole grammar reads both halves: without its marker tokens it is left out (the family's
+    parsers, or plain); a name of another format declared for the other half is warned about."""
+    model = card.display_name
+    own = ParserChoice(grammar.reasoning, grammar.tool_calls)
+    if not all(tokenizer.is_special_token(marker) for marker in grammar.markers):
+        fallback = PLAIN if whole_grammar(*family) is grammar else family
         if _first_time("unusable", model, *choice):
             log.warning(
                 "answer_parser_unusable",
                 model=model,
-                parser=KIMI_K3_PARSER,
-                reason="the tokenizer does not register the four K3 markers",
+                parser=grammar.tool_calls,
+                reason=f"the tokenizer does not register the markers {', '.join(grammar.markers)}",
                 using=fallback.tool_calls or fallback.reasoning,
             )
         return fallback
-    if choice != K3_FAMILY and _first_time("mixed", model, *choice):
+    if any(name not in (None, *own) for name in choice) and _first_time("mixed", model, *choice):
         log.warning(
             "answer_parsers_mixed",
             model=model,
             reasoning_parser=choice.reasoning,
             tool_call_parser=choice.tool_calls,
-            using=KIMI_K3_PARSER,
+            using=grammar.tool_calls,
         )
-    return K3_FAMILY
+    return own
 
 
 def answer_parser_for(

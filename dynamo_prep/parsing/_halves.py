@@ -156,12 +156,13 @@ class ToolHalf(Half):
         super().__init__(options, text_markers, recoveries)
         self._calls = 0
 
-    def _call(self, name: str, arguments: str, out: DeltaList) -> None:
-        """One whole call (``arguments`` a JSON object text); dropped, counted, when tools are disabled."""
+    def _call(self, name: str, arguments: str, out: DeltaList, call_id: str | None = None) -> None:
+        """One whole call (``arguments`` a JSON object text; ``call_id``: the model's own, else a new
+        one); dropped, counted, when tools are disabled."""
         if not self._options.tools_enabled:
             self._recoveries.add(kinds.TOOL_CALL_NOT_ALLOWED)
             return
-        out.append(ToolCallDelta(self._calls, self._options.call_ids(), name, arguments))
+        out.append(ToolCallDelta(self._calls, call_id or self._options.call_ids(), name, arguments))
         self._calls += 1
 
 

@@ -44,6 +44,12 @@ INVALID_ARGUMENT_VALUE: Final = "invalid_argument_value"
 """A typed K3 argument value that is not JSON; it is kept as a string."""
 INVALID_TOOL_CALL: Final = "invalid_tool_call"
 """A Hermes call whose JSON does not parse or has no ``name``; it stays content."""
+FOREIGN_MESSAGE: Final = "foreign_message"
+"""A Harmony message of another role, or to a built-in tool on the commentary channel, dropped."""
+UNTERMINATED_HEADER: Final = "unterminated_header"
+"""A Harmony header not ended by ``<|message|>``: dropped (its text is content when it ran long)."""
+MISSING_START: Final = "missing_start"
+"""A Harmony header that begins without ``<|start|>`` (a ``<|channel|>`` between messages); read."""
 TOOL_CALL_NOT_ALLOWED: Final = "tool_call_not_allowed"
 """A call made while tools are disabled (``tool_choice: "none"``), dropped."""
 SPECIAL_TOKEN: Final = "special_token"
@@ -68,6 +74,9 @@ RECOVERY_KINDS: Final = (
     INVALID_JSON_BLOCK,
     INVALID_ARGUMENT_VALUE,
     INVALID_TOOL_CALL,
+    FOREIGN_MESSAGE,
+    UNTERMINATED_HEADER,
+    MISSING_START,
     TOOL_CALL_NOT_ALLOWED,
     SPECIAL_TOKEN,
     INVALID_TOKEN,

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final
 
-__all__ = ["NO_TOOLS", "ToolProperties", "tool_properties", "typed_value"]
+__all__ = ["NO_TOOLS", "ToolProperties", "tool_properties", "typed_arguments", "typed_value"]
 
 ToolProperties = Mapping[str, Mapping[str, Any]]
 """Each declared function tool's ``parameters.properties`` by its name (the first tool of a name)."""
@@ -145,3 +145,12 @@ def _enum_type(value: Any) -> str:
     if isinstance(value, dict):
         return "object"
     return next((name for kind, name in _ENUM_TYPES if isinstance(value, kind)), "string")
+
+
+def typed_arguments(values: dict[str, str], properties: Any) -> str:
+    """The arguments object of raw values, each typed by its property schema when the tool has one
+    (vLLM's types), compact."""
+    arguments: dict[str, Any] = dict(values)
+    if isinstance(properties, dict) and properties:
+        arguments = {key: typed_value(text, properties.get(key)) for key, text in values.items()}
+    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))

@@ -18,14 +18,13 @@ its function closes. Grammar, recoveries and how this differs from vLLM's parser
 
 from __future__ import annotations
 
-import json
-from typing import Any, Final
+from typing import Final
 
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import DeltaList
 from dynamo_prep.parsing._halves import ParseOptions, ToolHalf
 from dynamo_prep.parsing._recoveries import Recoveries
-from dynamo_prep.parsing._schema_types import typed_value
+from dynamo_prep.parsing._schema_types import typed_arguments
 
 __all__ = [
     "FUNCTION",
@@ -35,7 +34,6 @@ __all__ = [
     "TOOL_CALL",
     "TOOL_CALL_CLOSE",
     "Qwen3CoderTools",
-    "typed_arguments",
 ]
 
 TOOL_CALL: Final = "<tool_call>"
@@ -262,12 +260,3 @@ class Qwen3CoderTools(ToolHalf):
     def _reset_call(self) -> None:
         self._raw, self._name, self._key, self._value = [], [], [], []
         self._arguments = {}
-
-
-def typed_arguments(values: dict[str, str], properties: Any) -> str:
-    """The arguments object of raw values, each typed by its property schema when the tool has one
-    (vLLM's types), compact."""
-    arguments: dict[str, Any] = dict(values)
-    if isinstance(properties, dict) and properties:
-        arguments = {key: typed_value(text, properties.get(key)) for key, text in values.items()}
-    return json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))

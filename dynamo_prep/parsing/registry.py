@@ -1,37 +1,48 @@
 """The answer parsers by vLLM's names: what ``dynamo-prep worker --tool-call-parser`` /
 ``--reasoning-parser`` accept, what a card may declare, and what the frontend builds.
 
-A family is a half (``ReasoningHalf`` or ``ToolHalf``, one module) and one line in a table here.
-``kimi_k3`` is one grammar for both halves. How to add a family: docs/answers.md.
+A family is a half (``ReasoningHalf`` or ``ToolHalf``, one module) and one line in a table here;
+a format whose one grammar reads both (Kimi-K3, GPT-OSS Harmony) is a line in ``WHOLE_GRAMMARS``.
+How to add a family: docs/answers.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
 
+from dynamo_prep.parsing import harmony, kimi_k3
 from dynamo_prep.parsing._answer import AnswerParser
 from dynamo_prep.parsing._compose import ComposedAnswerParser
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._tokens import Vocab
 from dynamo_prep.parsing.deepseek import DeepSeekV3Reasoning, DeepSeekV3Tools, DeepSeekV31Tools
+from dynamo_prep.parsing.glm45 import Glm45Tools
+from dynamo_prep.parsing.harmony import HarmonyAnswerParser
 from dynamo_prep.parsing.hermes import HermesTools
-from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
+from dynamo_prep.parsing.kimi_k2 import KimiK2Tools
+from dynamo_prep.parsing.kimi_k3 import KimiK3AnswerParser
 from dynamo_prep.parsing.llama3_json import Llama3JsonTools
 from dynamo_prep.parsing.plain import PlainAnswerParser
 from dynamo_prep.parsing.qwen3_coder import Qwen3CoderTools
 from dynamo_prep.parsing.think import DeepSeekR1Reasoning, ThinkTagReasoning
 
 __all__ = [
+    "HARMONY",
+    "KIMI_K3",
     "KIMI_K3_PARSER",
     "REASONING_HALVES",
     "REASONING_PARSERS",
     "TOOL_CALL_PARSERS",
     "TOOL_HALVES",
+    "WHOLE_GRAMMARS",
+    "WholeGrammar",
     "check_parser_names",
     "engine_reasoning_flags",
     "parser_for",
+    "whole_grammar",
 ]
 
 KIMI_K3_PARSER: Final = "kimi_k3"
@@ -46,6 +57,8 @@ TOOL_HALVES: Final[Mapping[str, type[ToolHalf]]] = MappingProxyType(
         "deepseek_v3": DeepSeekV3Tools,
         "deepseek_v31": DeepSeekV31Tools,
         "qwen3_coder": Qwen3CoderTools,
+        "kimi_k2": KimiK2Tools,
+        "glm45": Glm45Tools,
     }
 )
 REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
@@ -53,16 +66,70 @@ REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
         "qwen3": ThinkTagReasoning,
         "deepseek_r1": DeepSeekR1Reasoning,
         "deepseek_v3": DeepSeekV3Reasoning,
+        "glm45": ThinkTagReasoning,  # GLM-4.5's <think> block, read as Qwen3's
     }
 )
-TOOL_CALL_PARSERS: Final = tuple(sorted({*TOOL_HALVES, KIMI_K3_PARSER}))
-REASONING_PARSERS: Final = tuple(sorted({*REASONING_HALVES, KIMI_K3_PARSER}))
+
+PromptForm = Literal["reference", "hosted"]
+
+
+@dataclass(frozen=True)
+class WholeGrammar:
+    """A format whose one grammar reads reasoning and tool calls (vLLM reads it with one parser
+    class too): used when either of its names is declared, on a vocabulary holding its markers as
+    tokens; ``build(vocab, options, prompt_form, family)`` makes one response's parser."""
+
+    reasoning: str
+    tool_calls: str
+    markers: tuple[str, ...]
+    build: Callable[[Vocab, ParseOptions, PromptForm, str], AnswerParser]
+
+    def names(self) -> tuple[str, ...]:
+        return (self.reasoning, self.tool_calls)
+
+    def usable(self, vocab: Vocab) -> bool:
+        return all(marker in vocab.special_tokens for marker in self.markers)
+
+    def family(self, reasoning: str | None, tool_calls: str | None) -> str:
+        """The declared names it reads, joined (the ``family`` label of the parse-error metric)."""
+        return "+".join(dict.fromkeys(name for name in (reasoning, tool_calls) if name in self.names()))
+
+
+def _kimi_k3(vocab: Vocab, options: ParseOptions, prompt_form: PromptForm, family: str) -> AnswerParser:
+    return KimiK3AnswerParser(
+        vocab,
+        thinking=options.thinking,
+        prompt_form=prompt_form,
+        tools_enabled=options.tools_enabled,
+        call_ids=options.call_ids,
+    )
+
+
+def _harmony(vocab: Vocab, options: ParseOptions, prompt_form: PromptForm, family: str) -> AnswerParser:
+    return HarmonyAnswerParser(
+        vocab, tools_enabled=options.tools_enabled, call_ids=options.call_ids, family=family
+    )
+
+
+KIMI_K3: Final = WholeGrammar(KIMI_K3_PARSER, KIMI_K3_PARSER, kimi_k3.MARKER_STRINGS, _kimi_k3)
+HARMONY: Final = WholeGrammar("openai_gptoss", "openai", harmony.MARKER_STRINGS, _harmony)
+WHOLE_GRAMMARS: Final = (KIMI_K3, HARMONY)
+
+TOOL_CALL_PARSERS: Final = tuple(sorted({*TOOL_HALVES, *(g.tool_calls for g in WHOLE_GRAMMARS)}))
+REASONING_PARSERS: Final = tuple(sorted({*REASONING_HALVES, *(g.reasoning for g in WHOLE_GRAMMARS)}))
 
 SKIP_TOKENIZER_INIT: Final = "--skip-tokenizer-init"
 # The engines' own --reasoning-parser (they hold a structured-output grammar back until the
 # reasoning ends): vLLM takes vLLM's names; SGLang spells some differently (None: SGLang has none).
 _SGLANG_REASONING: Final[Mapping[str, str | None]] = MappingProxyType(
-    {"qwen3": "qwen3", "deepseek_r1": "deepseek-r1", "deepseek_v3": "deepseek-v3", KIMI_K3_PARSER: "kimi_k3"}
+    {
+        "qwen3": "qwen3",
+        "deepseek_r1": "deepseek-r1",
+        "deepseek_v3": "deepseek-v3",
+        KIMI_K3_PARSER: "kimi_k3",
+        "openai_gptoss": "gpt-oss",
+        "glm45": "glm45",
+    }
 )
 
 
@@ -76,27 +143,27 @@ def check_parser_names(tool_call_parser: str | None, reasoning_parser: str | Non
             raise ValueError(f"unknown {flag} {name!r} (known: {', '.join(known)})")
 
 
+def whole_grammar(reasoning: str | None, tool_calls: str | None) -> WholeGrammar | None:
+    """The whole grammar either declared name belongs to (the first, when they name two)."""
+    return next((g for g in WHOLE_GRAMMARS if reasoning in g.names() or tool_calls in g.names()), None)
+
+
 def parser_for(
     vocab: Vocab,
     reasoning: str | None,
     tool_calls: str | None,
     options: ParseOptions,
     *,
-    prompt_form: Literal["reference", "hosted"] = "reference",
+    prompt_form: PromptForm = "reference",
 ) -> AnswerParser:
-    """One response's parser for these registered names: ``kimi_k3`` (either half) reads both halves
-    (``prompt_form`` is its; on a vocabulary without its four markers it is left out); else the
+    """One response's parser for these registered names: a whole grammar when either half names one
+    (``prompt_form`` is K3's; on a vocabulary without its markers it is left out); else the
     reasoning half and the tool half composed; neither: plain."""
-    if KIMI_K3_PARSER in (reasoning, tool_calls):
-        if not all(marker in vocab.special_tokens for marker in MARKER_STRINGS):
-            return parser_for(vocab, _without_k3(reasoning), _without_k3(tool_calls), options)
-        return KimiK3AnswerParser(
-            vocab,
-            thinking=options.thinking,
-            prompt_form=prompt_form,
-            tools_enabled=options.tools_enabled,
-            call_ids=options.call_ids,
-        )
+    grammar = whole_grammar(reasoning, tool_calls)
+    if grammar is not None:
+        if not grammar.usable(vocab):
+            return parser_for(vocab, _without(grammar, reasoning), _without(grammar, tool_calls), options)
+        return grammar.build(vocab, options, prompt_form, grammar.family(reasoning, tool_calls))
     if reasoning is None and tool_calls is None:
         return PlainAnswerParser(vocab)
     return ComposedAnswerParser(
@@ -104,12 +171,12 @@ def parser_for(
         REASONING_HALVES[reasoning] if reasoning is not None else None,
         TOOL_HALVES[tool_calls] if tool_calls is not None else None,
         options,
-        family="+".join(name for name in (reasoning, tool_calls) if name is not None),
+        family="+".join(dict.fromkeys(name for name in (reasoning, tool_calls) if name is not None)),
     )
 
 
-def _without_k3(name: str | None) -> str | None:
-    return None if name == KIMI_K3_PARSER else name
+def _without(grammar: WholeGrammar, name: str | None) -> str | None:
+    return None if name in grammar.names() else name
 
 
 def engine_reasoning_flags(

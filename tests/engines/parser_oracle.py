@@ -10,6 +10,11 @@ incremental detokenizer, then ``Parser.parse`` (non-streamed) or ``Parser.parse_
 Answers compare content and reasoning up to surrounding whitespace and calls by name and
 arguments as JSON values.
 
+GPT-OSS (``harmony``): vLLM reads Harmony with openai-harmony's ``StreamableParser`` on the real
+o200k_harmony ids (its ``HarmonyParser``, chosen for model_type ``gpt_oss``), whatever the
+tokenizer; so the same output goes to vLLM as openai-harmony encodes its segments (text as
+ordinary text, markers as their ids), and to ours on the gpt_oss directory's vocabulary.
+
 Where vLLM has a known bug, the family lists a ``Divergence``: outputs of that shape are not
 compared for that vLLM mode, and the divergence's own example is an ``xfail(strict=True)`` test
 that shows vLLM's answer differs (so a vLLM fix shows up as an XPASS). docs/answers.md says which
@@ -163,10 +168,18 @@ class Family:
     """Markers that are no token in the vocabulary (matched in text by both sides)."""
     properties: dict[str, Any] = field(default_factory=dict)
     """The ``properties`` of every tool's parameters schema (formats that type values by it)."""
+    parameters: dict[str, Any] | None = None
+    """Every tool's whole JSON schema, when given (else an object of ``properties``)."""
+    harmony: bool = False
+    """vLLM reads it with its ``HarmonyParser`` on openai-harmony's ids (GPT-OSS)."""
 
     def declared(self) -> list[dict[str, Any]]:
         """The request's ``tools``, as both sides get them."""
-        schema = {"type": "object", "properties": self.properties, "additionalProperties": True}
+        schema = self.parameters or {
+            "type": "object",
+            "properties": self.properties,
+            "additionalProperties": True,
+        }
         return [{"type": "function", "function": {"name": name, "parameters": schema}} for name in self.tools]
 
     def cut_in_marker(self, text: str) -> bool:
@@ -298,33 +311,39 @@ class VllmRun:
     def streamed(self, ids: Sequence[int]) -> Answer:
         detokenizer = self._detokenizer()
         parser = self._new_parser(self.request)
-        reasoning, content = [], []
-        calls: dict[int, list[str]] = {}
+        messages = []
         for at, token_id in enumerate(ids):
             last = at == len(ids) - 1
             detokenizer.update([token_id], False)
             delta = detokenizer.get_next_output_text(finished=last, delta=True)
-            message = parser.parse_delta(
-                delta_text=delta,
-                delta_token_ids=[token_id],
-                request=self.request,
-                prompt_token_ids=self.prompt_ids,
-                finished=last,
+            messages.append(
+                parser.parse_delta(
+                    delta_text=delta,
+                    delta_token_ids=[token_id],
+                    request=self.request,
+                    prompt_token_ids=self.prompt_ids,
+                    finished=last,
+                )
             )
-            if message is None:
-                continue
-            reasoning.append(message.reasoning or "")
-            content.append(message.content or "")
-            for call in message.tool_calls or ():
-                name, arguments = calls.setdefault(call.index, ["", ""])
-                function = call.function
-                if function is not None:
-                    calls[call.index] = [
-                        name or (function.name or ""),
-                        arguments + (function.arguments or ""),
-                    ]
-        folded = tuple((name, _arguments(arguments)) for name, arguments in (calls[i] for i in sorted(calls)))
-        return Answer("".join(reasoning), "".join(content), folded)
+        return _fold(messages)
+
+
+def _fold(messages: Sequence[Any]) -> Answer:
+    """What a streaming client assembles from vLLM's delta messages."""
+    reasoning, content = [], []
+    calls: dict[int, list[str]] = {}
+    for message in messages:
+        if message is None:
+            continue
+        reasoning.append(message.reasoning or "")
+        content.append(message.content or "")
+        for call in message.tool_calls or ():
+            name, arguments = calls.setdefault(call.index, ["", ""])
+            function = call.function
+            if function is not None:
+                calls[call.index] = [name or (function.name or ""), arguments + (function.arguments or "")]
+    folded = tuple((name, _arguments(arguments)) for name, arguments in (calls[i] for i in sorted(calls)))
+    return Answer("".join(reasoning), "".join(content), folded)
 
 
 def _arguments(text: str) -> Any:
@@ -334,12 +353,102 @@ def _arguments(text: str) -> Any:
         return ("not JSON", text)
 
 
+@cache
+def harmony_encoding() -> Any:
+    from vllm.entrypoints.openai.parser.harmony_utils import get_encoding  # noqa: PLC0415
+
+    return get_encoding()
+
+
+class HarmonyRun(VllmRun):
+    """One output through vLLM's ``HarmonyParser``, as ``OpenAIServingChat`` runs it for a gpt_oss
+    model: ids only (the text deltas are not read), on openai-harmony's encoding."""
+
+    def __init__(self, family: Family, directory: Path, output: Output) -> None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest  # noqa: PLC0415
+        from vllm.parser.parser_manager import ParserManager  # noqa: PLC0415
+
+        encoding = harmony_encoding()
+        self.tokenizer = SimpleNamespace(decode=lambda ids, **_: encoding.decode(list(ids)))
+        self.kwargs = {}
+        self.request = ChatCompletionRequest(
+            model="oracle", messages=[{"role": "user", "content": "hi"}], tools=family.declared()
+        )
+        self.parser_cls = ParserManager.get_parser(
+            tool_parser_name=family.tool_parser,
+            reasoning_parser_name=family.reasoning_parser,
+            enable_auto_tools=True,
+            model_name="oracle",
+            is_harmony=True,
+            tokenizer=self.tokenizer,
+        )
+        self.request = self._new_parser(self.request).adjust_request(self.request)
+        self.prompt_ids = harmony_ids(family.prompt(output.prompt))
+
+    def whole(self, ids: Sequence[int]) -> Answer:
+        parser = self._new_parser(self.request)
+        reasoning, content, calls = parser.parse(
+            "", self.request, enable_auto_tools=True, model_output_token_ids=list(ids)
+        )
+        return Answer(
+            reasoning or "", content or "", tuple((c.name, _arguments(c.arguments)) for c in calls or ())
+        )
+
+    def streamed(self, ids: Sequence[int]) -> Answer:
+        parser = self._new_parser(self.request)
+        messages = [
+            parser.parse_delta(
+                delta_text="",
+                delta_token_ids=[token_id],
+                request=self.request,
+                prompt_token_ids=self.prompt_ids,
+                finished=at == len(ids) - 1,
+            )
+            for at, token_id in enumerate(ids)
+        ]
+        return _fold(messages)
+
+
+def harmony_ids(segments: Sequence[Segment]) -> list[int]:
+    """Segments as openai-harmony encodes them: text as ordinary text, markers as their ids."""
+    encoding = harmony_encoding()
+    return [
+        i
+        for text, marker in segments
+        for i in (
+            encoding.encode(text, allowed_special="all")
+            if marker
+            else encoding.encode(text, disallowed_special=())
+        )
+    ]
+
+
+def _cut_segments(output: Output, text: str) -> list[Segment]:
+    """The segments of ``output`` up to the longest prefix of its text that ``text`` (a cut's decoded
+    ids) shares with it; a marker is kept only whole."""
+    size = next((at for at, (a, b) in enumerate(zip(output.text, text, strict=False)) if a != b), len(text))
+    kept: list[Segment] = []
+    for piece, marker in output.segments:
+        if size <= 0:
+            break
+        if len(piece) <= size or not marker:
+            kept.append((piece[:size], marker))
+        size -= len(piece)
+    return kept
+
+
 def vllm_answer(
     family: Family, directory: Path, output: Output, mode: Mode, cut: int | None = None
 ) -> Answer:
-    run = VllmRun(family, directory, output)
-    ids = output.ids(our_tokenizer(directory))
-    ids = ids if cut is None else ids[:cut]
+    tokenizer = our_tokenizer(directory)
+    ids = output.ids(tokenizer)
+    if family.harmony:
+        run: VllmRun = HarmonyRun(family, directory, output)
+        segments = output.segments if cut is None else _cut_segments(output, tokenizer.decode(ids[:cut]))
+        ids = harmony_ids(segments)
+    else:
+        run = VllmRun(family, directory, output)
+        ids = ids if cut is None else ids[:cut]
     return run.whole(ids) if mode == "whole" else run.streamed(ids)
 
 

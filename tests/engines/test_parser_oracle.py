@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from parser_oracle import (
+    _KEY,
     ARGUMENTS,
     JSON_VALUES,
     MODES,
@@ -42,6 +43,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 
 LLAMA3, QWEN3, DEEPSEEK = "llama3", "qwen3", "deepseek_v3"  # tests/support/hf_models directories
+GPT_OSS, KIMI_K2, GLM45 = "gpt_oss", "kimi_k2", "glm45"
 
 
 @pytest.fixture(scope="session")
@@ -84,6 +86,29 @@ def llama3_prompt(end: PromptEnd) -> list[Segment]:
         *assistant,
         ("\n\n", False),
     ]
+
+
+# -- outputs -----------------------------------------------------------------------------------------
+
+
+def harmony_prompt(end: PromptEnd) -> list[Segment]:
+    """GPT-OSS: the prompt opens the assistant's message; the model writes its header."""
+    user: list[Segment] = [("<|start|>", True), ("user", False), ("<|message|>", True), ("hi", False)]
+    return [*user, ("<|end|>", True), ("<|start|>", True), ("assistant", False)]
+
+
+def kimi_k2_prompt(end: PromptEnd) -> list[Segment]:
+    user: list[Segment] = [("<|im_user|>", True), ("user", False), ("<|im_middle|>", True), ("hi", False)]
+    assistant: list[Segment] = [("<|im_assistant|>", True), ("assistant", False), ("<|im_middle|>", True)]
+    return [*user, ("<|im_end|>", True), *assistant]
+
+
+def glm45_prompt(end: PromptEnd) -> list[Segment]:
+    """GLM-4.5: thinking on leaves the model to open its block; off closes an empty one."""
+    head: list[Segment] = [("[gMASK]", True), ("<sop>", True), ("<|user|>", True), ("\nhi", False)]
+    head.append(("<|assistant|>", True))
+    closed: list[Segment] = [("\n", False), (THINK_OPEN, True), (THINK_CLOSE, True)]
+    return [*head, *closed] if end == "closed" else head
 
 
 # -- outputs -----------------------------------------------------------------------------------------
@@ -352,6 +377,185 @@ def coder_outputs(draw: st.DrawFn, prompts: tuple[PromptEnd, ...] = ()) -> Outpu
     return writer.output(prompt)
 
 
+H_START, H_CHANNEL, H_MESSAGE, H_CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
+H_END, H_CALL, H_RETURN = "<|end|>", "<|call|>", "<|return|>"
+HARMONY_ENDS = {"analysis": H_END, "preamble": H_END, "final": H_RETURN, "call": H_CALL}
+
+
+def harmony_call_header(draw: st.DrawFn, name: str) -> list[Segment]:
+    """The header of a call, in one of the forms gpt-oss writes (recipient before or after the
+    channel, with or without a content type)."""
+    recipient = f"to=functions.{name}"
+    form = draw(st.sampled_from(["after", "before", "plain", "json"]))
+    if form == "before":
+        return [
+            (f" {recipient}", False),
+            (H_CHANNEL, True),
+            ("commentary ", False),
+            (H_CONSTRAIN, True),
+            ("json", False),
+        ]
+    tail: list[Segment] = [(" ", False), (H_CONSTRAIN, True), ("json", False)] if form == "after" else []
+    return [
+        (H_CHANNEL, True),
+        (f"commentary {recipient}" + (" json" if form == "json" else ""), False),
+        *tail,
+    ]
+
+
+@st.composite
+def harmony_outputs(draw: st.DrawFn) -> Output:
+    """Messages: [analysis] [commentary preamble] then a final answer or calls; the last message's
+    end token now and then left out (it is a stop id an engine may strip). Headers and call bodies
+    are spans: a cut inside one is not compared."""
+    writer = Writer()
+    kinds = draw(st.lists(st.sampled_from(["analysis", "preamble", "call", "final"]), min_size=1, max_size=4))
+    for index, kind in enumerate(kinds):
+        header: list[Segment] = [(H_START, True), ("assistant", False)] if index else []
+        if kind == "call":
+            header += harmony_call_header(draw, draw(st.sampled_from(TOOL_NAMES)))
+        else:
+            channel = {"analysis": "analysis", "preamble": "commentary", "final": "final"}[kind]
+            header += [(H_CHANNEL, True), (channel, False)]
+        ended = index < len(kinds) - 1 or draw(st.booleans())
+        end: list[Segment] = [(HARMONY_ENDS[kind], True)] if ended else []
+        if kind != "call":
+            writer.call(*header, (H_MESSAGE, True))
+            writer.text(draw(words()))
+            if ended:
+                writer.marker(HARMONY_ENDS[kind])
+            continue
+        if draw(st.integers(0, 7)) == 0:
+            writer.shapes.add("invalid_call")
+            body = draw(st.sampled_from(BAD_BODIES))
+        else:
+            body = draw(json_text(draw(ARGUMENTS)))
+        writer.call(*header, (H_MESSAGE, True), (body, False), *end)
+        if not ended:  # a cut even at the very end leaves this call unfinished: not compared
+            start, stop = writer.spans[-1]
+            writer.spans[-1] = (start, stop + 1)
+    for repeated in ("analysis", "preamble", "final"):
+        if kinds.count(repeated) + (repeated == "final" and "preamble" in kinds) > 1:
+            writer.shapes.add("several_text_messages")
+    writer.shapes.add("calls" if "call" in kinds else "no_calls")
+    return writer.output()
+
+
+K2_SECTION_OPEN, K2_SECTION_CLOSE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+K2_CALL_OPEN, K2_ARGUMENTS, K2_CALL_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+
+
+@st.composite
+def kimi_k2_outputs(draw: st.DrawFn) -> Output:
+    """text [<|tool_calls_section_begin|> (<|tool_call_begin|>functions.NAME:IDX
+    <|tool_call_argument_begin|>{...}<|tool_call_end|>)+ <|tool_calls_section_end|>] [text]."""
+    writer = Writer()
+    before = draw(words(min_size=0))
+    writer.text(before)
+    count = draw(st.integers(0, 3))
+    if count:
+        writer.shapes.update(["calls"] + (["text_before_calls"] if before.strip() else []))
+        writer.marker(K2_SECTION_OPEN)
+        for index in range(count):
+            name = draw(st.sampled_from(TOOL_NAMES))
+            if draw(st.integers(0, 7)) == 0:
+                writer.shapes.add("invalid_call")
+                body = draw(st.sampled_from(BAD_BODIES[:1] + BAD_BODIES[2:]))
+            else:
+                body = draw(json_text(draw(ARGUMENTS)))
+            header = (f"functions.{name}:{index}", False)
+            writer.call(
+                (K2_CALL_OPEN, True), header, (K2_ARGUMENTS, True), (body, False), (K2_CALL_END, True)
+            )
+        writer.marker(K2_SECTION_CLOSE)
+        after = draw(words(min_size=0))
+        if after.strip():
+            writer.shapes.add("text_after_calls")
+        writer.text(after)
+    return writer.output()
+
+
+GLM_CALL_OPEN, GLM_CALL_CLOSE = "<tool_call>", "</tool_call>"
+GLM_PAIR = ("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+@st.composite
+def glm45_outputs(draw: st.DrawFn, prompts: tuple[PromptEnd, ...] = ()) -> Output:
+    """[reasoning] text (<tool_call>NAME\n(<arg_key>k</arg_key>\n<arg_value>v</arg_value>\n)*
+    </tool_call>)* [text]: values are text (the request's tools declare no types: strings)."""
+    writer = Writer()
+    prompt = think(draw, writer, prompts)
+    before = draw(words(min_size=0))
+    writer.text(before)
+    count = draw(st.integers(0, 3))
+    for _ in range(count):
+        writer.text("\n")
+        pieces: list[Segment] = [(GLM_CALL_OPEN, True), (draw(st.sampled_from(TOOL_NAMES)) + "\n", False)]
+        for key in draw(st.lists(_KEY, max_size=3, unique_by=str.strip)):
+            key_open, key_close, value_open, value_close = GLM_PAIR
+            pieces += [(key_open, True), (key, False), (key_close, True), ("\n", False), (value_open, True)]
+            pieces += [(draw(words(min_size=0)), False), (value_close, True), ("\n", False)]
+        writer.call(*[piece for piece in pieces if piece[0]], (GLM_CALL_CLOSE, True))
+    after = draw(words(min_size=0)) if count else ""
+    writer.text(after)
+    writer.shapes.update(
+        shape
+        for shape, present in (
+            ("calls", count > 0),
+            ("text_before_calls", count > 0 and before.strip()),
+            ("text_after_calls", after.strip()),
+            ("text_after_several_calls", count > 1 and after.strip()),
+        )
+        if present
+    )
+    return writer.output(prompt)
+
+
+TYPED_PARAMETERS = {
+    "type": "object",
+    "properties": {
+        "s": {"type": "string"},
+        "i": {"type": "integer"},
+        "n": {"type": "number"},
+        "b": {"type": "boolean"},
+        "o": {"type": "object"},
+        "a": {"type": "array"},
+        "z": {"type": ["integer", "null"]},
+        "e": {"enum": ["x", 1, True]},
+        "u": {"anyOf": [{"type": "number"}, {"type": "string"}]},
+        "free": {},
+    },
+}
+"""Parameters of every type a GLM value is read as (the request's schema types it, as vLLM does)."""
+TYPED_TEXT = st.one_of(
+    JSON_VALUES.map(lambda value: value if isinstance(value, str) else json.dumps(value)),
+    st.sampled_from(
+        ["1", "-2", "3.0", "1e3", "0.5", "true", "False", "0", "null", "NaN", "1e999", "[1]", " 7 ", "x"]
+    ),
+)
+
+
+@st.composite
+def glm45_typed_outputs(draw: st.DrawFn) -> Output:
+    """One call whose values (JSON as the template writes non-strings, or any text) go to typed
+    parameters."""
+    writer = Writer()
+    pieces: list[Segment] = [(GLM_CALL_OPEN, True), (draw(st.sampled_from(TOOL_NAMES)) + "\n", False)]
+    for key in draw(
+        st.lists(st.sampled_from(sorted(TYPED_PARAMETERS["properties"])), max_size=5, unique=True)
+    ):
+        key_open, key_close, value_open, value_close = GLM_PAIR
+        pieces += [(key_open, True), (key, False), (key_close, True), ("\n", False), (value_open, True)]
+        pieces += [(draw(TYPED_TEXT), False), (value_close, True), ("\n", False)]
+    writer.call(*[piece for piece in pieces if piece[0]], (GLM_CALL_CLOSE, True))
+    writer.shapes.add("calls")
+    return writer.output()
+
+
 def example(
     *segments: Segment,
     prompt: PromptEnd = "plain",
@@ -578,6 +782,103 @@ def deepseek_divergences(v3: bool, prompt: PromptEnd = "plain") -> tuple[Diverge
     )
 
 
+HARMONY_DIVERGENCES = (
+    Divergence(
+        "several_text_messages",
+        ("streamed",),
+        "vLLM's HarmonyParser joins the texts of several analysis (or content) messages with a newline "
+        "in a whole answer but streams them with nothing between; ours joins them with the newline both ways",
+        example(
+            (H_CHANNEL, True),
+            ("analysis", False),
+            (H_MESSAGE, True),
+            ("first", False),
+            (H_END, True),
+            (H_START, True),
+            ("assistant", False),
+            (H_CHANNEL, True),
+            ("analysis", False),
+            (H_MESSAGE, True),
+            ("second", False),
+        ),
+    ),
+    Divergence(
+        "invalid_call",
+        MODES,
+        "vLLM's HarmonyParser returns a call whose body is not JSON with that text as its arguments "
+        "(not JSON); ours: the body is content, counted as invalid_tool_call",
+        example(
+            (H_CHANNEL, True),
+            ("commentary to=functions.f", False),
+            (H_MESSAGE, True),
+            ("not json", False),
+            (H_CALL, True),
+        ),
+    ),
+)
+K2_WEATHER = (K2_CALL_OPEN, True), ("functions.get_weather:0", False), (K2_ARGUMENTS, True)
+KIMI_K2_DIVERGENCES = (
+    Divergence(
+        "invalid_call",
+        MODES,
+        "vLLM's kimi_k2 parser returns a call whose arguments are not JSON with that text as its "
+        "arguments; ours: the call's text (its id and arguments, markers dropped) is content, counted",
+        example((K2_SECTION_OPEN, True), *K2_WEATHER, ("not json", False), (K2_CALL_END, True)),
+    ),
+    Divergence(
+        "text_after_calls",
+        MODES,
+        "vLLM's kimi_k2 parser stays in its tool state after <|tool_calls_section_end|> and drops the "
+        "text after the section; ours: it is content",
+        example(
+            (K2_SECTION_OPEN, True),
+            *K2_WEATHER,
+            ('{"city": "Paris"}', False),
+            (K2_CALL_END, True),
+            (K2_SECTION_CLOSE, True),
+            (" Done.", False),
+        ),
+    ),
+)
+GLM_WEATHER = (
+    (GLM_CALL_OPEN, True),
+    ("get_weather\n", False),
+    ("<arg_key>", True),
+    ("city", False),
+    ("</arg_key>", True),
+    ("\n", False),
+    ("<arg_value>", True),
+    ("Paris", False),
+    ("</arg_value>", True),
+    ("\n", False),
+    (GLM_CALL_CLOSE, True),
+)
+GLM45_DIVERGENCES = (
+    Divergence(
+        "text_after_calls",
+        ("whole",),
+        "vLLM's glm45 parser, whole, defers the text after a call and never returns it; ours: it is "
+        "content (as vLLM streams it)",
+        example(*GLM_WEATHER, (" Done.", False)),
+    ),
+    Divergence(
+        "text_after_several_calls",
+        ("streamed",),
+        "vLLM's glm45 parser, streaming, sends the whitespace between calls as content once text "
+        "follows them; ours drops whitespace alone between calls (as its whole answer does)",
+        example(("Sure.\n", False), *GLM_WEATHER, ("\n", False), *GLM_WEATHER, (" Done.", False)),
+    ),
+)
+GLM45_REASONING_DIVERGENCES = (
+    Divergence(
+        "no_think_block",
+        MODES,
+        "vLLM's glm45 reasoning parser (thinking enabled) reads an answer as reasoning up to a </think> "
+        "even when the model opened no think block; ours: without <think> at the start it is content",
+        example(("Paris is sunny.", False), shapes=("no_think_block",)),
+    ),
+)
+
 FAMILIES = [
     Family("hermes", QWEN3, "hermes", None, hermes_outputs(), chatml_prompt, HERMES_DIVERGENCES, HERMES_HELD),
     Family(
@@ -673,6 +974,39 @@ FAMILIES += [  # vLLM's aliases: the same classes under another name, on both si
         HERMES_HELD,
     ),
     Family("llama4_json", LLAMA3, "llama4_json", None, llama3_outputs(), llama3_prompt, LLAMA3_DIVERGENCES),
+]
+FAMILIES += [
+    Family(
+        "openai_gptoss+openai",
+        GPT_OSS,
+        "openai",
+        "openai_gptoss",
+        harmony_outputs(),
+        harmony_prompt,
+        HARMONY_DIVERGENCES,
+        harmony=True,
+    ),
+    Family("kimi_k2", KIMI_K2, "kimi_k2", None, kimi_k2_outputs(), kimi_k2_prompt, KIMI_K2_DIVERGENCES),
+    Family("glm45", GLM45, "glm45", None, glm45_outputs(), glm45_prompt, GLM45_DIVERGENCES),
+    Family(
+        "glm45-typed",
+        GLM45,
+        "glm45",
+        None,
+        glm45_typed_outputs(),
+        glm45_prompt,
+        GLM45_DIVERGENCES,
+        parameters=TYPED_PARAMETERS,
+    ),
+    Family(
+        "glm45+glm45",
+        GLM45,
+        "glm45",
+        "glm45",
+        glm45_outputs(("closed", "plain")),
+        glm45_prompt,
+        GLM45_DIVERGENCES + GLM45_REASONING_DIVERGENCES,
+    ),
 ]
 FAMILY_IDS = [family.id for family in FAMILIES]
 ORACLE_LESS = {"kimi_k3": "vLLM reads K3's XTML with text regexes; docs/answers.md lists where it differs"}

@@ -75,6 +75,8 @@ FAMILIES = {
         "sentencepiece", (TOKENIZER_CONFIG, PROCESSOR_JSON), tools=False, image="<image>", processor=True
     ),
     "gpt_oss": Family("byte-level", (JINJA,), tools=True),
+    "kimi_k2": Family("byte-level", (TOKENIZER_CONFIG,), tools=True),
+    "glm45": Family("byte-level", (TOKENIZER_CONFIG,), tools=True),
 }
 
 

@@ -8,6 +8,9 @@
 * ChatML (Qwen): the content, then the call, then ``<|im_end|>``.
 * DeepSeek: reasoning then ``</think>`` when the prompt opened a think block, the content, the call,
   then ``<｜end▁of▁sentence｜>``.
+* A declared ``--tool-call-parser`` whose answers have a shape of their own (``PARSER_WRITERS``:
+  ``openai`` for GPT-OSS Harmony, also chosen by model_type ``gpt_oss``; ``kimi_k2``; ``glm45``), on
+  a vocabulary holding its markers as tokens: the whole answer in that format.
 * Any other format: the content as text.
 
 A call is written in the format of the worker's ``--tool-call-parser`` (``CALL_WRITERS``), else the
@@ -29,7 +32,7 @@ from dynamo_prep.formatter.kimi_k3 import OPEN, SEP
 from dynamo_prep.prompt import Segment
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["CALL_WRITERS", "AnswerWriter", "ToolCall", "schema_arguments"]
+__all__ = ["CALL_WRITERS", "PARSER_WRITERS", "AnswerWriter", "ToolCall", "schema_arguments"]
 
 MOCK_STRING = "mock"
 _OPEN, _SEP = Segment(OPEN, True), Segment(SEP, True)
@@ -100,8 +103,11 @@ class AnswerWriter:
         self._k3 = KimiK3Formatter()
         default = CALL_WRITERS.get(_FAMILY_CALLS.get(family, ""), _hermes_call)
         self._call = CALL_WRITERS.get(tool_call_parser or "", default)
+        self._by_parser = parser_writer(tokenizer, tool_call_parser)
 
     def write(self, view: PromptView, *, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
+        if self._by_parser is not None:
+            return self.tokenizer.encode_segments(list(self._by_parser(reasoning, content, call)))
         if self.family == "kimi_k3":
             return self._kimi_k3(view, reasoning, content, call)
         if self.family == "chatml":
@@ -146,6 +152,107 @@ class AnswerWriter:
             elif text:
                 runs.append((text, token))
         return self.tokenizer.encode_segments(runs)
+
+
+# -- answers in a declared tool-call parser's format: reasoning, content, a call -> segments ----------
+
+ParserWriter = Callable[[str, str, "ToolCall | None"], list[Segment]]
+
+
+def _marker(text: str) -> Segment:
+    return Segment(text, True)
+
+
+def _text(text: str) -> Segment:
+    return Segment(text, False)
+
+
+def _arguments_json(call: ToolCall) -> str:
+    return json.dumps(call.arguments, ensure_ascii=False)
+
+
+def _harmony(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]:
+    """GPT-OSS: the prompt opened the assistant's message; analysis, a commentary preamble before a
+    call, then the call (``<|call|>``) or the final answer (``<|return|>``)."""
+    start = [_marker("<|start|>"), _text("assistant")]
+    segments: list[Segment] = []
+    for channel, text in (("analysis", reasoning), ("commentary", content if call is not None else "")):
+        if text:
+            segments += [_marker("<|channel|>"), _text(channel), _marker("<|message|>"), _text(text)]
+            segments += [_marker("<|end|>"), *start]
+    if call is None:
+        return [
+            *segments,
+            _marker("<|channel|>"),
+            _text("final"),
+            _marker("<|message|>"),
+            _text(content),
+            _marker("<|return|>"),
+        ]
+    header = [
+        _marker("<|channel|>"),
+        _text(f"commentary to=functions.{call.name} "),
+        _marker("<|constrain|>"),
+    ]
+    return [
+        *segments,
+        *header,
+        _text("json"),
+        _marker("<|message|>"),
+        _text(_arguments_json(call)),
+        _marker("<|call|>"),
+    ]
+
+
+def _kimi_k2(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]:
+    """Kimi-K2: the content, then the call's section (its id ``functions.NAME:0``), then ``<|im_end|>``."""
+    segments = [_text(content)] if content else []
+    if call is not None:
+        segments += [_marker("<|tool_calls_section_begin|>"), _marker("<|tool_call_begin|>")]
+        segments += [_text(f"functions.{call.name}:0"), _marker("<|tool_call_argument_begin|>")]
+        segments += [
+            _text(_arguments_json(call)),
+            _marker("<|tool_call_end|>"),
+            _marker("<|tool_calls_section_end|>"),
+        ]
+    return [*segments, _marker("<|im_end|>")]
+
+
+def _glm45(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]:
+    """GLM-4.5: the model's think block, the content, the call's tag block (strings raw, other values
+    as JSON, as its template writes them), then the turn's end (``<|observation|>`` after a call)."""
+    segments = [_text("\n"), _marker("<think>"), _text(reasoning), _marker("</think>")]
+    if content:
+        segments.append(_text("\n" + content))
+    if call is None:
+        return [*segments, _marker("<|user|>")]
+    segments += [_text("\n"), _marker("<tool_call>"), _text(call.name + "\n")]
+    for key, value in call.arguments.items():
+        written = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        segments += [_marker("<arg_key>"), _text(key), _marker("</arg_key>"), _text("\n")]
+        segments += [_marker("<arg_value>"), _text(written), _marker("</arg_value>"), _text("\n")]
+    return [*segments, _marker("</tool_call>"), _marker("<|observation|>")]
+
+
+PARSER_WRITERS: Final[dict[str, ParserWriter]] = {
+    "openai": _harmony,
+    "kimi_k2": _kimi_k2,
+    "glm45": _glm45,
+}
+"""The mock's answer formats by vLLM's tool-call parser name."""
+GPT_OSS_MODEL_TYPE: Final = "gpt_oss"
+
+
+def parser_writer(tokenizer: Tokenizer, tool_call_parser: str | None) -> ParserWriter | None:
+    """The writer of the declared parser (GPT-OSS's Harmony by model_type when none is declared), when
+    the vocabulary holds every marker it writes as a token; else None."""
+    if tool_call_parser is None and tokenizer.model_type == GPT_OSS_MODEL_TYPE:
+        tool_call_parser = "openai"
+    writer = PARSER_WRITERS.get(tool_call_parser or "")
+    if writer is None:
+        return None
+    probe = writer("r", "c", ToolCall("f", {"k": 1}))
+    return writer if all(tokenizer.is_special_token(s.text) for s in probe if s.allow_special) else None
 
 
 def schema_arguments(tool: Tool) -> dict[str, Any]:
