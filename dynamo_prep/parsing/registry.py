@@ -19,6 +19,7 @@ from dynamo_prep.parsing.hermes import HermesTools
 from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
 from dynamo_prep.parsing.llama3_json import Llama3JsonTools
 from dynamo_prep.parsing.plain import PlainAnswerParser
+from dynamo_prep.parsing.pythonic import Llama4PythonicTools, PythonicTools
 from dynamo_prep.parsing.think import DeepSeekR1Reasoning, ThinkTagReasoning
 
 __all__ = [
@@ -41,6 +42,8 @@ TOOL_HALVES: Final[Mapping[str, type[ToolHalf]]] = MappingProxyType(
         "qwen3_json": HermesTools,  # vLLM's alias of hermes for Qwen2.5/QwQ/Qwen3 JSON calls
         "llama3_json": Llama3JsonTools,
         "llama4_json": Llama3JsonTools,  # vLLM's alias: the same parser class
+        "pythonic": PythonicTools,
+        "llama4_pythonic": Llama4PythonicTools,
     }
 )
 REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
