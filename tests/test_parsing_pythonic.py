@@ -451,3 +451,35 @@ def test_the_reader_refuses_what_it_cannot_hold_and_reads_long_runs_in_one_pass(
             parse_call(text)
     assert parse_call("f(a=" + "-" * 10_000 + "1)").arguments == '{"a":1}'  # signs are a loop, not nesting
     assert parse_call("f(" + "a" * 100_000 + "=1)").arguments == '{"' + "a" * 100_000 + '":1}'
+
+
+FUZZ_PIECES = (
+    *("[", "]", "(", ")", "{", "}", "'", '"', "'''", '"""', "\\", "\\'", ",", ", ", "=", ":", "-", "."),
+    *(" ", "\n", "\r\n", "\t", "f", "f(", "get_weather", "a=", "b = ", "1", "2.5e3", "0x1f", "None", "true"),
+    *("x", "r'", "b'", "f'", "#", "你", "😀", START, END, EOM, f"[{WEATHER}]", f"{SEARCH}, ", "[f(a="),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(FUZZ_PIECES), max_size=40),
+    parser=st.sampled_from(["pythonic", "llama4_pythonic"]),
+    finish=st.sampled_from(["stop", "length"]),
+)
+def test_any_output_parses_the_same_whole_and_streamed_and_loses_nothing(
+    pieces: list[str], parser: str, finish: str
+) -> None:
+    """Random pythonic-looking output: never an error, whole = streamed = chunked, every call whole
+    with JSON arguments; an output without calls, tags or recoveries is its content, as written."""
+    answer, recoveries = parsed("".join(pieces), finish, parser=parser)
+    for call in answer.tool_calls:
+        assert isinstance(json.loads(call.arguments), dict) and call.name
+    text = "".join(pieces).replace(EOM, "")
+    if (
+        finish == "stop"
+        and not answer.tool_calls
+        and not recoveries
+        and START not in text
+        and END not in text
+    ):
+        assert answer.content == text

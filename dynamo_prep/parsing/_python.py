@@ -1,6 +1,7 @@
 """Pythonic tool calls read safely: ``name(key=literal, ...)`` to a name and a JSON arguments object,
-and where a streamed call's arguments close. No eval: a small reader of Python literals, one pass,
-nesting bounded. What is accepted and how it becomes JSON: docs/answers.md ("Pythonic").
+and where a streamed call's arguments close. No eval: a small reader of Python literals (one regex
+splits the call into tokens, a recursive descent reads them), nesting bounded. What is accepted and
+how it becomes JSON: docs/answers.md ("Pythonic").
 """
 
 from __future__ import annotations
@@ -11,26 +12,36 @@ import re
 import unicodedata
 from typing import Any, Final, NamedTuple
 
-__all__ = ["MAX_NESTING", "ArgumentsEnd", "NotACallError", "PythonCall", "parse_call"]
+__all__ = ["MAX_NESTING", "OPEN", "REFUSED", "ArgumentsEnd", "NotACallError", "PythonCall", "parse_call"]
 
 MAX_NESTING: Final = 100
 """Brackets open at once inside a call (its parentheses included); deeper is no call. Python's own
 parser stops at 200 (the list and the call's parentheses included)."""
 
 _WS = re.compile(r"[ \t\f\n]*")
-_NAME = re.compile(r"[^\W\d]\w*")
-_PREFIXED_QUOTE = re.compile(r"""(?i:rb|br|fr|rf|r|u|f|b)?('''|\"\"\"|'|")""")
-_BODIES = {
-    "'": re.compile(r"[^'\\\n]*(?:\\.[^'\\\n]*)*'", re.DOTALL),
-    '"': re.compile(r'[^"\\\n]*(?:\\.[^"\\\n]*)*"', re.DOTALL),
-    "'''": re.compile(r"[^'\\]*(?:(?:\\.|'(?!''))[^'\\]*)*'''", re.DOTALL),
-    '"""': re.compile(r'[^"\\]*(?:(?:\\.|"(?!""))[^"\\]*)*"""', re.DOTALL),
-}
+_SINGLE = r"[^{q}\\\n]*(?:\\.[^{q}\\\n]*)*"
+_TRIPLE = r"[^{q}\\]*(?:(?:\\.|{q}(?!{q}{q}))[^{q}\\]*)*"
+# A one-line string never starts with what opens a triple-quoted one: that one must close as such.
+_QUOTED = "|".join(
+    (
+        "'''" + _TRIPLE.format(q="'") + "'''",
+        '"""' + _TRIPLE.format(q='"') + '"""',
+        "'(?!'')" + _SINGLE.format(q="'") + "'",
+        '"(?!"")' + _SINGLE.format(q='"') + '"',
+    )
+)
 _DIGITS = r"[0-9](?:_?[0-9])*"
 _EXPONENT = rf"[eE][-+]?{_DIGITS}"
 _FLOAT = rf"(?:{_DIGITS}\.(?:{_DIGITS})?|\.{_DIGITS})(?:{_EXPONENT})?|{_DIGITS}{_EXPONENT}"
 _INT = r"0[xX](?:_?[0-9a-fA-F])+|0[bB](?:_?[01])+|0[oO](?:_?[0-7])+|0(?:_?0)*|[1-9](?:_?[0-9])*"
-_NUMBER = re.compile(rf"(?P<float>{_FLOAT})(?P<imaginary>[jJ])?|(?P<int>{_INT})(?P<int_imaginary>[jJ])?")
+_TOKEN = re.compile(
+    r"[ \t\f\n]*(?:"
+    rf"(?P<s>(?P<prefix>(?i:rb|br|fr|rf|r|u|f|b)?)(?:{_QUOTED}))"
+    rf"|(?P<j>(?:{_FLOAT}|{_DIGITS})[jJ])|(?P<f>{_FLOAT})|(?P<i>{_INT})"
+    r"|(?P<w>[^\W\d]\w*)"
+    r"|(?P<p>[()\[\]{},:=.+-]))",
+    re.DOTALL,
+)
 _ESCAPE = re.compile(
     r"\\(?:(?P<simple>[\n\\'\"abfnrtv])|(?P<octal>[0-7]{1,3})|x(?P<x>[0-9a-fA-F]{2})|u(?P<u>[0-9a-fA-F]{4})"
     r"|U(?P<U>[0-9a-fA-F]{8})|N\{(?P<N>[^}\n]{1,100})\}|(?P<bad>[xuUN])|(?P<other>.))",
@@ -41,6 +52,7 @@ _SIMPLE |= {"t": "\t", "v": "\v"}
 _NAMES = {"True": True, "False": False, "None": None}
 _JSON_NAMES = {"true": True, "false": False, "null": None}  # JSON spellings some models write
 _OPEN = {"[": "]", "(": ")", "{": "}"}
+_SIGNS = (("p", "-"), ("p", "+"))
 
 
 class NotACallError(ValueError):
@@ -75,57 +87,79 @@ def _dumps(value: dict[str, Any]) -> str:
     return text
 
 
-class _Reader:
-    """One call's text read left to right; every method leaves ``at`` after what it read."""
+Token = tuple[str, str]
+"""(kind, text): ``s`` a string literal (its prefix, lowercased, then a space, then the quoted text),
+``f`` a float, ``i`` an integer, ``j`` an imaginary number, ``w`` a name, ``p`` punctuation, ``$``
+the end."""
+_END: Final[Token] = ("$", "")
 
-    __slots__ = ("at", "repeated", "text")
+
+def _tokens(text: str) -> list[Token]:
+    tokens: list[Token] = []
+    match = _TOKEN.match
+    at = 0
+    while (found := match(text, at)) is not None:
+        kind = found.lastgroup or ""
+        if kind == "s":
+            prefix = found["prefix"]
+            tokens.append(("s", prefix.lower() + " " + found["s"][len(prefix) :]))
+        else:
+            tokens.append((kind, found[kind]))
+        at = found.end()
+    if _WS.match(text, at).end() != len(text):  # type: ignore[union-attr]
+        raise NotACallError(f"no Python token at {at}")
+    tokens.append(_END)
+    return tokens
+
+
+class _Reader:
+    """One call's tokens read left to right; every method leaves ``at`` after what it read."""
+
+    __slots__ = ("at", "repeated", "tokens")
 
     def __init__(self, text: str) -> None:
-        self.text = text
+        self.tokens = _tokens(text)
         self.at = 0
         self.repeated = 0
 
     def call(self) -> tuple[str, dict[str, Any]]:
         parts = [self._identifier()]
-        while self._peek() == ".":
-            self.at += 1
+        while self._take("."):
             parts.append(self._identifier())
         self._expect("(")
         arguments: dict[str, Any] = {}
-        while self._peek() != ")":
+        while not self._take(")"):
             key = self._identifier()
             self._expect("=")
-            if self._peek() == "=":  # a comparison
+            if self.tokens[self.at] == ("p", "="):  # a comparison
                 raise NotACallError(key)
             self.repeated += key in arguments
             arguments[key] = self._value(1)[0]  # depth 1: the call's parentheses
-            if self._peek() != ",":
+            if not self._take(","):
+                self._expect(")")
                 break
-            self.at += 1
-        self._expect(")")
-        if self.at != len(self.text):
+        if self.tokens[self.at] != _END:
             raise NotACallError("text after the call")
         return ".".join(parts), arguments
 
     # -- tokens ----------------------------------------------------------------------------------
 
-    def _peek(self) -> str:
-        """The next character that is not whitespace ("" at the end); ``at`` is moved to it."""
-        self.at = _WS.match(self.text, self.at).end()  # type: ignore[union-attr]
-        return self.text[self.at : self.at + 1]
+    def _take(self, punctuation: str) -> bool:
+        if self.tokens[self.at] == ("p", punctuation):
+            self.at += 1
+            return True
+        return False
 
-    def _expect(self, char: str) -> None:
-        if self._peek() != char:
-            raise NotACallError(f"{char!r} expected at {self.at}")
-        self.at += 1
+    def _expect(self, punctuation: str) -> None:
+        if not self._take(punctuation):
+            raise NotACallError(f"{punctuation!r} expected at token {self.at}")
 
     def _identifier(self) -> str:
-        self._peek()
-        found = _NAME.match(self.text, self.at)
-        if found is None:
-            raise NotACallError(f"a name expected at {self.at}")
-        self.at = found.end()
-        name = unicodedata.normalize("NFKC", found.group())
+        kind, text = self.tokens[self.at]
+        if kind != "w":
+            raise NotACallError(f"a name expected at token {self.at}")
+        self.at += 1
+        name = text if text.isascii() else unicodedata.normalize("NFKC", text)  # as Python reads names
         if not name.isidentifier() or keyword.iskeyword(name):
             raise NotACallError(name)
         return name
@@ -133,111 +167,104 @@ class _Reader:
     # -- values: (value, whether it is a constant: a dict key may only be one) -------------------
 
     def _value(self, depth: int) -> tuple[Any, bool]:
-        char = self._peek()
-        if not char:
-            raise NotACallError("a literal expected at the end")
-        if char in _OPEN:
+        kind, text = token = self.tokens[self.at]
+        self.at += 1
+        if kind == "s":
+            return self._strings(text)
+        if kind == "i":
+            return _int(text), True
+        if kind == "f":
+            return _float(text), True
+        if kind == "w" and text in _NAMES:
+            return _NAMES[text], True
+        if kind == "w" and text in _JSON_NAMES:
+            return _JSON_NAMES[text], False
+        if kind == "p" and text in _OPEN:
             if depth >= MAX_NESTING:
                 raise NotACallError("nested too deep")
-            self.at += 1
-            return self._container(char, depth + 1)
-        if char in "+-":
-            return self._signed(depth), False
-        if char.isdigit() or (char == "." and self.text[self.at + 1 : self.at + 2].isdigit()):
-            return self._number(), True
-        if _PREFIXED_QUOTE.match(self.text, self.at):
-            return self._strings()
-        name = _NAME.match(self.text, self.at)
-        word = name.group() if name is not None else ""
-        if word in _NAMES or word in _JSON_NAMES:
-            self.at += len(word)
-            return (_NAMES[word], True) if word in _NAMES else (_JSON_NAMES[word], False)
-        raise NotACallError(f"a literal expected at {self.at}")
+            return self._container(text, depth + 1)
+        if token in _SIGNS:
+            return self._signed(text, depth), False
+        raise NotACallError(f"a literal expected at token {self.at - 1}")
 
     def _container(self, opener: str, depth: int) -> tuple[Any, bool]:
+        """After its opener: ``[]``, ``()``, ``{}``, a value in parentheses, a dict, or items."""
         closer = _OPEN[opener]
-        if self._peek() == closer:
-            self.at += 1
+        if self._take(closer):
             return {} if opener == "{" else [], False
         first, constant = self._value(depth)
-        if opener == "(" and self._peek() == ")":  # parentheses around one value: that value
-            self.at += 1
+        if opener == "(" and self._take(")"):  # parentheses around one value: that value
             return first, constant
-        if opener == "{" and self._peek() == ":":
+        if opener == "{" and self._take(":"):
             return self._dict(first, constant, depth), False
-        items = [first]
-        while self._peek() == ",":
-            self.at += 1
-            if self._peek() == closer:
-                break
+        items = [first]  # a list, a tuple or a set: a JSON array, in the order written
+        while self._take(","):
+            if self._take(closer):
+                return items, False
             items.append(self._value(depth)[0])
         self._expect(closer)
-        return items, False  # a list, a tuple or a set: a JSON array, in the order written
+        return items, False
 
     def _dict(self, key: Any, constant: bool, depth: int) -> dict[Any, Any]:
+        """After its first key and ``:``."""
         found: dict[Any, Any] = {}
         while True:
             if not constant:
                 raise NotACallError("a dict key that is no literal")
-            self._expect(":")
             found[key] = self._value(depth)[0]  # a key written twice: its first place, the later value
-            if self._peek() != ",":
-                break
-            self.at += 1
-            if self._peek() == "}":
-                break
+            if not self._take(","):
+                self._expect("}")
+                return found
+            if self._take("}"):
+                return found
             key, constant = self._value(depth)
-        self._expect("}")
-        return found
+            self._expect(":")
 
-    def _signed(self, depth: int) -> int | float:
-        negative = False
-        while (char := self._peek()) in ("+", "-") and char:
-            negative ^= char == "-"
+    def _signed(self, sign: str, depth: int) -> int | float:
+        """After a first ``+`` or ``-``: more signs, then a number (signs are a loop, not nesting)."""
+        negative = sign == "-"
+        while (token := self.tokens[self.at]) in _SIGNS:
+            negative ^= token[1] == "-"
             self.at += 1
         value, _ = self._value(depth)
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise NotACallError("a sign before no number")
         return -value if negative else value
 
-    def _number(self) -> int | float:
-        found = _NUMBER.match(self.text, self.at)
-        if found is None or found["imaginary"] or found["int_imaginary"]:
-            raise NotACallError(f"a number expected at {self.at}")
-        self.at = found.end()
-        if _NAME.match(self.text, self.at) or self.text[self.at : self.at + 1] == ".":
-            raise NotACallError(f"a number runs into text at {self.at}")
-        try:
-            value: int | float = int(found["int"], 0) if found["int"] else float(found["float"])
-        except ValueError as exc:  # more digits than Python converts (4,300)
-            raise NotACallError(str(exc)) from exc
-        if isinstance(value, float) and value in (float("inf"), float("-inf")):
-            raise NotACallError("a number JSON cannot hold")
-        return value
-
-    def _strings(self) -> tuple[str, bool]:
+    def _strings(self, first: str) -> tuple[str, bool]:
         """Adjacent string literals, joined; an f-string makes the result no constant."""
-        pieces: list[str] = []
+        literals = [first]
+        while self.tokens[self.at][0] == "s":
+            literals.append(self.tokens[self.at][1])
+            self.at += 1
         constant = True
-        while (opening := _PREFIXED_QUOTE.match(self.text, self._at_string())) is not None:
-            prefix = opening.group()[: opening.start(1) - opening.start()].lower()
-            quote = opening.group(1)
-            body = _BODIES[quote].match(self.text, opening.end())
-            if body is None or "b" in prefix:
-                raise NotACallError("a string that does not close, or bytes")
-            self.at = body.end()
-            raw = body.group()[: -len(quote)]
+        pieces: list[str] = []
+        for literal in literals:
+            prefix, _, quoted = literal.partition(" ")
+            quote = 3 if quoted[:3] in ('"""', "'''") else 1
+            body = quoted[quote:-quote]
+            if "b" in prefix:
+                raise NotACallError("bytes")
             if "f" in prefix:
-                if "{" in raw or "}" in raw:
+                if "{" in body or "}" in body:
                     raise NotACallError("an f-string with replacement fields")
                 constant = False
-            pieces.append(raw if "r" in prefix else _unescape(raw))
+            pieces.append(body if "r" in prefix else _unescape(body))
         return "".join(pieces), constant
 
-    def _at_string(self) -> int:
-        """Where the next string literal would start (after whitespace), or past the end."""
-        self._peek()
-        return self.at
+
+def _int(text: str) -> int:
+    try:
+        return int(text, 0)
+    except ValueError as exc:  # more digits than Python converts (4,300)
+        raise NotACallError(str(exc)) from exc
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if value in (float("inf"), float("-inf")):
+        raise NotACallError("a number JSON cannot hold")
+    return value
 
 
 def _unescape(raw: str) -> str:
