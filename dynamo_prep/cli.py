@@ -443,7 +443,9 @@ def _add_routing(command: Any) -> None:
 
 
 def _add_up(commands: Any) -> None:
-    up = commands.add_parser("up", help="a local cluster: frontend + an sglang and a vllm mock worker")
+    up = commands.add_parser(
+        "up", help="a local cluster: frontend, an sglang and a vllm mock worker, a llama3-demo tool worker"
+    )
     _env_option(
         up,
         "--http-port",
