@@ -294,6 +294,8 @@ def test_the_python_tags_spelled_in_text_are_text() -> None:
         (f"{START}", "", {"invalid_tool_call": 1}),
         (f"[f(a=1{START}[{WEATHER}]", "[f(a=1", {"invalid_tool_call": 1}),
         (f"[f(a=1{END} rest", "[f(a=1 rest", {"invalid_tool_call": 1}),
+        (f"{START}[{WEATHER}, {END} rest", " rest", {"unclosed_call": 1}),  # the calls stand
+        (f"[{WEATHER}]{END}", "", {"unknown_tag": 1}),  # no python block open
         (f"text{END} more", "text more", {"unknown_tag": 1}),
         (f"[{WEATHER}", "", {"unclosed_call": 1}),  # the model ended before "]"
         (f"[{WEATHER}, ", "", {"unclosed_call": 1}),

@@ -144,12 +144,12 @@ class PythonicTools(ToolHalf):
 
     def _on_marker(self, marker: str, out: DeltaList) -> None:
         """Llama 4's tags: ``<|python_start|>`` opens a list wherever it stands (a list it interrupts
-        is content); ``<|python_end|>`` closes one (elsewhere it is dropped, counted)."""
+        ends there); ``<|python_end|>`` closes one (with no python block open it is dropped, counted)."""
         state = self._state
         if state in _HELD:
-            self._no_call(out, meant=self._meant())
+            self._end_list(out)
         elif marker == PYTHON_END and state == _START and not self._tagged:
-            self._no_call(out, meant=False)
+            self._no_call(out, meant=False)  # whitespace before a stray end tag
         if marker == PYTHON_START:
             self._held.clear()  # whitespace before it
             self._state, self._tagged, self._stretch = _START, True, 0
@@ -164,10 +164,8 @@ class PythonicTools(ToolHalf):
     def _on_end(self, cut: bool, out: DeltaList) -> None:
         if cut:  # a call cut by max_tokens is never half sent
             self._held.clear()
-        elif self._state in (_LIST, _AFTER_CALL) and self._stretch and not self._held.strip(b" \t\f\r\n,"):
-            self._recoveries.add(kinds.UNCLOSED_CALL)  # whole calls, then the end instead of "]"
         elif self._state in _HELD:
-            self._no_call(out, meant=self._meant())  # the model ended inside the list
+            self._end_list(out)  # the model ended inside the list
         elif self._state == _START:
             if self._tagged and not self._stretch:
                 self._recoveries.add(kinds.INVALID_TOOL_CALL)  # a python tag and no list
@@ -185,6 +183,16 @@ class PythonicTools(ToolHalf):
     def _meant(self) -> bool:
         """A python tag or a call came before, or a call's arguments opened: meant as calls."""
         return self._tagged or self._stretch > 0 or self._state == _ARGUMENTS
+
+    def _end_list(self, out: DeltaList) -> None:
+        """The list ends without its ``]``: right after whole calls, they stand (``unclosed_call``);
+        else what is held is content (counted when it was meant as a call)."""
+        if self._state in (_LIST, _AFTER_CALL) and self._stretch and not self._held.strip(b" \t\f\r\n,"):
+            self._recoveries.add(kinds.UNCLOSED_CALL)
+            self._held.clear()
+            self._state = _TEXT
+        else:
+            self._no_call(out, meant=self._meant())
 
     def _no_call(self, out: DeltaList, *, meant: bool) -> None:
         """The calls end: what was held is content, and so is all that follows (but a python tag)."""
