@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import keyword
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple
@@ -106,7 +107,9 @@ def _pythonic(content: str, call: ToolCall | None) -> Body:
     if call is None:
         return _content(content, call)
     arguments = ", ".join(
-        f"{key}={_python_literal(value)}" for key, value in call.arguments.items() if key.isidentifier()
+        f"{key}={_python_literal(value)}"
+        for key, value in call.arguments.items()
+        if key.isidentifier() and not keyword.iskeyword(key)
     )
     return [(f"[{call.name}({arguments})]", False)]
 
