@@ -78,7 +78,7 @@ test-engines: $(ENGINES_STAMP)
 bench-engines: $(ENGINES_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.engine_overhead
 
-demo-models: $(RUN_STAMP)
+demo-models: $(STAMP)
 	$(BIN)/python scripts/make_demo_models.py
 
 clean:

@@ -245,6 +245,34 @@ def llama3_json_workloads(tokenizer: Tokenizer) -> list[Workload]:
     ]
 
 
+def pythonic_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    """Pythonic calls (on the Qwen demo vocabulary: Llama 4's python tags are text there, looked for in
+    the text), and a hostile run of brackets: a list of lists is no call, nesting inside a call's
+    arguments is refused past its bound, both become content."""
+    vocab = vocab_of(tokenizer)
+    blank = tokenizer.encode(" ") + tokenizer.encode("\n")
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    call = tokenizer.encode("f(a=1, s='x \\' ) y', n=[None, {'k': True}]), ")
+    brackets = tokenizer.encode("[[[(({{")
+
+    def pythonic() -> AnswerParser:
+        return parser_for(vocab, None, "pythonic", ParseOptions())
+
+    def llama4() -> AnswerParser:
+        return parser_for(vocab, None, "llama4_pythonic", ParseOptions())
+
+    return [
+        Workload("pythonic, whitespace", pythonic, [], blank),
+        Workload("pythonic, text", pythonic, [], words),
+        Workload("pythonic, markers", pythonic, tokenizer.encode("["), call),
+        Workload("pythonic in a call, brackets", pythonic, tokenizer.encode("[f(a="), brackets),
+        Workload("llama4_pythonic, whitespace", llama4, [], blank),
+        Workload("llama4_pythonic, text", llama4, [], words),
+        Workload("llama4_pythonic, markers", llama4, tokenizer.encode("<|python_start|>["), call),
+        Workload("llama4_pythonic, brackets", llama4, [], brackets),
+    ]
+
+
 def plain_workloads(tokenizer: Tokenizer) -> list[Workload]:
     vocab: Vocab = vocab_of(tokenizer)
     blank = tokenizer.encode(" ") + tokenizer.encode("\n")
@@ -436,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         + family_workloads(qwen, "on text markers")
         + tagged_workloads(tagged)
         + hf_family_workloads(built_models())
+        + pythonic_workloads(qwen)
         + plain_workloads(qwen)
     )
     if args.only:

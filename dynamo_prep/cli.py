@@ -131,7 +131,9 @@ class _Subcommands:
 
 def _add_render(commands: Any) -> None:
     render = commands.add_parser("render", help="render and tokenize one chat request, print JSON")
-    render.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
+    render.add_argument(
+        "--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo / llama3-demo"
+    )
     render.add_argument("--served-name", default=None, help="model name (default: the directory name)")
     render.add_argument(
         "--declared-token",
@@ -181,7 +183,9 @@ def _add_worker(commands: Any) -> None:
         "sglang: --tensor-parallel-size, --block-size / --page-size, --kv-events-config, --seed, ...).",
         allow_abbrev=False,  # an engine flag must never be taken for a prefix of one of ours
     )
-    worker.add_argument("--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo")
+    worker.add_argument(
+        "--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo / llama3-demo"
+    )
     worker.add_argument("--served-name", default=None, help="model name (default: the directory name)")
     declaration = worker.add_mutually_exclusive_group()
     declaration.add_argument(
@@ -466,7 +470,9 @@ def _add_routing(command: Any) -> None:
 
 
 def _add_up(commands: Any) -> None:
-    up = commands.add_parser("up", help="a local cluster: frontend + an sglang and a vllm mock worker")
+    up = commands.add_parser(
+        "up", help="a local cluster: frontend, an sglang and a vllm mock worker, a llama3-demo tool worker"
+    )
     _env_option(
         up,
         "--http-port",

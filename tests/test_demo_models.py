@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 import sys
@@ -10,13 +11,17 @@ from typing import Any
 
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from support import hf_reference as ref
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.models import DEMO_MODEL_NAMES, DEMO_MODELS_DIR
-from dynamo_prep.tokenizer import Tokenizer
+from dynamo_prep.preprocessor import OpenAIPreprocessor
+from dynamo_prep.tokenizer import HfTokenizer, Tokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_BASE = 8192
+TIKTOKEN_DEMOS = ("kimi-k3-demo", "qwen-vl-demo")
+LLAMA = "llama3-demo"
 IMAGE = {"type": "image_url", "image_url": {"url": "http://example.test/a.png"}}
 
 
@@ -40,8 +45,11 @@ def test_committed_demo_models_equal_a_fresh_generation(tmp_path: Path) -> None:
 
 def test_demo_vocabulary_is_the_cl100k_prefix(cl100k_rank_bytes: bytes) -> None:
     expected = b"".join(line + b"\n" for line in cl100k_rank_bytes.splitlines()[:DEMO_BASE])
-    for name in DEMO_MODEL_NAMES:
+    for name in TIKTOKEN_DEMOS:
         assert (DEMO_MODELS_DIR / name / "tiktoken.model").read_bytes() == expected
+    llama = Tokenizer.from_model_dir(LLAMA)
+    ranks = [base64.b64decode(line.split()[0]) for line in cl100k_rank_bytes.splitlines()[:DEMO_BASE]]
+    assert [llama.token_bytes(token_id) for token_id in range(DEMO_BASE)] == ranks
 
 
 def test_k3_demo_loads_with_k3_specials(k3_demo_tokenizer: Tokenizer) -> None:
@@ -72,11 +80,114 @@ def test_qwen_demo_loads_with_vision_specials(qwen_demo_tokenizer: Tokenizer) ->
     assert tok.eos_token_ids[0] == config["eos_token_id"] == tok.token_to_id("<|im_end|>")
 
 
-@pytest.mark.parametrize(("name", "context_length"), [("kimi-k3-demo", 8192), ("qwen-vl-demo", 32768)])
-def test_demo_models_make_cards(name: str, context_length: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "context_length", "vocabulary"),
+    [
+        ("kimi-k3-demo", 8192, "tiktoken.model"),
+        ("qwen-vl-demo", 32768, "tiktoken.model"),
+        (LLAMA, 8192, "tokenizer.json"),
+    ],
+)
+def test_demo_models_make_cards(name: str, context_length: int, vocabulary: str) -> None:
     card = ModelDeploymentCard.from_model_dir(name)
     assert card.context_length == context_length
-    assert "tiktoken.model" in card.files
+    assert vocabulary in card.files
+
+
+# --- the Llama-3.1-style demo: a tokenizer.json, Llama 3's specials, a JSON tool template ----------
+
+
+LLAMA_SPECIALS = {
+    "<|begin_of_text|>": 0,
+    "<|end_of_text|>": 1,
+    "<|start_header_id|>": 6,
+    "<|end_header_id|>": 7,
+    "<|eom_id|>": 8,
+    "<|eot_id|>": 9,
+    "<|python_tag|>": 10,
+    "<|reserved_special_token_3|>": 11,
+    "<|reserved_special_token_247|>": 255,
+}
+
+
+def test_llama_demo_loads_with_tokenizers_and_llama_3_specials_at_their_offsets() -> None:
+    tok = Tokenizer.from_model_dir(LLAMA)
+    config = json.loads((DEMO_MODELS_DIR / LLAMA / "config.json").read_text())
+    assert isinstance(tok, HfTokenizer) and tok.model_type == "llama"
+    assert {name: tok.token_to_id(name) for name in LLAMA_SPECIALS} == {
+        name: DEMO_BASE + offset for name, offset in LLAMA_SPECIALS.items()
+    }
+    assert all(tok.is_special_token(name) for name in LLAMA_SPECIALS)
+    assert tok.n_vocab == config["vocab_size"] == DEMO_BASE + 256
+    assert tok.bos_token_id == config["bos_token_id"] == DEMO_BASE
+    assert list(tok.eos_token_ids) == config["eos_token_id"] == [DEMO_BASE + 1, DEMO_BASE + 8, DEMO_BASE + 9]
+    assert tok.encode("<|python_tag|>") != [DEMO_BASE + 10]  # typed text stays text
+
+
+LLAMA_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+LLAMA_CHATS = {
+    "one_turn": {"messages": [{"role": "user", "content": "Hello there 日本語 🙂, 12345 cats"}]},
+    "system": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+    "tools_offered": {"messages": [{"role": "user", "content": "Weather in Oslo?"}], "tools": [LLAMA_TOOL]},
+    "tools_in_the_system_message": {
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "tools": [LLAMA_TOOL],
+        "chat_template_kwargs": {"tools_in_user_message": False},
+    },
+    "calls_and_results": {
+        "messages": [
+            {"role": "user", "content": "Paris and Oslo?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    },
+                    {
+                        "id": "2",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+                    },
+                ],
+            },
+            {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "2", "content": "rain"},
+        ],
+        "tools": [LLAMA_TOOL],
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(LLAMA_CHATS))
+def test_llama_demo_chat_ids_are_transformers_ids(case: str) -> None:
+    preprocessor = OpenAIPreprocessor.new(ModelDeploymentCard.from_model_dir(LLAMA), DEMO_MODELS_DIR / LLAMA)
+    request = {"model": LLAMA, **json.loads(json.dumps(LLAMA_CHATS[case]))}
+    ours = preprocessor.tokenize(request).token_ids
+    assert ours == ref.chat_ids(DEMO_MODELS_DIR / LLAMA, request)
+
+
+def test_llama_demo_template_writes_calls_as_llama3_json_and_results_as_ipython_turns() -> None:
+    text = ref.tokenizer(DEMO_MODELS_DIR / LLAMA).decode(
+        ref.chat_ids(DEMO_MODELS_DIR / LLAMA, {"model": LLAMA, **LLAMA_CHATS["calls_and_results"]})
+    )
+    assert (
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+        '{"name": "get_weather", "parameters": {"city": "Oslo"}}<|eom_id|>'
+        '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "sunny"}<|eot_id|>'
+    ) in text
+    assert text.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert "Environment: ipython\n" in text and '"name": "get_weather"' in text
 
 
 # --- the Qwen-VL-style chat template -----------------------------------------------------------

@@ -15,7 +15,7 @@ from support.hf_models import built_models
 from test_parsing_streams import all_ways, counting_ids
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.mock.answer import CALL_WRITERS
+from dynamo_prep.engines.mock.answer import BODIES
 from dynamo_prep.engines.mock.engine import MockEngine
 from dynamo_prep.formatter import prompt_formatter_for
 from dynamo_prep.parsing import ParsedAnswer, answer_parser_for, thinking_requested, tool_properties
@@ -106,7 +106,7 @@ def calls(parsed: ParsedAnswer) -> list[tuple[str, Any]]:
 def test_every_written_format_is_a_registered_parser() -> None:
     from dynamo_prep.parsing import TOOL_CALL_PARSERS  # noqa: PLC0415
 
-    assert set(CALL_WRITERS) <= set(TOOL_CALL_PARSERS)
+    assert set(BODIES) <= set(TOOL_CALL_PARSERS)
 
 
 @pytest.mark.parametrize("served", SERVED, ids=[parser for _, parser, _ in SERVED])

@@ -9,6 +9,7 @@ text, so the comparison is on exact ids.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -16,11 +17,12 @@ import pytest
 from support.hf_models import built_models
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.mock.answer import AnswerWriter, ToolCall, parser_writer
+from dynamo_prep.engines.mock.answer import BODIES, AnswerWriter, ToolCall, whole_answer_writer
 from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine
 from dynamo_prep.engines.mock.prompt import PromptView
 from dynamo_prep.formatter import prompt_formatter_for
-from dynamo_prep.parsing import answer_parser_for, parse_answer
+from dynamo_prep.models import DEMO_MODELS_DIR
+from dynamo_prep.parsing import TOOL_CALL_PARSERS, answer_parser_for, parse_answer
 from dynamo_prep.parsing._schema_types import tool_properties
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
@@ -367,9 +369,11 @@ def test_a_declared_parsers_format_parses_back_to_what_was_written(
 
 def test_without_the_markers_a_declared_format_is_not_written() -> None:
     tokenizer = Tokenizer.from_model_dir(built_models()["llama3"])
-    assert parser_writer(tokenizer, "kimi_k2") is None and parser_writer(tokenizer, "hermes") is None
     assert (
-        parser_writer(Tokenizer.from_model_dir(built_models()["gpt_oss"]), None) is not None
+        whole_answer_writer(tokenizer, "kimi_k2") is None and whole_answer_writer(tokenizer, "hermes") is None
+    )
+    assert (
+        whole_answer_writer(Tokenizer.from_model_dir(built_models()["gpt_oss"]), None) is not None
     )  # by model_type
 
 
@@ -391,3 +395,112 @@ def test_a_constrained_answer_is_the_json_as_content_in_the_declared_format(
     ids, finish = engine.plan(request)
     answer = parse_answer(answer_parser_for(card, engine.tokenizer, thinking=False), ids, finish)
     assert json.loads(answer.content)[0]["name"] == "get_weather" and not answer.tool_calls
+
+
+# --- calls written as the worker's --tool-call-parser reads them (answer.BODIES) ----------------------
+
+LLAMA = "llama3-demo"
+BODY_MODELS = {
+    "hermes": QWEN,
+    "qwen3_json": QWEN,
+    "llama3_json": LLAMA,
+    "llama4_json": "llama4",
+    "pythonic": LLAMA,
+    "llama4_pythonic": "llama4",
+    "qwen3_coder": "qwen3",
+    "deepseek_v3": "deepseek_v3",
+    "deepseek_v31": "deepseek_v3",
+}
+"""A model of each writer's family: a demo model or a tests/support/hf_models directory."""
+
+
+def model_dir(model: str) -> Path:
+    return built_models()[model] if model in built_models() else DEMO_MODELS_DIR / model
+
+
+def declared(model: str, parser: str | None) -> MockEngine:
+    return MockEngine(model_dir(model), flavor="vllm", reply_format="model", tool_call_parser=parser)
+
+
+def preprocess_dir(engine: MockEngine, messages: list[dict[str, Any]], **fields: Any) -> PreprocessedRequest:
+    card = ModelDeploymentCard.from_model_dir(engine.model_dir)
+    return OpenAIPreprocessor.new(card, engine.model_dir).preprocess(
+        {"model": card.display_name, "messages": messages, **fields}
+    )
+
+
+def test_every_tool_call_parser_has_a_writer_and_a_model() -> None:
+    assert set(BODIES) == set(BODY_MODELS) <= set(TOOL_CALL_PARSERS)
+
+
+@pytest.mark.parametrize("parser", list(BODY_MODELS))
+def test_the_mock_s_call_is_what_the_declared_parser_reads(parser: str) -> None:
+    """The first declared tool called with its schema's arguments, read back by the frontend's parser
+    of that name: the one call, no content, nothing recovered."""
+    engine = declared(BODY_MODELS[parser], parser)
+    request = preprocess_dir(engine, user(ASKED), tools=[WEATHER])
+    ids = engine.reply_ids(request)
+    card = ModelDeploymentCard.from_model_dir(
+        engine.model_dir, runtime_config=ModelRuntimeConfig(tool_call_parser=parser)
+    )
+    properties = tool_properties([WEATHER])  # the request's schemas (Qwen3-Coder types its values by them)
+    answer_parser = answer_parser_for(card, engine.tokenizer, thinking=False, tool_properties=properties)
+    answer = parse_answer(answer_parser, ids, "stop")
+    assert [(call.name, json.loads(call.arguments)) for call in answer.tool_calls] == [
+        ("get_weather", QWEN_ARGUMENTS)
+    ]
+    stripped = ("hermes", "qwen3_json", "qwen3_coder")  # the content is followed by a newline, then the call
+    assert (answer.content.strip() if parser in stripped else answer.content) in (
+        "",
+        echo(engine, request, ASKED),
+    )
+    assert dict(answer_parser.recoveries) == {}
+
+
+def test_llama3_json_on_the_llama_demo() -> None:
+    engine = declared(LLAMA, "llama3_json")
+    request = preprocess_dir(engine, user(ASKED), tools=[WEATHER])
+    assert engine.reply_text(request) == (
+        '{"name": "get_weather", "parameters": ' + json.dumps(QWEN_ARGUMENTS) + "}<|eom_id|>"
+    )
+    messages = [
+        *user(ASKED),
+        {"role": "assistant", "content": None, "tool_calls": CALLED},
+        {"role": "tool", "tool_call_id": "c1", "content": "18C & sunny"},
+    ]
+    request = preprocess_dir(engine, messages, tools=[WEATHER])
+    assert engine.reply_text(request) == "[mock vllm] the tool returned: 18C & sunny<|eot_id|>"
+    request = preprocess_dir(engine, user(ASKED))
+    assert engine.reply_text(request) == echo(engine, request, ASKED) + "<|eot_id|>"
+
+
+def test_pythonic_and_llama4_pythonic_calls() -> None:
+    engine = declared(LLAMA, "pythonic")
+    request = preprocess_dir(engine, user(ASKED), tools=[WEATHER])
+    assert engine.reply_text(request) == (
+        "[get_weather(city='mock', days=1, unit='celsius', hourly=True, spots=[], filters={}, ratio=1)]"
+        "<|eom_id|>"
+    )
+    engine = declared("llama4", "llama4_pythonic")
+    request = preprocess_dir(engine, user(ASKED), tools=[WEATHER])
+    assert engine.reply_text(request).startswith("<|python_start|>[get_weather(city='mock', ")
+    assert engine.reply_text(request).endswith(")]<|python_end|><|eom|>")
+
+
+def test_without_a_declared_parser_a_llama_prompt_is_answered_in_text() -> None:
+    engine = declared(LLAMA, None)
+    request = preprocess_dir(engine, user(ASKED), tools=[WEATHER])
+    assert engine.reply_text(request) == echo(engine, request, ASKED) + "<|eot_id|>"
+
+
+async def test_a_migrated_llama_answer_continues_where_it_stopped() -> None:
+    engine = declared(LLAMA, "llama3_json")
+    continuing = MockContinuation(engine)
+    request = preprocess_dir(engine, user(ASKED), tools=[WEATHER])
+    full, _ = engine.plan(request)
+    assert continuing.already_streamed(request) == 0
+    for count in (1, len(full) // 2, len(full) - 1):
+        migrated = _extended(request, full[:count])
+        assert continuing.already_streamed(migrated) == count
+        rest = [step async for step in continuing.generate(migrated)]
+        assert [t for step in rest for t in step.token_ids] == full[count:]

@@ -73,14 +73,14 @@ def test_each_declared_parser_wins_over_the_family_for_its_half() -> None:
 
 
 def test_an_unknown_declared_name_falls_back_to_the_family_and_warns_once() -> None:
-    model = declaring(QWEN, "qwen-unknown-parser", reasoning="granite", tools="pythonic")
+    model = declaring(QWEN, "qwen-unknown-parser", reasoning="granite", tools="granite_json")
     with structlog.testing.capture_logs() as logs:
         for _ in range(3):
             assert answer_parser_for(model, tokenizer(QWEN), thinking=False).family == "qwen3+hermes"
     warnings = [(e["event"], e.get("reasoning_parser"), e.get("tool_call_parser")) for e in logs]
     assert warnings == [
         ("answer_parser_unknown", "granite", None),
-        ("answer_parser_unknown", None, "pythonic"),
+        ("answer_parser_unknown", None, "granite_json"),
     ]
     assert all(e["log_level"] == "warning" and e["model"] == "qwen-unknown-parser" for e in logs)
 

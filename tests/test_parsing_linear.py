@@ -95,6 +95,11 @@ def with_markers(model: str, *parts: str) -> list[int]:
     return tok.encode_segments([(part, part in tok.added_tokens) for part in parts])
 
 
+def pythonic(name: str) -> Callable[[], AnswerParser]:
+    """Pythonic calls (the qwen-vl-demo vocabulary: Llama 4's python tags are text, looked for)."""
+    return lambda: parser_for(vocab_of(tokenizer(QWEN)), None, name, ParseOptions(call_ids=counting_ids()))
+
+
 def plain() -> AnswerParser:
     return PlainAnswerParser(vocab_of(tokenizer(QWEN)))
 
@@ -178,6 +183,7 @@ K3_CALL = k3_ids(
 )
 HERMES_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
 LLAMA_CALL = '{"name": "f", "parameters": {"a": 1, "s": "x \\" } y"}}; '
+PYTHON_CALL = "f(a=1, s='x \\' ) y', n=[None, {'k': True}]), "
 THINK_CLOSED = k3_ids(("hm", False), *k3_tag("think", close=True))
 DEEPSEEK_CALL = (CALL_BEGIN, "f", TOOL_SEP, '{"a": 1, "s": "x \\" } y"}', CALL_END)
 DEEPSEEK_V3_CALL = (CALL_BEGIN, "function", TOOL_SEP, 'f\n```json\n{"a": [1, "}"]}\n```', CALL_END)
@@ -261,6 +267,33 @@ CASES = {
         words(QWEN) + with_markers(QWEN, *CODER_CALL),
         False,
     ),
+    "pythonic, whitespace at the start": (pythonic("pythonic"), [], blank(QWEN), True),
+    "pythonic, whitespace after the list": (
+        pythonic("pythonic"),
+        tokenizer(QWEN).encode(f"[{PYTHON_CALL}]"),
+        blank(QWEN),
+        True,
+    ),
+    "pythonic, text": (pythonic("pythonic"), [], words(QWEN), False),
+    "pythonic, tool calls": (
+        pythonic("pythonic"),
+        tokenizer(QWEN).encode("["),
+        tokenizer(QWEN).encode(PYTHON_CALL),
+        False,
+    ),
+    "pythonic, brackets in a call": (
+        pythonic("pythonic"),
+        tokenizer(QWEN).encode("[f(a="),
+        tokenizer(QWEN).encode("[[[(({{"),
+        False,
+    ),
+    "llama4_pythonic, tool calls": (
+        pythonic("llama4_pythonic"),
+        tokenizer(QWEN).encode("<|python_start|>["),
+        tokenizer(QWEN).encode(PYTHON_CALL),
+        False,
+    ),
+    "llama4_pythonic, brackets": (pythonic("llama4_pythonic"), [], tokenizer(QWEN).encode("[[[(({{"), False),
     "plain, whitespace": (plain, [], blank(QWEN), False),
     "harmony, text": (
         harmony,

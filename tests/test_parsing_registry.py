@@ -33,6 +33,8 @@ FAMILY_MODELS = {
     "qwen3_json": "qwen3",
     "llama3_json": "llama3",
     "llama4_json": "llama4",
+    "pythonic": "llama3",
+    "llama4_pythonic": "llama4",
     "qwen3": "qwen3",
     "deepseek_r1": "deepseek_v3",
     "deepseek_v3": "deepseek_v3",
@@ -120,9 +122,9 @@ def test_unknown_names_are_refused_with_the_known_ones() -> None:
     check_parser_names("hermes", "qwen3")
     check_parser_names(None, None)
     with pytest.raises(
-        ValueError, match=r"unknown --tool-call-parser 'pythonic' \(known: .*hermes.*llama3_json"
+        ValueError, match=r"unknown --tool-call-parser 'granite' \(known: .*hermes.*llama3_json"
     ):
-        check_parser_names("pythonic", None)
+        check_parser_names("granite", None)
     with pytest.raises(
         ValueError, match=r"unknown --reasoning-parser 'granite' \(known: deepseek_r1, .*kimi_k3"
     ):

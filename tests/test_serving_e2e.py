@@ -234,10 +234,10 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
     )  # fmt: skip
     watch: DynamoProcess | None = None
     try:
-        wait_for(lambda: len([line for line in up.raw if line.startswith("curl ")]) == 4, 30, message="curls")
+        wait_for(lambda: len([line for line in up.raw if line.startswith("curl ")]) == 6, 60, message="curls")
         children = [event["pid"] for event in up.find("up_child_started")]
-        assert len(children) == 3
-        image_curl, call_curl, result_curl, structured_curl = [
+        assert len(children) == 4
+        image_curl, call_curl, result_curl, llama_call_curl, llama_result_curl, structured_curl = [
             line for line in up.raw if line.startswith("curl ")
         ]
         served = []
@@ -267,6 +267,26 @@ def test_up_serves_its_curl_and_stops_cleanly_on_sigterm(tmp_path: Path) -> None
         content = answered["choices"][0]["message"]["content"]
         assert "sunny, 21 C" in content
         assert {served[0], content.split("]")[0].removeprefix("[mock ")} == {"sglang", "vllm"}
+        # The Llama-3-style exchange: llama3-demo's worker declares --tool-call-parser llama3_json.
+        assert '"model": "llama3-demo"' in llama_call_curl
+        called = json.loads(
+            subprocess.run(
+                shlex.split(llama_call_curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        )
+        assert called["choices"][0]["finish_reason"] == "tool_calls"
+        assert called["choices"][0]["message"]["content"] is None
+        [call] = called["choices"][0]["message"]["tool_calls"]
+        assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == (
+            "get_weather",
+            {"city": "mock"},
+        )
+        answered = json.loads(
+            subprocess.run(
+                shlex.split(llama_result_curl), capture_output=True, text=True, timeout=30, check=True
+            ).stdout
+        )
+        assert answered["choices"][0]["message"]["content"].endswith("] the tool returned: sunny, 21 C")
         # The structured output it prints: JSON under its schema (docs/structured-outputs.md).
         structured = json.loads(
             subprocess.run(

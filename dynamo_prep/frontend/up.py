@@ -4,9 +4,11 @@ It starts the frontend (embedded discovery plane, HTTP on ``--http-port``, KV ro
 mock workers of the demo model with a prefix cache publishing KV events, one enforcing SGLang's
 image contract and one vLLM's, so the router's mixed pool is what you talk to: a new prompt goes
 where there is room, a repeated one where its prefix is cached, and each reply says which flavor
-served it. The printed image request names a picture this process serves on 127.0.0.1, which the
-workers fetch because they are started with ``--allowed-media-networks 127.0.0.1/32`` (a worker
-fetches from public addresses only by default). Children are plain ``dynamo-prep`` processes whose
+served it. A third mock worker serves ``llama3-demo`` (a Llama-3.1-style directory with a real
+``tokenizer.json``) declaring ``--tool-call-parser llama3_json``, for a Llama-3-style tool call.
+The printed image request names a picture this process serves on 127.0.0.1, which the workers
+fetch because they are started with ``--allowed-media-networks 127.0.0.1/32`` (a worker fetches
+from public addresses only by default). Children are plain ``dynamo-prep`` processes whose
 logs go to files (their directory is printed). Ctrl-C or SIGTERM stops the workers and the
 frontend (SIGTERM, a grace period, then SIGKILL for stragglers) and exits 0.
 """
@@ -49,6 +51,8 @@ STOP_GRACE_S = 10.0
 POLL_S = 0.2
 DEFAULT_UP_DISCOVERY = "tcp://127.0.0.1:7555"
 DEFAULT_UP_MODEL = "kimi-k3-demo"
+TOOLS_MODEL = "llama3-demo"
+TOOLS_PARSER = "llama3_json"
 DEFAULT_WATCH_ADDRESS = "tcp://127.0.0.1:7557"
 DEMO_IMAGE_PATH = "/demo.png"
 # The workers may fetch from this process's image server, and from nothing else that is not public.
@@ -104,10 +108,10 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
         children.append(
             _start("frontend", directory, log_level, ["frontend", *_frontend_args(discovery_bind, http_port)])
         )
+        # Workers also announce to the watch address: `dynamo-prep watch --bind` there sees them at
+        # once (they re-announce on its subscription); nobody listening there costs nothing.
+        announce_to = f"{connect},{watch_address}"
         for flavor in FLAVORS:
-            # Workers also announce to the watch address: `dynamo-prep watch --bind` there sees them
-            # at once (they re-announce on its subscription); nobody listening there costs nothing.
-            announce_to = f"{connect},{watch_address}"
             worker = [
                 "worker",
                 "--model-path",
@@ -121,11 +125,15 @@ def _run(  # noqa: PLR0917 - run_up's options, passed on once
                 UP_MEDIA_NETWORK,
             ]
             children.append(_start(f"worker-{flavor}", directory, log_level, worker))
-        log.info("up_starting", url=base_url, model=model, log_dir=str(directory))
-        served_as = _wait_ready(base_url, model, children, stopping)
-        if served_as is None:
+        tools_worker = ["worker", "--model-path", TOOLS_MODEL, "--discovery", announce_to]
+        tools_worker += ["--kv-events", "--tool-call-parser", TOOLS_PARSER]
+        children.append(_start("worker-llama3", directory, log_level, tools_worker))
+        log.info("up_starting", url=base_url, model=model, tools_model=TOOLS_MODEL, log_dir=str(directory))
+        served = _wait_ready(base_url, (model, TOOLS_MODEL), children, stopping)
+        if served is None:
             return EXIT_OK if stopping.is_set() else EXIT_FAILED
-        _print_banner(base_url, served_as, directory, watch_address, image_url)
+        served_as, tools_as = served
+        _print_banner(base_url, (served_as, tools_as), directory, watch_address, image_url)
         return _run_until_stopped(children, stopping)
     finally:
         _stop_all(children)
@@ -295,9 +303,11 @@ def _start(name: str, directory: Path, log_level: str, args: list[str]) -> _Chil
     return _Child(name, process, log_path, log_file)
 
 
-def _wait_ready(base_url: str, model: str, children: list[_Child], stopping: threading.Event) -> str | None:
-    """Poll ``/v1/models`` until ``model`` (or its directory's name) is listed; None on failure."""
-    wanted = {model, Path(model).name}
+def _wait_ready(
+    base_url: str, models: tuple[str, ...], children: list[_Child], stopping: threading.Event
+) -> tuple[str, ...] | None:
+    """Poll ``/v1/models`` until each of ``models`` (or its directory's name) is listed; the names
+    they are served as, or None on failure."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not stopping.is_set():
         dead = _dead(children)
@@ -306,9 +316,10 @@ def _wait_ready(base_url: str, model: str, children: list[_Child], stopping: thr
                 "up_child_exited", child=dead.name, code=dead.process.returncode, log=str(dead.log_path)
             )
             return None
-        listed = wanted & _served_models(base_url)
-        if listed:
-            return listed.pop()
+        listed = _served_models(base_url)
+        found = [next(iter({model, Path(model).name} & listed), None) for model in models]
+        if all(found):
+            return tuple(name for name in found if name)
         if time.monotonic() >= deadline:
             log.error("up_not_ready", url=base_url, timeout_s=READY_TIMEOUT_S)
             return None
@@ -325,11 +336,15 @@ def _served_models(base_url: str) -> set[str]:
     return {entry["id"] for entry in body.get("data", []) if isinstance(entry, dict) and "id" in entry}
 
 
-def _print_banner(base_url: str, model: str, directory: Path, watch_address: str, image_url: str) -> None:
+def _print_banner(
+    base_url: str, models: tuple[str, str], directory: Path, watch_address: str, image_url: str
+) -> None:
+    model, tools_model = models
     lines = [
         "",
-        f"dynamo-prep is up: {base_url}  (model {model}; mock workers: {', '.join(FLAVORS)})",
-        f"logs: {directory}/{{frontend,worker-sglang,worker-vllm}}.log",
+        f"dynamo-prep is up: {base_url}  (model {model}; mock workers: {', '.join(FLAVORS)};"
+        f" and {tools_model} with --tool-call-parser {TOOLS_PARSER})",
+        f"logs: {directory}/{{frontend,worker-sglang,worker-vllm,worker-llama3}}.log",
         "Try (run it twice: the second run goes to the worker whose KV cache holds the prompt;",
         "the frontend log's request_finished says kv_overlap_blocks). The workers fetch the picture",
         f"from this process: they were started with --allowed-media-networks {UP_MEDIA_NETWORK}",
@@ -341,6 +356,12 @@ def _print_banner(base_url: str, model: str, directory: Path, watch_address: str
         "answer once the tool has run (the call and its result sent back):",
         "",
         *tool_curl_commands(base_url, model),
+        "",
+        f"The same with {tools_model}, a Llama-3.1-style model (a real tokenizer.json vocabulary): its",
+        f"worker declares --tool-call-parser {TOOLS_PARSER}, so the mock answers a call as Llama 3.1 does",
+        '({"name": ..., "parameters": ...}) and the frontend reads it as vLLM\'s llama3_json parser does:',
+        "",
+        *tool_curl_commands(base_url, tools_model),
         "",
         "A structured output (the engine constrains the answer to the schema's JSON):",
         "",

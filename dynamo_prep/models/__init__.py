@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_MODELS_DIR = Path(__file__).resolve().parent
-DEMO_MODEL_NAMES = ("kimi-k3-demo", "qwen-vl-demo")
+DEMO_MODEL_NAMES = ("kimi-k3-demo", "qwen-vl-demo", "llama3-demo")
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:

@@ -26,6 +26,7 @@ from dynamo_prep.parsing.kimi_k2 import KimiK2Tools
 from dynamo_prep.parsing.kimi_k3 import KimiK3AnswerParser
 from dynamo_prep.parsing.llama3_json import Llama3JsonTools
 from dynamo_prep.parsing.plain import PlainAnswerParser
+from dynamo_prep.parsing.pythonic import Llama4PythonicTools, PythonicTools
 from dynamo_prep.parsing.qwen3_coder import Qwen3CoderTools
 from dynamo_prep.parsing.think import DeepSeekR1Reasoning, ThinkTagReasoning
 
@@ -59,6 +60,8 @@ TOOL_HALVES: Final[Mapping[str, type[ToolHalf]]] = MappingProxyType(
         "qwen3_coder": Qwen3CoderTools,
         "kimi_k2": KimiK2Tools,
         "glm45": Glm45Tools,
+        "pythonic": PythonicTools,
+        "llama4_pythonic": Llama4PythonicTools,
     }
 )
 REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(

@@ -5,8 +5,10 @@ and streamed id by id, truncated at every position. A family is one ``Family`` l
 from __future__ import annotations
 
 import json
+import keyword
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -40,9 +42,10 @@ EXAMPLES = int(os.environ.get("DYN_ORACLE_EXAMPLES", "60"))
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 
 
-LLAMA3, QWEN3, DEEPSEEK = "llama3", "qwen3", "deepseek_v3"  # tests/support/hf_models directories
+LLAMA3, LLAMA4, QWEN3, DEEPSEEK = "llama3", "llama4", "qwen3", "deepseek_v3"  # tests/support/hf_models
 GPT_OSS, KIMI_K2, GLM45 = "gpt_oss", "kimi_k2", "glm45"
 
 
@@ -109,6 +112,24 @@ def glm45_prompt(end: PromptEnd) -> list[Segment]:
     head.append(("<|assistant|>", True))
     closed: list[Segment] = [("\n", False), (THINK_OPEN, True), (THINK_CLOSE, True)]
     return [*head, *closed] if end == "closed" else head
+
+
+# -- outputs -----------------------------------------------------------------------------------------
+
+
+def llama4_prompt(end: PromptEnd) -> list[Segment]:
+    return [
+        ("<|begin_of_text|>", True),
+        ("<|header_start|>", True),
+        ("user", False),
+        ("<|header_end|>", True),
+        ("\n\nhi", False),
+        ("<|eot|>", True),
+        ("<|header_start|>", True),
+        ("assistant", False),
+        ("<|header_end|>", True),
+        ("\n\n", False),
+    ]
 
 
 # -- outputs -----------------------------------------------------------------------------------------
@@ -556,6 +577,85 @@ def glm45_typed_outputs(draw: st.DrawFn) -> Output:
     return writer.output()
 
 
+PY_KEYS = st.from_regex(r"[a-z][a-z0-9_]{0,7}", fullmatch=True).filter(lambda key: not keyword.iskeyword(key))
+PY_ARGUMENTS = st.dictionaries(PY_KEYS, JSON_VALUES, max_size=4)
+
+
+@st.composite
+def python_literal(draw: st.DrawFn, value: Any, shapes: set[str]) -> str:
+    """``value`` as a model may write it in Python: repr or JSON spellings, tuples for lists."""
+    if value is None or isinstance(value, bool):
+        return draw(st.sampled_from([repr(value), json.dumps(value)]))  # None or null, True or true
+    if isinstance(value, int | float):
+        if isinstance(value, float):
+            shapes.add("float")
+        return repr(value)
+    if isinstance(value, str):
+        return draw(st.sampled_from([repr(value), json.dumps(value, ensure_ascii=False)]))
+    if isinstance(value, list):
+        items = [draw(python_literal(item, shapes)) for item in value]
+        if len(items) > 1 and draw(st.booleans()):
+            return "(" + ", ".join(items) + ")"
+        return "[" + ", ".join(items) + "]"
+    pairs = [
+        f"{draw(python_literal(key, shapes))}: {draw(python_literal(item, shapes))}"
+        for key, item in value.items()
+    ]
+    return "{" + ", ".join(pairs) + "}"
+
+
+@st.composite
+def python_call(draw: st.DrawFn, writer: Writer) -> str:
+    """``name(key=literal, ...)``, now and then one that is no call (a positional argument, a name)."""
+    name = draw(st.sampled_from(TOOL_NAMES))
+    kind = draw(st.sampled_from(["call"] * 8 + ["invalid_call"]))
+    if kind == "invalid_call":
+        writer.shapes.add(kind)
+        return draw(st.sampled_from([f"{name}(1)", f"{name}(a=x)", f"{name}(a=1, a=2)", f"{name}(a=b'x')"]))
+    arguments = draw(PY_ARGUMENTS)
+    spelled = [f"{key}={draw(python_literal(value, writer.shapes))}" for key, value in arguments.items()]
+    return f"{name}({', '.join(spelled)})"
+
+
+@st.composite
+def pythonic_outputs(draw: st.DrawFn, tags: bool = False) -> Output:
+    """A text answer, a Python list answer, or [text <|python_start|>] [f(a=1), ...] [<|python_end|>]
+    [text] (``tags``: Llama 4's python tags)."""
+    writer = Writer()
+    kind = draw(st.sampled_from(["text", "list_answer", "calls", "calls", "calls"]))
+    if kind == "text":
+        writer.text(draw(words(LLAMA_TEXT).filter(lambda text: text.strip())))
+        return writer.output()
+    if kind == "list_answer":
+        writer.shapes.add("list_answer")  # a call until it is no call (a cut inside it is not compared)
+        value = draw(st.lists(JSON_VALUES, min_size=1, max_size=3))
+        writer.call(
+            ("[" + ", ".join(draw(python_literal(item, writer.shapes)) for item in value) + "]", False)
+        )
+        return writer.output()
+    tagged = tags and draw(st.booleans())
+    if tagged and draw(st.integers(0, 4)) == 0:
+        writer.shapes.add("text_before_python_start")
+        writer.text(draw(words(LLAMA_TEXT)))
+    elif draw(st.integers(0, 9)) == 0:
+        writer.shapes.add("leading_whitespace")
+        writer.text(draw(st.sampled_from([" ", "\n", "\n\n  "])))
+    count = draw(st.integers(1, 3))
+    writer.shapes.update(["calls"] + (["several_calls"] if count > 1 else []))
+    separator = draw(st.sampled_from([", ", ","]))
+    listed = "[" + separator.join(draw(python_call(writer)) for _ in range(count)) + "]"
+    pieces: list[Segment] = [(PYTHON_START, True)] if tagged else []
+    pieces.append((listed, False))
+    if tagged and draw(st.booleans()):
+        pieces.append((PYTHON_END, True))
+    writer.call(*pieces)
+    after = draw(words(LLAMA_TEXT, min_size=0)) if draw(st.integers(0, 3)) == 0 else ""
+    if after.strip():
+        writer.shapes.add("text_after_calls")
+        writer.text(" " + after)
+    return writer.output()
+
+
 def example(
     *segments: Segment,
     prompt: PromptEnd = "plain",
@@ -879,6 +979,61 @@ GLM45_REASONING_DIVERGENCES = (
     ),
 )
 
+PY_WEATHER = "get_weather(city='Paris')"
+PYTHONIC_DIVERGENCES = (
+    Divergence(
+        "list_answer",
+        ("streamed",),
+        "vLLM's pythonic parsers, streaming, send nothing for an answer that opens with '[' but is no "
+        "list of calls (a Python list, '[citation needed] ...'): the client gets no content. Ours: it is "
+        "content, as vLLM's whole answer has it",
+        example(("[1, 'a']", False)),
+    ),
+    Divergence(
+        "text_after_calls",
+        MODES,
+        "vLLM's pythonic parsers: whole, text after the list makes the whole answer content (no calls); "
+        "streaming, the text is never sent. Ours: the calls, and the text as content",
+        example((f"[{PY_WEATHER}]", False), (" Done.", False)),
+    ),
+    Divergence(
+        "invalid_call",
+        MODES,
+        "vLLM's pythonic parsers drop positional arguments (f(1) becomes f with {}; whole only after "
+        "the first call, where its regex lets them through) and, streaming, send nothing for a call "
+        "whose value is no literal (f(a=x)). Ours: a call that is not name(key=literal, ...) is "
+        "content, and so is the rest of the list",
+        example((f"[{PY_WEATHER}, lookup(1)]", False)),
+    ),
+    Divergence(
+        "float",
+        ("streamed",),
+        "vLLM's pythonic parsers, streaming, re-serialize each partial call and send what is longer than "
+        "what was sent: a float whose partial text serializes otherwise (0. as 0.0, 1.1 as 1.1 then "
+        "1.1000000729317376e+16) can reach the client corrupted (here 0.5 became 0.0)",
+        example(("[get_weather(b=None, a=(None, 0), a0=0.5)]", False)),
+    ),
+    Divergence(
+        "leading_whitespace",
+        MODES,
+        "vLLM's pythonic parsers read calls only when '[' is the answer's first character; ours also "
+        "after whitespace (as llama3_json)",
+        example((f"\n[{PY_WEATHER}]", False)),
+    ),
+)
+LLAMA4_PYTHONIC_DIVERGENCES = (
+    *PYTHONIC_DIVERGENCES,
+    Divergence(
+        "text_before_python_start",
+        MODES,
+        "vLLM never sees <|python_start|> (a special token, skipped when decoding), so a list after text "
+        "is content; ours reads the tag from its id and the calls after it (as llama3_json's python tag)",
+        example(
+            ("Let me look. ", False), (PYTHON_START, True), (f"[{PY_WEATHER}]", False), (PYTHON_END, True)
+        ),
+    ),
+)
+
 FAMILIES = [
     Family("hermes", QWEN3, "hermes", None, hermes_outputs(), chatml_prompt, HERMES_DIVERGENCES, HERMES_HELD),
     Family(
@@ -1006,6 +1161,18 @@ FAMILIES += [
         glm45_outputs(("closed", "plain")),
         glm45_prompt,
         GLM45_DIVERGENCES + GLM45_REASONING_DIVERGENCES,
+    ),
+]
+FAMILIES += [
+    Family("pythonic", LLAMA3, "pythonic", None, pythonic_outputs(), llama3_prompt, PYTHONIC_DIVERGENCES),
+    Family(
+        "llama4_pythonic",
+        LLAMA4,
+        "llama4_pythonic",
+        None,
+        pythonic_outputs(tags=True),
+        llama4_prompt,
+        LLAMA4_PYTHONIC_DIVERGENCES,
     ),
 ]
 FAMILY_IDS = [family.id for family in FAMILIES]

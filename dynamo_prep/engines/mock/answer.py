@@ -5,34 +5,35 @@
   what the prompt already holds (the header, and the channel opener of the reference form), so
   the format has one home and a parsed answer fed back renders as it was written. Markers are
   control segments; reasoning, content, names and values are text segments, never special ids.
-* ChatML (Qwen): the content, then the call, then ``<|im_end|>``.
-* DeepSeek: reasoning then ``</think>`` when the prompt opened a think block, the content, the call,
-  then ``<｜end▁of▁sentence｜>``.
-* A declared ``--tool-call-parser`` whose answers have a shape of their own (``PARSER_WRITERS``:
+* A declared ``--tool-call-parser`` whose answers have a shape of their own (``WHOLE_ANSWERS``:
   ``openai`` for GPT-OSS Harmony, also chosen by model_type ``gpt_oss``; ``kimi_k2``; ``glm45``), on
   a vocabulary holding its markers as tokens: the whole answer in that format.
-* Any other format: the content as text.
+* Other formats: the prompt's frame (ChatML: ``<|im_start|>assistant\\n`` unless the prompt
+  opened the turn, then ``<|im_end|>``; DeepSeek: the reasoning and ``</think>`` when the prompt
+  opened a think block, then ``<｜end▁of▁sentence｜>``; Llama: ``<|eom_id|>`` / ``<|eom|>`` after a
+  call, else ``<|eot_id|>`` / ``<|eot|>``) around a body written as the declared tool-call parser
+  reads it (``BODIES``, by vLLM's name: the worker's ``--tool-call-parser``), else as the family's:
+  Hermes after the content for ChatML (the chat template's own history rendering), DeepSeek V3.1's
+  ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}`` for DeepSeek, the content alone for any other.
 
-A call is written in the format of the worker's ``--tool-call-parser`` (``CALL_WRITERS``), else the
-family's own: ChatML ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` (Hermes, the
-chat template's own history rendering), DeepSeek V3.1's ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}``.
-Markers are control segments (one id where the vocabulary has the token), the rest text.
+Markers are control segments (one id where the vocabulary has the token, text where it has not).
 """
 
 from __future__ import annotations
 
 import json
+import keyword
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Final, NamedTuple
 
-from dynamo_prep.engines.mock.prompt import IM_END, IM_START, Family, PromptView, Tool
+from dynamo_prep.engines.mock.prompt import HEADERS, IM_END, IM_START, Family, PromptView, Tool
 from dynamo_prep.formatter import KimiK3Formatter
 from dynamo_prep.formatter.kimi_k3 import OPEN, SEP
 from dynamo_prep.prompt import Segment
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["CALL_WRITERS", "PARSER_WRITERS", "AnswerWriter", "ToolCall", "schema_arguments"]
+__all__ = ["BODIES", "WHOLE_ANSWERS", "AnswerWriter", "ToolCall", "schema_arguments"]
 
 MOCK_STRING = "mock"
 _OPEN, _SEP = Segment(OPEN, True), Segment(SEP, True)
@@ -46,75 +47,43 @@ class ToolCall(NamedTuple):
     arguments: dict[str, Any]
 
 
-Segments = list[Segment]
-
-
-def _hermes_call(call: ToolCall) -> Segments:
-    payload = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
-    return [Segment("<tool_call>", True), Segment(f"\n{payload}\n", False), Segment("</tool_call>", True)]
-
-
-def _qwen3_coder_call(call: ToolCall) -> Segments:
-    """Qwen3-Coder's XML: each value as text (strings raw, anything else as JSON)."""
-    body = f"\n<function={call.name}>\n"
-    for key, value in call.arguments.items():
-        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-        body += f"<parameter={key}>\n{text}\n</parameter>\n"
-    return [
-        Segment("<tool_call>", True),
-        Segment(body + "</function>\n", False),
-        Segment("</tool_call>", True),
-    ]
-
-
-def _deepseek_calls(call: ToolCall, *, v3: bool) -> Segments:
-    arguments = json.dumps(call.arguments, ensure_ascii=False)
-    head, body = ("function", f"{call.name}\n```json\n{arguments}\n```") if v3 else (call.name, arguments)
-    return [
-        Segment(DS_CALLS_BEGIN, True),
-        Segment(DS_CALL_BEGIN, True),
-        Segment(head, False),
-        Segment(DS_SEP, True),
-        Segment(body, False),
-        Segment(DS_CALL_END, True),
-        Segment(DS_CALLS_END, True),
-    ]
-
-
-CALL_WRITERS: Final[Mapping[str, Callable[[ToolCall], Segments]]] = MappingProxyType(
-    {
-        "hermes": _hermes_call,
-        "qwen3_json": _hermes_call,
-        "qwen3_coder": _qwen3_coder_call,
-        "deepseek_v3": lambda call: _deepseek_calls(call, v3=True),
-        "deepseek_v31": lambda call: _deepseek_calls(call, v3=False),
-    }
-)
-"""How a call is written, by the ``--tool-call-parser`` that reads it."""
-_FAMILY_CALLS: Final = MappingProxyType({"chatml": "hermes", "deepseek": "deepseek_v31"})
+Body = list[Segment]
+"""An answer's segments: markers (control: one id where the vocabulary has the token) and text."""
+BodyWriter = Callable[[str, "ToolCall | None"], Body]
+_FAMILY_BODIES: Final = MappingProxyType({"chatml": "hermes", "deepseek": "deepseek_v31"})
 
 
 class AnswerWriter:
-    """Writes answers for one tokenizer's prompt family (calls as ``tool_call_parser`` reads them)."""
+    """Writes answers for one tokenizer's prompt family, calls as ``tool_call_parser`` reads them."""
 
     def __init__(self, tokenizer: Tokenizer, family: Family, tool_call_parser: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.family = family
         self._k3 = KimiK3Formatter()
-        default = CALL_WRITERS.get(_FAMILY_CALLS.get(family, ""), _hermes_call)
-        self._call = CALL_WRITERS.get(tool_call_parser or "", default)
-        self._by_parser = parser_writer(tokenizer, tool_call_parser)
+        default = _FAMILY_BODIES.get(family)
+        self._body = BODIES.get(tool_call_parser or "") or (BODIES[default] if default else _content)
+        self._whole = whole_answer_writer(tokenizer, tool_call_parser)
 
     def write(self, view: PromptView, *, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
-        if self._by_parser is not None:
-            return self.tokenizer.encode_segments(list(self._by_parser(reasoning, content, call)))
+        if self._whole is not None:
+            return self._encode(self._whole(reasoning, content, call))
         if self.family == "kimi_k3":
             return self._kimi_k3(view, reasoning, content, call)
+        body = self._body(content, call)
         if self.family == "chatml":
-            return self._chatml(view, content, call)
+            specials = self.tokenizer.special_tokens
+            head = (
+                [] if view.opened is not None else [specials[IM_START], *self.tokenizer.encode("assistant\n")]
+            )
+            return [*head, *self._encode(body), specials[IM_END]]
         if self.family == "deepseek":
-            return self._deepseek(view, reasoning, content, call)
-        return self.tokenizer.encode(content)
+            thought = [Segment(reasoning, False), Segment(DS_THINK_CLOSE, True)] if view.thinking else []
+            return [*self._encode([*thought, *body]), *self.tokenizer.eos_token_ids[:1]]
+        if self.family in HEADERS:
+            ends = HEADERS[self.family].turn_ends  # (end of turn, end of a call's turn)
+            called = call is not None and self._body is not _content
+            body = [*body, Segment(ends[1] if called else ends[0], True)]
+        return self._encode(body)
 
     def _kimi_k3(self, view: PromptView, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
         message: dict[str, Any] = {"role": "assistant", "content": content, "reasoning_content": reasoning}
@@ -125,23 +94,7 @@ class AnswerWriter:
         )
         return self.tokenizer.encode_segments(segments[_written(segments, view) :])
 
-    def _chatml(self, view: PromptView, content: str, call: ToolCall | None) -> list[int]:
-        segments = [Segment(content, False)]
-        if call is not None:
-            segments = [Segment(f"{content}\n", False)] if content else []
-            segments += self._call(call)
-        specials = self.tokenizer.special_tokens
-        head = [] if view.opened is not None else [specials[IM_START], *self.tokenizer.encode("assistant\n")]
-        return [*head, *self._encode(segments), specials[IM_END]]
-
-    def _deepseek(self, view: PromptView, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
-        segments = [Segment(reasoning, False), Segment(DS_THINK_CLOSE, True)] if view.thinking else []
-        segments.append(Segment(content, False))
-        if call is not None:
-            segments += self._call(call)
-        return [*self._encode(segments), *self.tokenizer.eos_token_ids[:1]]
-
-    def _encode(self, segments: Segments) -> list[int]:
+    def _encode(self, segments: Body) -> list[int]:
         """Markers that are tokens as their ids; the text between them (and markers the vocabulary
         does not have) encoded as one text, as the model's tokenizer would."""
         runs: list[tuple[str, bool]] = []
@@ -154,9 +107,120 @@ class AnswerWriter:
         return self.tokenizer.encode_segments(runs)
 
 
-# -- answers in a declared tool-call parser's format: reasoning, content, a call -> segments ----------
+# -- bodies: an answer's content and call, as a tool-call parser reads them --------------------------
 
-ParserWriter = Callable[[str, str, "ToolCall | None"], list[Segment]]
+
+def _content(content: str, call: ToolCall | None) -> Body:
+    return [Segment(content, False)] if content else []
+
+
+def _after_content(content: str, call_segments: Body) -> Body:
+    return [*([Segment(f"{content}\n", False)] if content else []), *call_segments]
+
+
+def _hermes(content: str, call: ToolCall | None) -> Body:
+    """The content, then ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``."""
+    if call is None:
+        return _content(content, call)
+    payload = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
+    return _after_content(
+        content,
+        [Segment("<tool_call>", True), Segment(f"\n{payload}\n", False), Segment("</tool_call>", True)],
+    )
+
+
+def _qwen3_coder(content: str, call: ToolCall | None) -> Body:
+    """Qwen3-Coder's XML: each value as text (strings raw, anything else as JSON)."""
+    if call is None:
+        return _content(content, call)
+    body = f"\n<function={call.name}>\n"
+    for key, value in call.arguments.items():
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        body += f"<parameter={key}>\n{text}\n</parameter>\n"
+    return _after_content(
+        content,
+        [Segment("<tool_call>", True), Segment(body + "</function>\n", False), Segment("</tool_call>", True)],
+    )
+
+
+def _deepseek(content: str, call: ToolCall | None, *, v3: bool) -> Body:
+    """The content, then one call in a calls section (V3: fenced JSON after ``function``)."""
+    segments = _content(content, call)
+    if call is None:
+        return segments
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    head, body = ("function", f"{call.name}\n```json\n{arguments}\n```") if v3 else (call.name, arguments)
+    return [
+        *segments,
+        Segment(DS_CALLS_BEGIN, True),
+        Segment(DS_CALL_BEGIN, True),
+        Segment(head, False),
+        Segment(DS_SEP, True),
+        Segment(body, False),
+        Segment(DS_CALL_END, True),
+        Segment(DS_CALLS_END, True),
+    ]
+
+
+def _llama3_json(content: str, call: ToolCall | None) -> Body:
+    """A call alone (as Llama 3.1 answers): ``{"name": ..., "parameters": {...}}``; else the content."""
+    if call is None:
+        return _content(content, call)
+    return [Segment(json.dumps({"name": call.name, "parameters": call.arguments}, ensure_ascii=False), False)]
+
+
+def _pythonic(content: str, call: ToolCall | None) -> Body:
+    """A call alone: ``[name(key=literal, ...)]`` (arguments whose key is no Python name cannot be
+    written so: left out); else the content."""
+    if call is None:
+        return _content(content, call)
+    arguments = ", ".join(
+        f"{key}={_python_literal(value)}"
+        for key, value in call.arguments.items()
+        if key.isidentifier() and not keyword.iskeyword(key)
+    )
+    return [Segment(f"[{call.name}({arguments})]", False)]
+
+
+def _llama4_pythonic(content: str, call: ToolCall | None) -> Body:
+    """``_pythonic``, a call wrapped in ``<|python_start|>`` ... ``<|python_end|>`` as Llama 4 may."""
+    body = _pythonic(content, call)
+    return (
+        [Segment("<|python_start|>", True), *body, Segment("<|python_end|>", True)]
+        if call is not None
+        else body
+    )
+
+
+def _python_literal(value: Any) -> str:
+    """A JSON value as Python writes it: ``None``, ``True``, repr strings, lists, dicts."""
+    if isinstance(value, list):
+        return "[" + ", ".join(_python_literal(item) for item in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_python_literal(k)}: {_python_literal(v)}" for k, v in value.items()) + "}"
+    return repr(value)
+
+
+BODIES: Final[Mapping[str, BodyWriter]] = MappingProxyType(
+    {
+        "hermes": _hermes,
+        "qwen3_json": _hermes,
+        "llama3_json": _llama3_json,
+        "llama4_json": _llama3_json,
+        "pythonic": _pythonic,
+        "llama4_pythonic": _llama4_pythonic,
+        "qwen3_coder": _qwen3_coder,
+        "deepseek_v3": lambda content, call: _deepseek(content, call, v3=True),
+        "deepseek_v31": lambda content, call: _deepseek(content, call, v3=False),
+    }
+)
+"""How the mock writes an answer's content and call inside its family's turn, by the tool-call
+parser that reads it (vLLM's names)."""
+
+
+# -- whole answers: formats whose answer has a shape of its own (reasoning, content, a call) --------
+
+WholeWriter = Callable[[str, str, "ToolCall | None"], list[Segment]]
 
 
 def _marker(text: str) -> Segment:
@@ -234,7 +298,7 @@ def _glm45(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]
     return [*segments, _marker("</tool_call>"), _marker("<|observation|>")]
 
 
-PARSER_WRITERS: Final[dict[str, ParserWriter]] = {
+WHOLE_ANSWERS: Final[dict[str, WholeWriter]] = {
     "openai": _harmony,
     "kimi_k2": _kimi_k2,
     "glm45": _glm45,
@@ -243,12 +307,12 @@ PARSER_WRITERS: Final[dict[str, ParserWriter]] = {
 GPT_OSS_MODEL_TYPE: Final = "gpt_oss"
 
 
-def parser_writer(tokenizer: Tokenizer, tool_call_parser: str | None) -> ParserWriter | None:
+def whole_answer_writer(tokenizer: Tokenizer, tool_call_parser: str | None) -> WholeWriter | None:
     """The writer of the declared parser (GPT-OSS's Harmony by model_type when none is declared), when
     the vocabulary holds every marker it writes as a token; else None."""
     if tool_call_parser is None and tokenizer.model_type == GPT_OSS_MODEL_TYPE:
         tool_call_parser = "openai"
-    writer = PARSER_WRITERS.get(tool_call_parser or "")
+    writer = WHOLE_ANSWERS.get(tool_call_parser or "")
     if writer is None:
         return None
     probe = writer("r", "c", ToolCall("f", {"k": 1}))

@@ -1,12 +1,14 @@
 """What the mock engine reads from a prompt: the conversation's shape, found on token ids.
 
-Kimi-K3's markers (``<|open|>``, ``<|sep|>``, ``<|close|>``) and ChatML's ``<|im_start|>`` /
-``<|im_end|>`` are special ids that user text can never produce (text segments are encoded as
-plain BPE), so message boundaries and headers found on ids are the formatter's own: a user who
-types ``<|close|>message<|sep|>`` or ``<|im_start|>`` cannot move them. Only the text between
-them is decoded. One exception is the demo ChatML format's tool results: ``<tool_response>`` is
-text there, so a user turn that starts with it reads as a tool result (real Qwen vocabularies
-register those tags as tokens).
+Kimi-K3's markers (``<|open|>``, ``<|sep|>``, ``<|close|>``), ChatML's ``<|im_start|>`` /
+``<|im_end|>`` and Llama's headers (Llama 3 ``<|start_header_id|>role<|end_header_id|>`` ...
+``<|eot_id|>``, Llama 4 ``<|header_start|>`` ... ``<|eot|>``) are special ids that user text can
+never produce (text segments are encoded as plain BPE), so message boundaries and headers found on
+ids are the formatter's own: a user who types ``<|close|>message<|sep|>`` or ``<|im_start|>``
+cannot move them. Only the text between them is decoded. One exception is the demo ChatML format's
+tool results: ``<tool_response>`` is text there, so a user turn that starts with it reads as a tool
+result (real Qwen vocabularies register those tags as tokens). Llama templates write the declared
+tools as JSON in the system or first user turn: the first tool objects found there are read.
 
 DeepSeek's turn and tool markers (``<｜User｜>``, ``<｜Assistant｜>``, ``<｜tool▁output▁begin｜>``, ...)
 are added tokens: found on ids the same way; the declared tools are read from the system text's
@@ -36,7 +38,7 @@ __all__ = [
     "strip_pattern",
 ]
 
-Family = Literal["kimi_k3", "chatml", "deepseek", "plain"]
+Family = Literal["kimi_k3", "chatml", "deepseek", "llama3", "llama4", "plain"]
 Opened = Literal["message", "think", "response"]
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -52,6 +54,24 @@ DS_USER, DS_ASSISTANT, DS_EOS = "<｜User｜>", "<｜Assistant｜>", "<｜end▁
 DS_OUTPUT, DS_OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
 DS_THINK = "<think>"
 _DS_TOOL_NAME, _DS_PARAMETERS = "### ", "Parameters: "
+_MAX_TOOL_BLOCKS = 64  # JSON blocks tried in a Llama system / first user turn (each decoded once)
+_TOOL_BLOCK = re.compile(r"^[{\[]", re.MULTILINE)
+_HEADER_BLANK = "\n\n"  # what Llama templates write after a header
+
+
+@dataclass(frozen=True, slots=True)
+class _Headers:
+    """A header-framed chat format: ``start`` role ``end`` text, closed by one of ``turn_ends``."""
+
+    start: str
+    end: str
+    turn_ends: tuple[str, ...]
+
+
+HEADERS: dict[Family, _Headers] = {
+    "llama3": _Headers("<|start_header_id|>", "<|end_header_id|>", ("<|eot_id|>", "<|eom_id|>")),
+    "llama4": _Headers("<|header_start|>", "<|header_end|>", ("<|eot|>", "<|eom|>")),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +146,13 @@ class PromptReader:
             }
             self._ds_output_end = tokenizer.added_tokens[DS_OUTPUT_END]
             self._ds_ends = {tokenizer.added_tokens.get(DS_EOS), *tokenizer.eos_token_ids}
+        else:
+            for family, headers in HEADERS.items():
+                if all(marker in specials for marker in (headers.start, headers.end, *headers.turn_ends)):
+                    self.family = family
+                    self._start, self._end = specials[headers.start], specials[headers.end]
+                    self._turn_ends = frozenset(specials[marker] for marker in headers.turn_ends)
+                    break
 
     def read(self, token_ids: Sequence[int]) -> PromptView:
         if self.family == "kimi_k3":
@@ -134,6 +161,8 @@ class PromptReader:
             return self._read_chatml(token_ids)
         if self.family == "deepseek":
             return self._read_deepseek(token_ids)
+        if self.family in HEADERS:
+            return self._read_headers(token_ids)
         return PromptView("plain", last_user=self._text(token_ids, skip_special_tokens=True))
 
     def generation_points(self, token_ids: Sequence[int]) -> list[int] | None:
@@ -158,6 +187,11 @@ class PromptReader:
                 return []
             point = self._chatml_assistant_end(token_ids, starts[-1])
             return [] if point is None else [point]
+        if self.family in HEADERS:
+            turns, _ = self._header_turns(token_ids)
+            if not turns or turns[-1].role != "assistant" or turns[-1].closed:
+                return []
+            return [self._after_blank(token_ids, turns[-1].body_start)]
         return None
 
     def _text(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
@@ -306,6 +340,65 @@ class PromptReader:
             opened=opened,
         )
 
+    # --- Llama headers ------------------------------------------------------------------------------
+
+    def _read_headers(self, token_ids: Sequence[int]) -> PromptView:
+        turns, texts = self._header_turns(token_ids)
+        closed = [(turn.role, text) for turn, text in zip(turns, texts, strict=True) if turn.closed]
+        opened: Opened | None = None
+        if turns and not turns[-1].closed and turns[-1].role == "assistant":
+            opened = "message"
+        tools: tuple[Tool, ...] = ()
+        for index, (role, text) in enumerate(closed[:2]):
+            if role in ("system", "user") and (found := _declared_tools(text))[0]:
+                tools, tools_end = found
+                if role == "user":  # the tools open the first user turn: the user's text follows
+                    closed[index] = (role, text[tools_end:].strip())
+                break
+        conversation = [(role, text) for role, text in closed if role != "system"]
+        users = [text for role, text in conversation if role == "user"]
+        last_role = None
+        if conversation:
+            role = conversation[-1][0]
+            last_role = "tool" if role in ("ipython", "tool") else role
+        results: list[ToolResult] = []
+        for role, text in reversed(conversation):
+            if role not in ("ipython", "tool"):
+                break
+            results.insert(0, ToolResult(None, _tool_output(text)))
+        return PromptView(
+            self.family,
+            last_user=users[-1] if users else "",
+            last_role=last_role,
+            tool_results=tuple(results),
+            tools=tools,
+            opened=opened,
+        )
+
+    def _header_turns(self, token_ids: Sequence[int]) -> tuple[list[_Turn], list[str]]:
+        """Each header's turn (role, where its text starts, whether a turn end closed it) and text."""
+        turns: list[_Turn] = []
+        texts: list[str] = []
+        starts = [i for i, token_id in enumerate(token_ids) if token_id == self._start]
+        for number, start in enumerate(starts):
+            limit = starts[number + 1] if number + 1 < len(starts) else len(token_ids)
+            end = _index(token_ids, self._end, start + 1, limit)
+            if end is None:
+                continue
+            close = next((i for i in range(end + 1, limit) if token_ids[i] in self._turn_ends), None)
+            role = self._text(token_ids[start + 1 : end]).strip()
+            body = token_ids[end + 1 : close if close is not None else limit]
+            turns.append(_Turn(role, end + 1, close is not None))
+            texts.append(self._text(body).removeprefix(_HEADER_BLANK))
+        return turns, texts
+
+    def _after_blank(self, token_ids: Sequence[int], at: int) -> int:
+        """``at`` moved past the blank line a template writes after a header, when it is there."""
+        for width in (1, 2):
+            if self.tokenizer.decode(token_ids[at : at + width]) == _HEADER_BLANK:
+                return at + width
+        return at
+
 
 def _deepseek_tools(system: str) -> list[dict[str, Any]]:
     """``### NAME`` then (after a description) ``Parameters: {json}``, per tool."""
@@ -322,6 +415,46 @@ def _deepseek_tools(system: str) -> list[dict[str, Any]]:
             found.append({"name": name, "parameters": parameters})
             name = None
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class _Turn:
+    role: str
+    body_start: int
+    closed: bool
+
+
+def _declared_tools(text: str) -> tuple[tuple[Tool, ...], int]:
+    """The tools a Llama template wrote into ``text`` (JSON objects or a JSON list, each opening a
+    line), and where the last of them ends; the first ``_MAX_TOOL_BLOCKS`` blocks are tried."""
+    decoder = json.JSONDecoder()
+    declared: list[Any] = []
+    end = 0
+    for tried, found in enumerate(_TOOL_BLOCK.finditer(text)):
+        if tried == _MAX_TOOL_BLOCKS:
+            break
+        if found.start() < end:
+            continue
+        try:
+            value, stop = decoder.raw_decode(text, found.start())
+        except (ValueError, RecursionError):
+            continue
+        values = value if isinstance(value, list) else [value]
+        if values and all(isinstance(v, dict) and ("function" in v or "parameters" in v) for v in values):
+            declared.extend(values)
+            end = stop
+    return _tools(declared), end
+
+
+def _tool_output(text: str) -> str:
+    """A Llama tool result: the ``output`` of a ``{"output": ...}`` turn, else the turn's text."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    if isinstance(value, dict) and isinstance(value.get("output"), str):
+        return str(value["output"])
+    return value if isinstance(value, str) else text
 
 
 def count_occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> int:
@@ -342,8 +475,8 @@ def strip_pattern(token_ids: Sequence[int], pattern: Sequence[int]) -> list[int]
     return kept
 
 
-def _index(token_ids: Sequence[int], token_id: int, start: int) -> int | None:
-    for index in range(start, len(token_ids)):
+def _index(token_ids: Sequence[int], token_id: int, start: int, stop: int | None = None) -> int | None:
+    for index in range(start, len(token_ids) if stop is None else stop):
         if token_ids[index] == token_id:
             return index
     return None
