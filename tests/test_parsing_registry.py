@@ -35,6 +35,7 @@ FAMILY_MODELS = {
     "llama4_json": "llama4",
     "qwen3": "qwen3",
     "deepseek_r1": "deepseek_v3",
+    "mistral": "mistral_small_3",
     "kimi_k3": K3,
 }
 """A model directory of each registered name's family (a real vocabulary with its markers): a

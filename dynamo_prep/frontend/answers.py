@@ -19,6 +19,7 @@ from dynamo_prep.parsing import (
     ContentDelta,
     ReasoningDelta,
     answer_parser_for,
+    call_ids_for,
     prompt_ends_in_think,
 )
 from dynamo_prep.parsing.forced import ForcedToolParser
@@ -91,6 +92,7 @@ def answer_stream_for(
     """The answer of ``chat`` on ``card``'s model: the parser starts where ``prompt`` left off (a
     K3 channel it opened, or a ``<think>`` block a template opened)."""
     channel = prompt.open_channel
+    call_ids = call_ids_for(card, tokenizer)  # the format's own (Mistral: 9 alphanumeric characters)
     parser = answer_parser_for(
         card,
         tokenizer,
@@ -98,8 +100,9 @@ def answer_stream_for(
         prompt_form="reference" if channel is not None else "hosted",
         tools_enabled=chat.tool_choice != "none",
         tools_declared=bool(chat.tools),
+        call_ids=call_ids,
     )
     forced = forced_tool(chat.tool_choice) if chat.tools else None
     if forced is not None:  # the engine was constrained to the call's JSON (docs/structured-outputs.md)
-        parser = ForcedToolParser(parser, forced)
+        parser = ForcedToolParser(parser, forced, call_ids=call_ids)
     return AnswerStream(parser, stops=stop_strings(chat.stop), include_reasoning=chat.include_reasoning)

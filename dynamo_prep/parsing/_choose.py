@@ -9,11 +9,17 @@ import structlog
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter import is_kimi_k3
-from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
+from dynamo_prep.parsing._answer import AnswerParser, CallIds
 from dynamo_prep.parsing._halves import ParseOptions
 from dynamo_prep.parsing._tokens import vocab_of
 from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS
-from dynamo_prep.parsing.registry import KIMI_K3_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS, parser_for
+from dynamo_prep.parsing.registry import (
+    KIMI_K3_PARSER,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSERS,
+    call_ids_of,
+    parser_for,
+)
 from dynamo_prep.tokenizer import Tokenizer
 
 log = structlog.get_logger("dynamo_prep.parsing")
@@ -117,12 +123,19 @@ def answer_parser_for(
     before ``</think>`` is reasoning (``deepseek_r1`` always assumes so, as vLLM's does).
     ``tools_enabled=False`` (``tool_choice: "none"``) drops every call; ``tools_declared``: the
     request declared tools (formats that cannot tell a call from a JSON answer need them).
+    ``call_ids``: makes each call's id (None: the format's own, ``call_ids_for``).
     """
     choice = parser_choice(card, tokenizer)
     options = ParseOptions(
         thinking=thinking,
         tools_enabled=tools_enabled,
         tools_declared=tools_declared,
-        call_ids=call_ids or new_call_id,
+        call_ids=call_ids,
     )
     return parser_for(vocab_of(tokenizer), *choice, options, prompt_form=prompt_form)
+
+
+def call_ids_for(card: ModelDeploymentCard, tokenizer: Tokenizer) -> CallIds:
+    """How the tool calls of ``card``'s model get their ids: its tool-call format's own (Mistral's
+    templates want 9 alphanumeric characters), so a call sent back renders."""
+    return call_ids_of(parser_choice(card, tokenizer).tool_calls)

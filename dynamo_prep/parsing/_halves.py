@@ -28,12 +28,13 @@ class ParseOptions:
     ``tools_enabled=False`` (``tool_choice: "none"``): every call is dropped, never content.
     ``tools_declared``: the request declared tools (a format that cannot tell a call from a JSON
     answer, ``ToolHalf.NEEDS_TOOLS``, parses calls only then).
+    ``call_ids``: makes each call's id; None: the format's own (``ToolHalf.new_call_id``).
     """
 
     thinking: bool = False
     tools_enabled: bool = True
     tools_declared: bool = True
-    call_ids: CallIds = new_call_id
+    call_ids: CallIds | None = None
 
 
 class Half:
@@ -146,13 +147,19 @@ class ToolHalf(Half):
     def __init__(self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries) -> None:
         super().__init__(options, text_markers, recoveries)
         self._calls = 0
+        self._call_ids = options.call_ids or self.new_call_id
+
+    @staticmethod
+    def new_call_id() -> str:
+        """The id of a call in this format (OpenAI's ``call_`` + 24 hex unless the format wants others)."""
+        return new_call_id()
 
     def _call(self, name: str, arguments: str, out: DeltaList) -> None:
         """One whole call (``arguments`` a JSON object text); dropped, counted, when tools are disabled."""
         if not self._options.tools_enabled:
             self._recoveries.add(kinds.TOOL_CALL_NOT_ALLOWED)
             return
-        out.append(ToolCallDelta(self._calls, self._options.call_ids(), name, arguments))
+        out.append(ToolCallDelta(self._calls, self._call_ids(), name, arguments))
         self._calls += 1
 
 

@@ -11,13 +11,14 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Final, Literal
 
-from dynamo_prep.parsing._answer import AnswerParser
+from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
 from dynamo_prep.parsing._compose import ComposedAnswerParser
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._tokens import Vocab
 from dynamo_prep.parsing.hermes import HermesTools
 from dynamo_prep.parsing.kimi_k3 import MARKER_STRINGS, KimiK3AnswerParser
 from dynamo_prep.parsing.llama3_json import Llama3JsonTools
+from dynamo_prep.parsing.mistral import MistralReasoning, MistralTools
 from dynamo_prep.parsing.plain import PlainAnswerParser
 from dynamo_prep.parsing.think import DeepSeekR1Reasoning, ThinkTagReasoning
 
@@ -27,6 +28,7 @@ __all__ = [
     "REASONING_PARSERS",
     "TOOL_CALL_PARSERS",
     "TOOL_HALVES",
+    "call_ids_of",
     "check_parser_names",
     "engine_reasoning_flags",
     "parser_for",
@@ -41,12 +43,14 @@ TOOL_HALVES: Final[Mapping[str, type[ToolHalf]]] = MappingProxyType(
         "qwen3_json": HermesTools,  # vLLM's alias of hermes for Qwen2.5/QwQ/Qwen3 JSON calls
         "llama3_json": Llama3JsonTools,
         "llama4_json": Llama3JsonTools,  # vLLM's alias: the same parser class
+        "mistral": MistralTools,
     }
 )
 REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
     {
         "qwen3": ThinkTagReasoning,
         "deepseek_r1": DeepSeekR1Reasoning,
+        "mistral": MistralReasoning,
     }
 )
 TOOL_CALL_PARSERS: Final = tuple(sorted({*TOOL_HALVES, KIMI_K3_PARSER}))
@@ -100,6 +104,13 @@ def parser_for(
         options,
         family="+".join(name for name in (reasoning, tool_calls) if name is not None),
     )
+
+
+def call_ids_of(tool_calls: str | None) -> CallIds:
+    """How the tool-call format ``tool_calls`` (a registered name, or None) makes call ids (Mistral's:
+    9 alphanumeric characters; else OpenAI's ``call_`` + 24 hex)."""
+    half = TOOL_HALVES.get(tool_calls) if tool_calls is not None else None
+    return half.new_call_id if half is not None else new_call_id
 
 
 def _without_k3(name: str | None) -> str | None:
