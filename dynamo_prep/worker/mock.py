@@ -40,6 +40,8 @@ def mock_engine(config: WorkerConfig) -> MockContinuation:
             token_delay_s=config.token_delay_s,
             replies=config.replies,
             reply_format=config.reply_format,
+            tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
         )
     )
 

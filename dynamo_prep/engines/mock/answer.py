@@ -13,16 +13,17 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from dynamo_prep.engines.mock.prompt import IM_END, IM_START, Family, PromptView, Tool
 from dynamo_prep.formatter import KimiK3Formatter
 from dynamo_prep.formatter.kimi_k3 import OPEN, SEP
+from dynamo_prep.parsing.mistral import ARGS, THINK_CLOSE, THINK_OPEN, TOOL_CALLS
 from dynamo_prep.prompt import Segment
 from dynamo_prep.tokenizer import Tokenizer
 
-__all__ = ["AnswerWriter", "ToolCall", "schema_arguments"]
+__all__ = ["TOOL_CALL_WRITERS", "AnswerWriter", "ToolCall", "schema_arguments"]
 
 MOCK_STRING = "mock"
 _OPEN, _SEP = Segment(OPEN, True), Segment(SEP, True)
@@ -34,14 +35,27 @@ class ToolCall(NamedTuple):
 
 
 class AnswerWriter:
-    """Writes answers for one tokenizer's prompt family."""
+    """Writes answers for one tokenizer's prompt family, or in the format of the worker's declared
+    tool-call parser when ``TOOL_CALL_WRITERS`` has one for it."""
 
-    def __init__(self, tokenizer: Tokenizer, family: Family) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        family: Family,
+        *,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.family = family
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
         self._k3 = KimiK3Formatter()
 
     def write(self, view: PromptView, *, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
+        declared = TOOL_CALL_WRITERS.get(self.tool_call_parser or "")
+        if declared is not None:
+            return declared(self, view, reasoning, content, call)
         if self.family == "kimi_k3":
             return self._kimi_k3(view, reasoning, content, call)
         if self.family == "chatml":
@@ -66,6 +80,33 @@ class AnswerWriter:
         specials = self.tokenizer.special_tokens
         head = [] if view.opened is not None else [specials[IM_START], *self.tokenizer.encode("assistant\n")]
         return [*head, *self.tokenizer.encode(text), specials[IM_END]]
+
+
+def _mistral(
+    writer: AnswerWriter, view: PromptView, reasoning: str, content: str, call: ToolCall | None
+) -> list[int]:
+    """Mistral's answer: ``[THINK]...[/THINK]`` when the worker declared Mistral reasoning and the
+    vocabulary has it, the content, the call in the vocabulary's form, the end of sentence."""
+    tokenizer = writer.tokenizer
+    has = tokenizer.is_special_token
+    segments: list[tuple[str, bool]] = []
+    if writer.reasoning_parser == "mistral" and has(THINK_OPEN) and has(THINK_CLOSE):
+        segments += [(THINK_OPEN, True), (reasoning, False), (THINK_CLOSE, True)]
+    if content:
+        segments.append((content, False))
+    if call is not None and has(TOOL_CALLS):
+        if has(ARGS):  # v11+: [TOOL_CALLS]name[ARGS]{...}
+            arguments = json.dumps(call.arguments, ensure_ascii=False)
+            segments += [(TOOL_CALLS, True), (call.name, False), (ARGS, True), (arguments, False)]
+        else:  # before v11: [TOOL_CALLS][{"name": ..., "arguments": {...}}]
+            payload = json.dumps([call._asdict()], ensure_ascii=False)
+            segments += [(TOOL_CALLS, True), (payload, False)]
+    return [*tokenizer.encode_segments(segments), *tokenizer.eos_token_ids[:1]]
+
+
+WriteAnswer = Callable[[AnswerWriter, PromptView, str, str, ToolCall | None], list[int]]
+TOOL_CALL_WRITERS: Mapping[str, WriteAnswer] = {"mistral": _mistral}
+"""The mock's answer writer for a declared ``--tool-call-parser`` (vLLM's names)."""
 
 
 def schema_arguments(tool: Tool) -> dict[str, Any]:

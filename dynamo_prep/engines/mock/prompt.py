@@ -8,6 +8,9 @@ them is decoded. One exception is the demo ChatML format's tool results: ``<tool
 text there, so a user turn that starts with it reads as a tool result (real Qwen vocabularies
 register those tags as tokens).
 
+Mistral's ``[INST]``/``[/INST]``, ``[AVAILABLE_TOOLS]`` and ``[TOOL_RESULTS]`` are control tokens
+too: a Mistral prompt is read on them (the last user turn, the tools, the tool results that end it).
+
 A prompt of another format is read as plain text: its last user message is the whole prompt.
 """
 
@@ -32,7 +35,7 @@ __all__ = [
     "strip_pattern",
 ]
 
-Family = Literal["kimi_k3", "chatml", "plain"]
+Family = Literal["kimi_k3", "chatml", "mistral", "plain"]
 Opened = Literal["message", "think", "response"]
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -44,6 +47,13 @@ _TOOL_RESPONSE = re.compile(r"<tool_response>\n(.*?)\n</tool_response>", re.DOTA
 _TOOL_RESPONSE_OPEN = "<tool_response>"
 _CHATML_ASSISTANT = "assistant\n"
 _MAX_ROLE_TOKENS = 8
+INST, INST_END = "[INST]", "[/INST]"
+_MISTRAL_TURNS = {  # opener: (closer, role)
+    INST: (INST_END, "user"),
+    "[AVAILABLE_TOOLS]": ("[/AVAILABLE_TOOLS]", "tools"),
+    "[TOOL_RESULTS]": ("[/TOOL_RESULTS]", "tool"),
+}
+_TOOL_CONTENT = "[TOOL_CONTENT]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,12 +119,16 @@ class PromptReader:
         elif IM_START in specials and IM_END in specials:
             self.family = "chatml"
             self._im_start, self._im_end = specials[IM_START], specials[IM_END]
+        elif INST in specials and INST_END in specials:
+            self.family = "mistral"
 
     def read(self, token_ids: Sequence[int]) -> PromptView:
         if self.family == "kimi_k3":
             return self._read_k3(token_ids)
         if self.family == "chatml":
             return self._read_chatml(token_ids)
+        if self.family == "mistral":
+            return self._read_mistral(token_ids)
         return PromptView("plain", last_user=self._text(token_ids, skip_special_tokens=True))
 
     def generation_points(self, token_ids: Sequence[int]) -> list[int] | None:
@@ -251,6 +265,51 @@ class PromptReader:
                 return None
         return None
 
+    # --- Mistral ------------------------------------------------------------------------------------
+
+    def _read_mistral(self, token_ids: Sequence[int]) -> PromptView:
+        """Turns between Mistral's control tokens: what follows ``[/INST]`` up to ``</s>`` is the
+        assistant's; the prompt's last turn is its last closed element (or an assistant turn)."""
+        turns = self._mistral_turns(token_ids)
+        conversation = [(role, text) for role, text in turns if role != "tools"]
+        declared = [text for role, text in turns if role == "tools"]
+        results: list[ToolResult] = []
+        for role, text in reversed(conversation):
+            if role != "tool":
+                break
+            results.insert(0, ToolResult(None, _mistral_tool_result(text)))
+        users = [text for role, text in conversation if role == "user"]
+        return PromptView(
+            "mistral",
+            last_user=users[-1] if users else "",
+            last_role=conversation[-1][0] if conversation else None,
+            tool_results=tuple(results),
+            tools=_tools(_json_list(declared[-1])) if declared else (),
+        )
+
+    def _mistral_turns(self, token_ids: Sequence[int]) -> list[tuple[str, str]]:
+        """(role, text) of each closed element, and of each assistant turn (the text after ``[/INST]``
+        or ``[/TOOL_RESULTS]`` up to the end of sentence), in order."""
+        specials = self.tokenizer.special_tokens
+        closers = {closer: opener for opener, (closer, _) in _MISTRAL_TURNS.items()}
+        markers = {specials[m]: m for m in (*_MISTRAL_TURNS, *closers) if m in specials}
+        stops = set(self.tokenizer.eos_token_ids)
+        turns: list[tuple[str, str]] = []
+        opened: str | None = None  # the element open now (an opener), or "assistant"
+        start = 0
+        for index, token_id in enumerate(token_ids):
+            marker = markers.get(token_id)
+            if marker in _MISTRAL_TURNS:
+                opened, start = marker, index + 1
+            elif marker is not None and opened == closers[marker]:
+                role = _MISTRAL_TURNS[opened][1]
+                turns.append((role, self._text(token_ids[start:index])))
+                opened, start = ("assistant" if role != "tools" else None), index + 1
+            elif token_id in stops and opened == "assistant":
+                turns.append(("assistant", self._text(token_ids[start:index], skip_special_tokens=True)))
+                opened = None
+        return turns
+
 
 def count_occurrences(token_ids: Sequence[int], pattern: Sequence[int]) -> int:
     """Non-overlapping occurrences of ``pattern`` in ``token_ids``, scanning left to right."""
@@ -317,6 +376,27 @@ def _json_lines(text: str) -> list[Any]:
         except (ValueError, RecursionError):
             continue
     return values
+
+
+def _json_list(text: str) -> list[Any]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return []
+    return value if isinstance(value, list) else []
+
+
+def _mistral_tool_result(text: str) -> str:
+    """A result's content: ``{"content": ..., "call_id": ...}`` (Mistral v3, v7, Nemo), or
+    ``id[TOOL_CONTENT]content`` (Mistral Small 3.2)."""
+    if _TOOL_CONTENT in text:
+        return text.split(_TOOL_CONTENT, 1)[1]
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text.strip()
+    content = value.get("content") if isinstance(value, dict) else None
+    return content if isinstance(content, str) else text.strip()
 
 
 def _tools(declared: list[Any]) -> tuple[Tool, ...]:
