@@ -10,12 +10,14 @@ or the other: a rescan of held text needs the text held; a re-join needs the cop
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import tracemalloc
 from collections.abc import Callable
 
 import pytest
+from support.hf_models import built_models
 from test_parsing_streams import K3, QWEN, all_ways, counting_ids, tokenizer
 
 from dynamo_prep.parsing import (
@@ -27,6 +29,7 @@ from dynamo_prep.parsing import (
     parser_for,
 )
 from dynamo_prep.parsing._tokens import vocab_of
+from dynamo_prep.tokenizer import Tokenizer
 
 WARM_IDS = 10_000
 """Streamed before the measure: the allocator's free lists and the tokenizer's caches fill up."""
@@ -68,6 +71,23 @@ def hermes() -> AnswerParser:
 def llama3_json() -> AnswerParser:
     """Llama 3 JSON calls (the qwen-vl-demo vocabulary: the JSON is the same, the python tag text)."""
     return parser_for(vocab_of(tokenizer(QWEN)), None, "llama3_json", ParseOptions(call_ids=counting_ids()))
+
+
+@functools.cache
+def mistral_tokenizer() -> Tokenizer:
+    """Mistral Small 3.2's vocabulary: [TOOL_CALLS], [ARGS], [THINK], [/THINK] are control tokens."""
+    return Tokenizer.from_model_dir(built_models()["mistral_small_3"])
+
+
+def mistral() -> AnswerParser:
+    options = ParseOptions(call_ids=counting_ids())
+    return parser_for(vocab_of(mistral_tokenizer()), "mistral", "mistral", options)
+
+
+def mistral_ids(*parts: str) -> list[int]:
+    """Text, and Mistral's control tokens (``[X]``) as their ids."""
+    tok = mistral_tokenizer()
+    return tok.encode_segments([(part, tok.is_special_token(part)) for part in parts])
 
 
 def plain() -> AnswerParser:
@@ -121,6 +141,24 @@ CASES = {
     "llama3_json, tool calls": (llama3_json, [], tokenizer(QWEN).encode(LLAMA_CALL), False),
     "plain, whitespace": (plain, [], blank(QWEN), False),
 }
+MISTRAL_CALL = ("[TOOL_CALLS]", "f", "[ARGS]", '{"a": 1, "s": "x \\" } y"}')
+MISTRAL_ARRAY = ("[TOOL_CALLS]", '[{"name": "f", "arguments": {"a": [1, "]"]}}]')
+MISTRAL_CASES = {
+    "mistral, whitespace after a call": (
+        lambda: mistral_ids(*MISTRAL_CALL),
+        lambda: mistral_ids(" ", "\n"),
+        True,
+    ),
+    "mistral, text": (list, lambda: mistral_ids("the quick brown fox jumps over the lazy dog. "), False),
+    "mistral, reasoning": (
+        lambda: mistral_ids("[THINK]"),
+        lambda: mistral_ids("the quick brown fox. "),
+        False,
+    ),
+    "mistral, tool calls": (list, lambda: mistral_ids(*MISTRAL_CALL, " "), False),
+    "mistral, JSON array calls": (list, lambda: mistral_ids(*MISTRAL_ARRAY), False),
+}
+"""Mistral's cases, built when run (a 131k-token vocabulary: loaded once, only by these)."""
 
 
 class Streamer:
@@ -148,9 +186,16 @@ def retained() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def case_parts(case: str) -> tuple[Callable[[], AnswerParser], list[int], list[int], bool]:
+    if case in MISTRAL_CASES:
+        prefix, body, holds = MISTRAL_CASES[case]
+        return mistral, prefix(), body(), holds
+    return CASES[case]
+
+
+@pytest.mark.parametrize("case", [*CASES, *MISTRAL_CASES])
 def test_streaming_keeps_a_bounded_state_and_makes_no_growing_copy(case: str) -> None:
-    make, prefix, body, holds = CASES[case]
+    make, prefix, body, holds = case_parts(case)
     allowed = STATE_SLACK + (HELD_BYTES_PER_CHAR * STREAMED_IDS if holds else 0)  # one char per id
     tracemalloc.start()
     try:
@@ -165,10 +210,11 @@ def test_streaming_keeps_a_bounded_state_and_makes_no_growing_copy(case: str) ->
     assert worst <= FEED_SLACK + max(grown, 0) // 2, f"a feed of one id allocated {worst} bytes at its peak"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *MISTRAL_CASES])
 def test_long_runs_parse_the_same_whole_and_streamed(case: str) -> None:
     """Held whitespace is released, or dropped, exactly as before it was set aside."""
-    make, prefix, body, _ = CASES[case]
+    make, prefix, body, _ = case_parts(case)
     model = K3 if "k3" in case else QWEN
-    ids = prefix + body * (2_000 // len(body) + 1) + words(model)
+    tail = mistral_ids("the end.") if case in MISTRAL_CASES else words(model)
+    ids = prefix + body * (2_000 // len(body) + 1) + tail
     all_ways(make, ids)

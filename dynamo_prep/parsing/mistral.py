@@ -44,8 +44,14 @@ CALL_ID_LENGTH: Final = 9
 
 
 def mistral_call_id() -> str:
-    """9 random alphanumeric characters: what Mistral's templates (and mistral-common) accept."""
-    return "".join(secrets.choice(CALL_ID_ALPHABET) for _ in range(CALL_ID_LENGTH))
+    """9 random alphanumeric characters: what Mistral's templates (and mistral-common) accept (one
+    draw from the system's randomness, written in base 62)."""
+    value = secrets.randbelow(len(CALL_ID_ALPHABET) ** CALL_ID_LENGTH)
+    digits = []
+    for _ in range(CALL_ID_LENGTH):
+        value, digit = divmod(value, len(CALL_ID_ALPHABET))
+        digits.append(CALL_ID_ALPHABET[digit])
+    return "".join(digits)
 
 
 class MistralReasoning(ThinkTagReasoning):
