@@ -18,7 +18,7 @@ from typing import Final
 from dynamo_prep.parsing import _json
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import DeltaList
-from dynamo_prep.parsing._calls import ObjectEnd, json_call
+from dynamo_prep.parsing._calls import ObjectEnd, call_of, json_call
 from dynamo_prep.parsing._halves import ParseOptions, ToolHalf
 from dynamo_prep.parsing._recoveries import Recoveries
 from dynamo_prep.parsing.think import ThinkTagReasoning
@@ -267,7 +267,13 @@ def json_calls(body: str) -> list[tuple[str, str]] | None:
         return None
     if not isinstance(value, list) or not value:
         return None
-    calls = [json_call(element, arguments_required=False) for element in _json.elements(_json.compact(text))]
+    elements = _json.elements(_json.compact(text))
+    if len(elements) != len(value):  # never, for a valid array: no call rather than a raise
+        return None
+    calls = [
+        call_of(item, element, arguments_required=False)
+        for item, element in zip(value, elements, strict=True)
+    ]
     return None if any(call is None for call in calls) else [call for call in calls if call is not None]
 
 
