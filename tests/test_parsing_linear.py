@@ -157,6 +157,11 @@ MISTRAL_CASES = {
     ),
     "mistral, tool calls": (list, lambda: mistral_ids(*MISTRAL_CALL, " "), False),
     "mistral, JSON array calls": (list, lambda: mistral_ids(*MISTRAL_ARRAY), False),
+    "mistral, markers that open no call": (
+        list,
+        lambda: mistral_ids("[TOOL_CALLS]", "x ", "[ARGS]", "[THINK]"),
+        False,
+    ),
 }
 """Mistral's cases, built when run (a 131k-token vocabulary: loaded once, only by these)."""
 
