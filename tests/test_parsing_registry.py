@@ -125,6 +125,7 @@ def test_the_reasoning_parser_is_also_the_engines_own_flag() -> None:
     assert engine_reasoning_flags("vllm", "deepseek_r1") == ("--reasoning-parser", "deepseek_r1")
     assert engine_reasoning_flags("sglang", "deepseek_r1") == ("--reasoning-parser", "deepseek-r1")
     assert engine_reasoning_flags("sglang", "qwen3") == ("--reasoning-parser", "qwen3")
+    assert engine_reasoning_flags("sglang", "mistral") == ("--reasoning-parser", "mistral")  # [THINK]
     assert engine_reasoning_flags("mock", "qwen3") == ()
     assert engine_reasoning_flags("vllm", None) == ()
     # the engine's reasoning parser needs its tokenizer (vLLM refuses to start without one)

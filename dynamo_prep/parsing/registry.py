@@ -60,7 +60,7 @@ SKIP_TOKENIZER_INIT: Final = "--skip-tokenizer-init"
 # The engines' own --reasoning-parser (they hold a structured-output grammar back until the
 # reasoning ends): vLLM takes vLLM's names; SGLang spells some differently (None: SGLang has none).
 _SGLANG_REASONING: Final[Mapping[str, str | None]] = MappingProxyType(
-    {"qwen3": "qwen3", "deepseek_r1": "deepseek-r1", KIMI_K3_PARSER: "kimi_k3"}
+    {"qwen3": "qwen3", "deepseek_r1": "deepseek-r1", "mistral": "mistral", KIMI_K3_PARSER: "kimi_k3"}
 )
 
 
