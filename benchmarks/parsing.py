@@ -14,8 +14,8 @@ each size:
 * ``text``: ordinary words in a text channel;
 * ``markers``: structure all along (K3 tool calls with an argument each, Hermes ``<tool_call>``
   blocks, DeepSeek calls in one calls section, Qwen3-Coder ``<function=...>`` blocks, Harmony
-  analysis and call messages, Kimi-K2 calls in a section, GLM-4.5 call blocks, plain text with stray
-  special ids between words).
+  analysis and call messages, Kimi-K2 calls in a section, GLM-4.5 call blocks, Mistral
+  ``[TOOL_CALLS]`` calls in both forms, plain text with stray special ids between words).
 
 Both ways the frontend uses a parser: ``streamed`` (one id per ``feed``, the worst chunking) and
 ``whole`` (``parse_answer`` on every id at once). Each size is run over about the same number of
@@ -148,6 +148,8 @@ TAG_TOKENS = {
 }
 """Markers registered as added tokens above the Qwen demo's base (Qwen's own offsets for its tags),
 as real Qwen3, Llama 3 and DeepSeek vocabularies have them: then they are matched on their ids."""
+CONTROL_TOKENS = {"[TOOL_CALLS]": 41, "[ARGS]": 42, "[CALL_ID]": 43, "[THINK]": 44, "[/THINK]": 45}
+"""Mistral's markers, control (special) tokens as in Mistral's vocabularies, above those."""
 
 
 def tagged_tokenizer(directory: Path) -> Tokenizer:
@@ -159,6 +161,8 @@ def tagged_tokenizer(directory: Path) -> Tokenizer:
     base = min(int(key) for key in config["added_tokens_decoder"])
     for tag, offset in TAG_TOKENS.items():
         config["added_tokens_decoder"][str(base + offset)] = {"content": tag, "special": False}
+    for tag, offset in CONTROL_TOKENS.items():
+        config["added_tokens_decoder"][str(base + offset)] = {"content": tag, "special": True}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return Tokenizer.from_model_dir(directory)
 
@@ -187,6 +191,7 @@ def tagged_workloads(tokenizer: Tokenizer) -> list[Workload]:
         Workload("llama3_json on tag tokens, text", llama, [], words),
         Workload("llama3_json on tag tokens, markers", llama, [], llama_call),
         *family_workloads(tokenizer, "on tag tokens"),
+        *mistral_workloads(tokenizer),
     ]
 
 
@@ -225,6 +230,33 @@ def family_workloads(tokenizer: Tokenizer, where: str) -> list[Workload]:
         Workload(f"qwen3_coder {where}, whitespace", coder, think_closed + coder_call, blank),
         Workload(f"qwen3_coder {where}, text", coder, think_closed, words),
         Workload(f"qwen3_coder {where}, markers", coder, think_closed, coder_call),
+    ]
+
+
+def mistral_workloads(tokenizer: Tokenizer) -> list[Workload]:
+    """Mistral's reasoning and calls (``mistral`` + ``mistral``) on control tokens: the v11+ form
+    ``[TOOL_CALLS]name[ARGS]{...}`` and the JSON array of earlier tokenizers."""
+    vocab = vocab_of(tokenizer)
+    blank = tokenizer.encode(" ") + tokenizer.encode("\n")
+    words = tokenizer.encode("the quick brown fox jumps over the lazy dog. ")
+    v11_call = segments(
+        tokenizer, ("[TOOL_CALLS]", True), ("f", False), ("[ARGS]", True), ('{"a": 1, "s": "x \\" y"}', False)
+    )
+    array_call = segments(
+        tokenizer, ("[TOOL_CALLS]", True), ('[{"name": "f", "arguments": {"a": 1, "s": "x \\" y"}}]', False)
+    )
+
+    def make() -> AnswerParser:
+        return parser_for(vocab, "mistral", "mistral", ParseOptions())
+
+    think = segments(tokenizer, ("[THINK]", True))
+    think_closed = segments(tokenizer, ("[THINK]", True), ("hm", False), ("[/THINK]", True))
+    return [
+        Workload("mistral in reasoning, text", make, think, words),
+        Workload("mistral after think, text", make, think_closed, words),
+        Workload("mistral after a call, whitespace", make, v11_call, blank),
+        Workload("mistral v11, markers", make, think_closed, v11_call),
+        Workload("mistral JSON array, markers", make, think_closed, array_call),
     ]
 
 

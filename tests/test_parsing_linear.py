@@ -10,6 +10,7 @@ or the other: a rescan of held text needs the text held; a re-join needs the cop
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import tracemalloc
@@ -98,6 +99,23 @@ def with_markers(model: str, *parts: str) -> list[int]:
 def pythonic(name: str) -> Callable[[], AnswerParser]:
     """Pythonic calls (the qwen-vl-demo vocabulary: Llama 4's python tags are text, looked for)."""
     return lambda: parser_for(vocab_of(tokenizer(QWEN)), None, name, ParseOptions(call_ids=counting_ids()))
+
+
+@functools.cache
+def mistral_tokenizer() -> Tokenizer:
+    """Mistral Small 3.2's vocabulary: [TOOL_CALLS], [ARGS], [THINK], [/THINK] are control tokens."""
+    return Tokenizer.from_model_dir(built_models()["mistral_small_3"])
+
+
+def mistral() -> AnswerParser:
+    options = ParseOptions(call_ids=counting_ids())
+    return parser_for(vocab_of(mistral_tokenizer()), "mistral", "mistral", options)
+
+
+def mistral_ids(*parts: str) -> list[int]:
+    """Text, and Mistral's control tokens (``[X]``) as their ids."""
+    tok = mistral_tokenizer()
+    return tok.encode_segments([(part, tok.is_special_token(part)) for part in parts])
 
 
 def plain() -> AnswerParser:
@@ -314,6 +332,29 @@ CASES = {
     "kimi_k2, long arguments": (kimi_k2, K2_CALL[:-2], hf("kimi_k2").encode('"ab c'), True),
     "glm45, a long value": (glm45, GLM_CALL[:7], hf("glm45").encode("ab c "), True),
 }
+MISTRAL_CALL = ("[TOOL_CALLS]", "f", "[ARGS]", '{"a": 1, "s": "x \\" } y"}')
+MISTRAL_ARRAY = ("[TOOL_CALLS]", '[{"name": "f", "arguments": {"a": [1, "]"]}}]')
+MISTRAL_CASES = {
+    "mistral, whitespace after a call": (
+        lambda: mistral_ids(*MISTRAL_CALL),
+        lambda: mistral_ids(" ", "\n"),
+        True,
+    ),
+    "mistral, text": (list, lambda: mistral_ids("the quick brown fox jumps over the lazy dog. "), False),
+    "mistral, reasoning": (
+        lambda: mistral_ids("[THINK]"),
+        lambda: mistral_ids("the quick brown fox. "),
+        False,
+    ),
+    "mistral, tool calls": (list, lambda: mistral_ids(*MISTRAL_CALL, " "), False),
+    "mistral, JSON array calls": (list, lambda: mistral_ids(*MISTRAL_ARRAY), False),
+    "mistral, markers that open no call": (
+        list,
+        lambda: mistral_ids("[TOOL_CALLS]", "x ", "[ARGS]", "[THINK]"),
+        False,
+    ),
+}
+"""Mistral's cases, built when run (a 131k-token vocabulary: loaded once, only by these)."""
 
 
 class Streamer:
@@ -341,9 +382,16 @@ def retained() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def case_parts(case: str) -> tuple[Callable[[], AnswerParser], list[int], list[int], bool]:
+    if case in MISTRAL_CASES:
+        prefix, body, holds = MISTRAL_CASES[case]
+        return mistral, prefix(), body(), holds
+    return CASES[case]
+
+
+@pytest.mark.parametrize("case", [*CASES, *MISTRAL_CASES])
 def test_streaming_keeps_a_bounded_state_and_makes_no_growing_copy(case: str) -> None:
-    make, prefix, body, holds = CASES[case]
+    make, prefix, body, holds = case_parts(case)
     allowed = STATE_SLACK + (HELD_BYTES_PER_CHAR * STREAMED_IDS if holds else 0)  # one char per id
     tracemalloc.start()
     try:
@@ -358,12 +406,15 @@ def test_streaming_keeps_a_bounded_state_and_makes_no_growing_copy(case: str) ->
     assert worst <= FEED_SLACK + max(grown, 0) // 2, f"a feed of one id allocated {worst} bytes at its peak"
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *MISTRAL_CASES])
 def test_long_runs_parse_the_same_whole_and_streamed(case: str) -> None:
     """Held whitespace is released, or dropped, exactly as before it was set aside."""
-    make, prefix, body, _ = CASES[case]
+    make, prefix, body, _ = case_parts(case)
     family = case.split(",", maxsplit=1)[0]
-    tail = hf_words(HF_FAMILIES[family]) if family in HF_FAMILIES else words(K3 if "k3" in case else QWEN)
+    if case in MISTRAL_CASES:
+        tail = mistral_ids("the end.")
+    else:
+        tail = hf_words(HF_FAMILIES[family]) if family in HF_FAMILIES else words(K3 if "k3" in case else QWEN)
     ids = prefix + body * (2_000 // len(body) + 1) + tail
     all_ways(make, ids)
 

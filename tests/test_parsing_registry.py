@@ -40,6 +40,7 @@ FAMILY_MODELS = {
     "deepseek_v3": "deepseek_v3",
     "deepseek_v31": "deepseek_v3",
     "qwen3_coder": "qwen3",
+    "mistral": "mistral_small_3",
     "kimi_k3": K3,
     "openai": "gpt_oss",
     "openai_gptoss": "gpt_oss",
@@ -138,6 +139,7 @@ def test_the_reasoning_parser_is_also_the_engines_own_flag() -> None:
     assert engine_reasoning_flags("sglang", "deepseek_v3") == ("--reasoning-parser", "deepseek-v3")
     assert engine_reasoning_flags("sglang", "openai_gptoss") == ("--reasoning-parser", "gpt-oss")
     assert engine_reasoning_flags("vllm", "glm45") == ("--reasoning-parser", "glm45")
+    assert engine_reasoning_flags("sglang", "mistral") == ("--reasoning-parser", "mistral")  # [THINK]
     assert engine_reasoning_flags("mock", "qwen3") == ()
     assert engine_reasoning_flags("vllm", None) == ()
     # the engine's reasoning parser needs its tokenizer (vLLM refuses to start without one)

@@ -19,6 +19,7 @@ from dynamo_prep.parsing import (
     ContentDelta,
     ReasoningDelta,
     answer_parser_for,
+    call_ids_for,
     prompt_ends_in_think,
     thinking_requested,
     tool_properties,
@@ -93,6 +94,7 @@ def answer_stream_for(
     """The answer of ``chat`` on ``card``'s model: the parser starts where ``prompt`` left off (a
     K3 channel it opened, or a ``<think>`` block a template opened)."""
     channel = prompt.open_channel
+    call_ids = call_ids_for(card, tokenizer)  # the format's own (Mistral: 9 alphanumeric characters)
     parser = answer_parser_for(
         card,
         tokenizer,
@@ -102,8 +104,9 @@ def answer_stream_for(
         tools_declared=bool(chat.tools),
         thinking_requested=thinking_requested(chat.template_args()),
         tool_properties=tool_properties(chat.tools),
+        call_ids=call_ids,
     )
     forced = forced_tool(chat.tool_choice) if chat.tools else None
     if forced is not None:  # the engine was constrained to the call's JSON (docs/structured-outputs.md)
-        parser = ForcedToolParser(parser, forced)
+        parser = ForcedToolParser(parser, forced, call_ids=call_ids)
     return AnswerStream(parser, stops=stop_strings(chat.stop), include_reasoning=chat.include_reasoning)

@@ -27,6 +27,7 @@ from dynamo_prep.parsing._choose import (
     HERMES_TOOL_PARSER,
     ParserChoice,
     answer_parser_for,
+    call_ids_for,
     parser_choice,
 )
 from dynamo_prep.parsing._compose import ComposedAnswerParser
@@ -70,6 +71,7 @@ __all__ = [
     "ToolHalf",
     "answer_parser_for",
     "assistant_message",
+    "call_ids_for",
     "check_parser_names",
     "engine_reasoning_flags",
     "fold_deltas",

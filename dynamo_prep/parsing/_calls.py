@@ -4,10 +4,11 @@ JSON object ends."""
 from __future__ import annotations
 
 import re
+from typing import Any
 
 from dynamo_prep.parsing import _json
 
-__all__ = ["ObjectEnd", "json_call"]
+__all__ = ["ObjectEnd", "call_of", "json_call"]
 
 ARGUMENT_KEYS = ("arguments", "parameters")
 
@@ -24,6 +25,11 @@ def json_call(body: str, *, arguments_required: bool) -> tuple[str, str] | None:
         value = _json.loads(body)
     except _json.JsonError:
         return None
+    return call_of(value, body, arguments_required=arguments_required)
+
+
+def call_of(value: Any, body: str, *, arguments_required: bool) -> tuple[str, str] | None:
+    """``json_call`` of an object already parsed: ``value`` is ``_json.loads(body)``."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     if arguments_required and not any(key in value for key in ARGUMENT_KEYS):

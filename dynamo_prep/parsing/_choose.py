@@ -9,7 +9,7 @@ import structlog
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.formatter import is_kimi_k3
-from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
+from dynamo_prep.parsing._answer import AnswerParser, CallIds
 from dynamo_prep.parsing._halves import ParseOptions
 from dynamo_prep.parsing._schema_types import NO_TOOLS, ToolProperties
 from dynamo_prep.parsing._tokens import vocab_of
@@ -19,6 +19,7 @@ from dynamo_prep.parsing.registry import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     WholeGrammar,
+    call_ids_of,
     parser_for,
     whole_grammar,
 )
@@ -148,14 +149,21 @@ def answer_parser_for(
     ``thinking_requested``: the request's template kwargs asked for thinking (``deepseek_v3``
     reads it, as vLLM's does); ``tool_properties``: the declared tools' property schemas
     (``tool_properties(chat.tools)``; ``qwen3_coder`` types its values by them).
+    ``call_ids``: makes each call's id (None: the format's own, ``call_ids_for``).
     """
     choice = parser_choice(card, tokenizer)
     options = ParseOptions(
         thinking=thinking,
         tools_enabled=tools_enabled,
         tools_declared=tools_declared,
-        call_ids=call_ids or new_call_id,
+        call_ids=call_ids,
         thinking_requested=thinking_requested,
         tool_properties=tool_properties,
     )
     return parser_for(vocab_of(tokenizer), *choice, options, prompt_form=prompt_form)
+
+
+def call_ids_for(card: ModelDeploymentCard, tokenizer: Tokenizer) -> CallIds:
+    """How the tool calls of ``card``'s model get their ids: its tool-call format's own (Mistral's
+    templates want 9 alphanumeric characters), so a call sent back renders."""
+    return call_ids_of(parser_choice(card, tokenizer).tool_calls)

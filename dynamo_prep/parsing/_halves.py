@@ -29,6 +29,7 @@ class ParseOptions:
     ``tools_enabled=False`` (``tool_choice: "none"``): every call is dropped, never content.
     ``tools_declared``: the request declared tools (a format that cannot tell a call from a JSON
     answer, ``ToolHalf.NEEDS_TOOLS``, parses calls only then).
+    ``call_ids``: makes each call's id; None: the format's own (``ToolHalf.new_call_id``).
     ``thinking_requested``: the request's ``chat_template_kwargs`` asked for thinking (``thinking``
     or ``enable_thinking``), which is how vLLM's ``deepseek_v3`` reasoning parser decides.
     ``tool_properties``: the declared tools' property schemas, by name (``tool_properties``), for
@@ -38,7 +39,7 @@ class ParseOptions:
     thinking: bool = False
     tools_enabled: bool = True
     tools_declared: bool = True
-    call_ids: CallIds = new_call_id
+    call_ids: CallIds | None = None
     thinking_requested: bool = False
     tool_properties: ToolProperties = field(default_factory=lambda: NO_TOOLS)
 
@@ -155,6 +156,12 @@ class ToolHalf(Half):
     def __init__(self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries) -> None:
         super().__init__(options, text_markers, recoveries)
         self._calls = 0
+        self._call_ids = options.call_ids or self.new_call_id
+
+    @staticmethod
+    def new_call_id() -> str:
+        """The id of a call in this format (OpenAI's ``call_`` + 24 hex unless the format wants others)."""
+        return new_call_id()
 
     def _call(self, name: str, arguments: str, out: DeltaList, call_id: str | None = None) -> None:
         """One whole call (``arguments`` a JSON object text; ``call_id``: the model's own, else a new
@@ -162,7 +169,7 @@ class ToolHalf(Half):
         if not self._options.tools_enabled:
             self._recoveries.add(kinds.TOOL_CALL_NOT_ALLOWED)
             return
-        out.append(ToolCallDelta(self._calls, call_id or self._options.call_ids(), name, arguments))
+        out.append(ToolCallDelta(self._calls, call_id or self._call_ids(), name, arguments))
         self._calls += 1
 
 

@@ -74,3 +74,24 @@ def members(compact_object: str) -> list[tuple[str, str]]:
             elif key is None:
                 key = json.loads(token)
     return found
+
+
+def elements(compact_array: str) -> list[str]:
+    """The text of each top-level element of a compact, valid JSON array, in order."""
+    found: list[str] = []
+    depth = 0
+    start = 1
+    for match in _TOKENS.finditer(compact_array):
+        token = match.group()
+        if token in ("{", "["):
+            depth += 1
+        elif token in ("}", "]"):
+            depth -= 1
+            if depth == 0:
+                if match.start() > start:
+                    found.append(compact_array[start : match.start()])
+                break
+        elif token == "," and depth == 1:
+            found.append(compact_array[start : match.start()])
+            start = match.end()
+    return found

@@ -14,7 +14,7 @@ from types import MappingProxyType
 from typing import Final, Literal
 
 from dynamo_prep.parsing import harmony, kimi_k3
-from dynamo_prep.parsing._answer import AnswerParser
+from dynamo_prep.parsing._answer import AnswerParser, CallIds, new_call_id
 from dynamo_prep.parsing._compose import ComposedAnswerParser
 from dynamo_prep.parsing._halves import ParseOptions, ReasoningHalf, ToolHalf
 from dynamo_prep.parsing._tokens import Vocab
@@ -25,6 +25,7 @@ from dynamo_prep.parsing.hermes import HermesTools
 from dynamo_prep.parsing.kimi_k2 import KimiK2Tools
 from dynamo_prep.parsing.kimi_k3 import KimiK3AnswerParser
 from dynamo_prep.parsing.llama3_json import Llama3JsonTools
+from dynamo_prep.parsing.mistral import MistralReasoning, MistralTools
 from dynamo_prep.parsing.plain import PlainAnswerParser
 from dynamo_prep.parsing.pythonic import Llama4PythonicTools, PythonicTools
 from dynamo_prep.parsing.qwen3_coder import Qwen3CoderTools
@@ -40,6 +41,7 @@ __all__ = [
     "TOOL_HALVES",
     "WHOLE_GRAMMARS",
     "WholeGrammar",
+    "call_ids_of",
     "check_parser_names",
     "engine_reasoning_flags",
     "parser_for",
@@ -62,6 +64,7 @@ TOOL_HALVES: Final[Mapping[str, type[ToolHalf]]] = MappingProxyType(
         "glm45": Glm45Tools,
         "pythonic": PythonicTools,
         "llama4_pythonic": Llama4PythonicTools,
+        "mistral": MistralTools,
     }
 )
 REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
@@ -70,6 +73,7 @@ REASONING_HALVES: Final[Mapping[str, type[ReasoningHalf]]] = MappingProxyType(
         "deepseek_r1": DeepSeekR1Reasoning,
         "deepseek_v3": DeepSeekV3Reasoning,
         "glm45": ThinkTagReasoning,  # GLM-4.5's <think> block, read as Qwen3's
+        "mistral": MistralReasoning,
     }
 )
 
@@ -132,6 +136,7 @@ _SGLANG_REASONING: Final[Mapping[str, str | None]] = MappingProxyType(
         KIMI_K3_PARSER: "kimi_k3",
         "openai_gptoss": "gpt-oss",
         "glm45": "glm45",
+        "mistral": "mistral",
     }
 )
 
@@ -180,6 +185,13 @@ def parser_for(
 
 def _without(grammar: WholeGrammar, name: str | None) -> str | None:
     return None if name in grammar.names() else name
+
+
+def call_ids_of(tool_calls: str | None) -> CallIds:
+    """How the tool-call format ``tool_calls`` (a registered name, or None) makes call ids (Mistral's:
+    9 alphanumeric characters; else OpenAI's ``call_`` + 24 hex)."""
+    half = TOOL_HALVES.get(tool_calls) if tool_calls is not None else None
+    return half.new_call_id if half is not None else new_call_id
 
 
 def engine_reasoning_flags(

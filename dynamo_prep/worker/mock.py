@@ -57,6 +57,7 @@ def mock_engine(config: WorkerConfig) -> MockContinuation:
             replies=config.replies,
             reply_format=config.reply_format,
             tool_call_parser=config.tool_call_parser,
+            reasoning_parser=config.reasoning_parser,
         )
     )
 

@@ -33,10 +33,12 @@ def mock_cluster(
     frontend_args: Sequence[str] = (),
     log_level: str = "info",
     worker_log_level: str = "info",
+    ready_timeout_s: float = READY_S,
 ) -> Iterator[Cluster]:
     """A frontend on a plane of its own and one mock worker per entry of ``workers`` (each entry the
     worker's flags; ``--discovery`` is added, and ``--token-delay 0`` unless the entry has one);
-    yielded once every worker's instance and every model is added."""
+    yielded once every worker's instance and every model is added (``ready_timeout_s``: the deadline
+    of each; large vocabularies take longer to load)."""
     port, discovery = free_port(), tcp_endpoint()
     procs: list[DynamoProcess] = []
     try:
@@ -50,10 +52,9 @@ def mock_cluster(
             args = (*flags, "--discovery", discovery, *delay)
             procs.append(start_dynamo("worker", *args, log_level=worker_log_level))
         models = {_served(flags) for flags in workers}
-        wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), READY_S, message="the workers")
-        wait_for(
-            lambda: len(frontend.find("model_added")) >= len(models), READY_S, message="every model added"
-        )
+        ready = ready_timeout_s
+        wait_for(lambda: len(frontend.find("instance_added")) >= len(workers), ready, message="the workers")
+        wait_for(lambda: len(frontend.find("model_added")) >= len(models), ready, message="every model added")
         cluster = Cluster(f"http://127.0.0.1:{port}")
         cluster.frontend, cluster.discovery, cluster.procs = frontend, discovery, procs
         yield cluster

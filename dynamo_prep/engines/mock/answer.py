@@ -6,8 +6,9 @@
   the format has one home and a parsed answer fed back renders as it was written. Markers are
   control segments; reasoning, content, names and values are text segments, never special ids.
 * A declared ``--tool-call-parser`` whose answers have a shape of their own (``WHOLE_ANSWERS``:
-  ``openai`` for GPT-OSS Harmony, also chosen by model_type ``gpt_oss``; ``kimi_k2``; ``glm45``), on
-  a vocabulary holding its markers as tokens: the whole answer in that format.
+  ``openai`` for GPT-OSS Harmony, also chosen by model_type ``gpt_oss``; ``kimi_k2``; ``glm45``;
+  ``mistral``, with ``[THINK]`` reasoning when the worker declared ``--reasoning-parser mistral``),
+  on a vocabulary holding its markers as tokens: the whole answer in that format.
 * Other formats: the prompt's frame (ChatML: ``<|im_start|>assistant\\n`` unless the prompt
   opened the turn, then ``<|im_end|>``; DeepSeek: the reasoning and ``</think>`` when the prompt
   opened a think block, then ``<｜end▁of▁sentence｜>``; Llama: ``<|eom_id|>`` / ``<|eom|>`` after a
@@ -30,6 +31,7 @@ from typing import Any, Final, NamedTuple
 from dynamo_prep.engines.mock.prompt import HEADERS, IM_END, IM_START, Family, PromptView, Tool
 from dynamo_prep.formatter import KimiK3Formatter
 from dynamo_prep.formatter.kimi_k3 import OPEN, SEP
+from dynamo_prep.parsing.mistral import ARGS, THINK_CLOSE, THINK_OPEN, TOOL_CALLS
 from dynamo_prep.prompt import Segment
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -56,13 +58,19 @@ _FAMILY_BODIES: Final = MappingProxyType({"chatml": "hermes", "deepseek": "deeps
 class AnswerWriter:
     """Writes answers for one tokenizer's prompt family, calls as ``tool_call_parser`` reads them."""
 
-    def __init__(self, tokenizer: Tokenizer, family: Family, tool_call_parser: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        family: Family,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.family = family
         self._k3 = KimiK3Formatter()
         default = _FAMILY_BODIES.get(family)
         self._body = BODIES.get(tool_call_parser or "") or (BODIES[default] if default else _content)
-        self._whole = whole_answer_writer(tokenizer, tool_call_parser)
+        self._whole = whole_answer_writer(tokenizer, tool_call_parser, reasoning_parser)
 
     def write(self, view: PromptView, *, reasoning: str, content: str, call: ToolCall | None) -> list[int]:
         if self._whole is not None:
@@ -298,25 +306,65 @@ def _glm45(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]
     return [*segments, _marker("</tool_call>"), _marker("<|observation|>")]
 
 
+def _mistral(reasoning: str, content: str, call: ToolCall | None, *, v11: bool) -> list[Segment]:
+    """Mistral: ``[THINK]...[/THINK]`` when there is reasoning to write, the content, then the call:
+    ``[TOOL_CALLS]name[ARGS]{...}`` (v11+ vocabularies, which have ``[ARGS]``), else
+    ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``."""
+    segments = [_marker(THINK_OPEN), _text(reasoning), _marker(THINK_CLOSE)] if reasoning else []
+    if content:
+        segments.append(_text(content))
+    if call is not None and v11:
+        segments += [_marker(TOOL_CALLS), _text(call.name), _marker(ARGS), _text(_arguments_json(call))]
+    elif call is not None:
+        segments += [_marker(TOOL_CALLS), _text(json.dumps([call._asdict()], ensure_ascii=False))]
+    return segments
+
+
 WHOLE_ANSWERS: Final[dict[str, WholeWriter]] = {
     "openai": _harmony,
     "kimi_k2": _kimi_k2,
     "glm45": _glm45,
+    "mistral": lambda reasoning, content, call: _mistral(reasoning, content, call, v11=False),
 }
 """The mock's answer formats by vLLM's tool-call parser name."""
 GPT_OSS_MODEL_TYPE: Final = "gpt_oss"
 
 
-def whole_answer_writer(tokenizer: Tokenizer, tool_call_parser: str | None) -> WholeWriter | None:
+def whole_answer_writer(
+    tokenizer: Tokenizer, tool_call_parser: str | None, reasoning_parser: str | None = None
+) -> WholeWriter | None:
     """The writer of the declared parser (GPT-OSS's Harmony by model_type when none is declared), when
-    the vocabulary holds every marker it writes as a token; else None."""
+    the vocabulary holds every marker it writes as a token; else None. Mistral writes the v11 call
+    form where the vocabulary has ``[ARGS]``, its end of sentence last, and reasoning only when the
+    worker declared Mistral's reasoning parser and the vocabulary has ``[THINK]``."""
     if tool_call_parser is None and tokenizer.model_type == GPT_OSS_MODEL_TYPE:
         tool_call_parser = "openai"
     writer = WHOLE_ANSWERS.get(tool_call_parser or "")
+    reasoning = "r"
+    if tool_call_parser == "mistral":
+        think = reasoning_parser == "mistral" and all(
+            map(tokenizer.is_special_token, (THINK_OPEN, THINK_CLOSE))
+        )
+        writer = _mistral_writer(tokenizer, think=think)
+        reasoning = "r" if think else ""
     if writer is None:
         return None
-    probe = writer("r", "c", ToolCall("f", {"k": 1}))
+    probe = writer(reasoning, "c", ToolCall("f", {"k": 1}))
     return writer if all(tokenizer.is_special_token(s.text) for s in probe if s.allow_special) else None
+
+
+def _mistral_writer(tokenizer: Tokenizer, *, think: bool) -> WholeWriter:
+    v11 = tokenizer.is_special_token(ARGS)
+    eos = (
+        [_marker(name)]
+        if tokenizer.eos_token_ids and (name := tokenizer.id_to_token(tokenizer.eos_token_ids[0]))
+        else []
+    )
+
+    def write(reasoning: str, content: str, call: ToolCall | None) -> list[Segment]:
+        return [*_mistral(reasoning if think else "", content, call, v11=v11), *eos]
+
+    return write
 
 
 def schema_arguments(tool: Tool) -> dict[str, Any]:

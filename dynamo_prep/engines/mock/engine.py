@@ -115,9 +115,13 @@ class MockEngine:
         replies: str | Path | None = None,
         reply_format: ReplyFormat = DEFAULT_REPLY_FORMAT,
         tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
     ) -> None:
         """Raises ValueError for a bad option, ``RepliesError`` (a ValueError) for a bad replies file.
-        ``tool_call_parser``: the worker's ``--tool-call-parser``; calls are written as it reads them."""
+
+        ``tool_call_parser`` / ``reasoning_parser``: the worker's declared parsers (vLLM's names); a
+        model-format answer is written in the declared tool-call format when the mock has a writer for
+        it (``answer.BODIES``, ``answer.WHOLE_ANSWERS``)."""
         if flavor not in FLAVORS:
             raise ValueError(f"unknown mock engine flavor {flavor!r} (known: {', '.join(FLAVORS)})")
         if token_delay_s < 0:
@@ -135,7 +139,12 @@ class MockEngine:
         self._contract = self._sglang_contract() if flavor == "sglang" else self._vllm_contract()
         kimi_k3 = is_kimi_k3(self.tokenizer.model_type, self.name)
         self._reader = PromptReader(self.tokenizer, kimi_k3=kimi_k3, strip=self._contract.strip)
-        self._answers = AnswerWriter(self.tokenizer, self._reader.family, tool_call_parser)
+        self._answers = AnswerWriter(
+            self.tokenizer,
+            self._reader.family,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+        )
 
     @property
     def declared_image_token(self) -> str | None:

@@ -14,6 +14,9 @@ DeepSeek's turn and tool markers (``<｜User｜>``, ``<｜Assistant｜>``, ``<�
 are added tokens: found on ids the same way; the declared tools are read from the system text's
 ``### NAME`` / ``Parameters: {json}`` lines (V3.1's template and the tests' one write them so).
 
+Mistral's ``[INST]``/``[/INST]``, ``[AVAILABLE_TOOLS]`` and ``[TOOL_RESULTS]`` are control tokens
+too: a Mistral prompt is read on them (the last user turn, the tools, the tool results that end it).
+
 A prompt of another format is read as plain text: its last user message is the whole prompt.
 """
 
@@ -38,7 +41,7 @@ __all__ = [
     "strip_pattern",
 ]
 
-Family = Literal["kimi_k3", "chatml", "deepseek", "llama3", "llama4", "plain"]
+Family = Literal["kimi_k3", "chatml", "deepseek", "llama3", "llama4", "mistral", "plain"]
 Opened = Literal["message", "think", "response"]
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -72,6 +75,13 @@ HEADERS: dict[Family, _Headers] = {
     "llama3": _Headers("<|start_header_id|>", "<|end_header_id|>", ("<|eot_id|>", "<|eom_id|>")),
     "llama4": _Headers("<|header_start|>", "<|header_end|>", ("<|eot|>", "<|eom|>")),
 }
+INST, INST_END = "[INST]", "[/INST]"
+_MISTRAL_TURNS = {  # opener: (closer, role)
+    INST: (INST_END, "user"),
+    "[AVAILABLE_TOOLS]": ("[/AVAILABLE_TOOLS]", "tools"),
+    "[TOOL_RESULTS]": ("[/TOOL_RESULTS]", "tool"),
+}
+_TOOL_CONTENT = "[TOOL_CONTENT]"
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +156,8 @@ class PromptReader:
             }
             self._ds_output_end = tokenizer.added_tokens[DS_OUTPUT_END]
             self._ds_ends = {tokenizer.added_tokens.get(DS_EOS), *tokenizer.eos_token_ids}
+        elif INST in specials and INST_END in specials:
+            self.family = "mistral"
         else:
             for family, headers in HEADERS.items():
                 if all(marker in specials for marker in (headers.start, headers.end, *headers.turn_ends)):
@@ -163,6 +175,8 @@ class PromptReader:
             return self._read_deepseek(token_ids)
         if self.family in HEADERS:
             return self._read_headers(token_ids)
+        if self.family == "mistral":
+            return self._read_mistral(token_ids)
         return PromptView("plain", last_user=self._text(token_ids, skip_special_tokens=True))
 
     def generation_points(self, token_ids: Sequence[int]) -> list[int] | None:
@@ -399,6 +413,51 @@ class PromptReader:
                 return at + width
         return at
 
+    # --- Mistral ------------------------------------------------------------------------------------
+
+    def _read_mistral(self, token_ids: Sequence[int]) -> PromptView:
+        """Turns between Mistral's control tokens: what follows ``[/INST]`` up to ``</s>`` is the
+        assistant's; the prompt's last turn is its last closed element (or an assistant turn)."""
+        turns = self._mistral_turns(token_ids)
+        conversation = [(role, text) for role, text in turns if role != "tools"]
+        declared = [text for role, text in turns if role == "tools"]
+        results: list[ToolResult] = []
+        for role, text in reversed(conversation):
+            if role != "tool":
+                break
+            results.insert(0, ToolResult(None, _mistral_tool_result(text)))
+        users = [text for role, text in conversation if role == "user"]
+        return PromptView(
+            "mistral",
+            last_user=users[-1] if users else "",
+            last_role=conversation[-1][0] if conversation else None,
+            tool_results=tuple(results),
+            tools=_tools(_json_list(declared[-1])) if declared else (),
+        )
+
+    def _mistral_turns(self, token_ids: Sequence[int]) -> list[tuple[str, str]]:
+        """(role, text) of each closed element, and of each assistant turn (the text after ``[/INST]``
+        or ``[/TOOL_RESULTS]`` up to the end of sentence), in order."""
+        specials = self.tokenizer.special_tokens
+        closers = {closer: opener for opener, (closer, _) in _MISTRAL_TURNS.items()}
+        markers = {specials[m]: m for m in (*_MISTRAL_TURNS, *closers) if m in specials}
+        stops = set(self.tokenizer.eos_token_ids)
+        turns: list[tuple[str, str]] = []
+        opened: str | None = None  # the element open now (an opener), or "assistant"
+        start = 0
+        for index, token_id in enumerate(token_ids):
+            marker = markers.get(token_id)
+            if marker in _MISTRAL_TURNS:
+                opened, start = marker, index + 1
+            elif marker is not None and opened == closers[marker]:
+                role = _MISTRAL_TURNS[opened][1]
+                turns.append((role, self._text(token_ids[start:index])))
+                opened, start = ("assistant" if role != "tools" else None), index + 1
+            elif token_id in stops and opened == "assistant":
+                turns.append(("assistant", self._text(token_ids[start:index], skip_special_tokens=True)))
+                opened = None
+        return turns
+
 
 def _deepseek_tools(system: str) -> list[dict[str, Any]]:
     """``### NAME`` then (after a description) ``Parameters: {json}``, per tool."""
@@ -522,6 +581,27 @@ def _json_lines(text: str) -> list[Any]:
         except (ValueError, RecursionError):
             continue
     return values
+
+
+def _json_list(text: str) -> list[Any]:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return []
+    return value if isinstance(value, list) else []
+
+
+def _mistral_tool_result(text: str) -> str:
+    """A result's content: ``{"content": ..., "call_id": ...}`` (Mistral v3, v7, Nemo), or
+    ``id[TOOL_CONTENT]content`` (Mistral Small 3.2)."""
+    if _TOOL_CONTENT in text:
+        return text.split(_TOOL_CONTENT, 1)[1]
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text.strip()
+    content = value.get("content") if isinstance(value, dict) else None
+    return content if isinstance(content, str) else text.strip()
 
 
 def _tools(declared: list[Any]) -> tuple[Tool, ...]:
