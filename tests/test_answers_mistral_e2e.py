@@ -100,7 +100,7 @@ def test_the_responses_api_returns_function_call_items(cluster: str, model: str)
 
 
 def test_malformed_output_is_content_and_counted(cluster: str) -> None:
-    family = "mistral+mistral"
+    family = "mistral"  # the metric label: one name for both halves
     before = parse_errors(cluster, SMALL3).get((family, "invalid_tool_call"), 0.0)
     whole, folded = both(cluster, model=SMALL3, messages=user("mistral-bad"), tools=[WEATHER])
     assert_same(whole, folded)
