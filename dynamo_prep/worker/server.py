@@ -329,9 +329,13 @@ class Worker:
 
 class _RequestPlane:
     """The worker's ROUTER as a plain socket: the event loop's reader callback takes what arrived,
-    and a reply is one non-blocking send (no Future, no task: the worker sends a frame per engine
-    step and stream). A reply to a frontend whose queue is full waits for room, ``FULL_RETRY_S``
-    at a time; one to a frontend that is gone is dropped (``reply_dropped``, debug).
+    and replies are corked: those of one loop turn to one frontend leave as the parts of one
+    multipart message (one ``send`` and one wake of ZeroMQ's I/O thread per engine step, however
+    many streams it advanced; the frontend reads each part as a reply). No Future or task per reply.
+
+    A frontend whose queue is full (ROUTER_MANDATORY says so) gets its corked replies again every
+    ``FULL_RETRY_S``; meanwhile its streams wait at their next reply (their engine merges their
+    steps). Replies to a frontend that is gone are dropped (``reply_dropped``, debug).
 
     ZeroMQ's descriptor is edge-triggered and any call on the socket (a send too) may consume the
     edge of requests that just arrived, so after sends the socket is looked at once more.
@@ -342,7 +346,9 @@ class _RequestPlane:
         self._loop = asyncio.get_running_loop()
         self._arrived: deque[list[bytes]] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self._looking = False  # a look after sends is queued
+        self._corked: dict[bytes, list[bytes]] = {}  # frontend identity -> replies of this turn
+        self._full: dict[bytes, tuple[list[bytes], asyncio.Future[None]]] = {}  # waiting for room
+        self._flushing = False  # a flush is queued
         self._closed = False
         self._loop.add_reader(socket.fileno(), self._take)
 
@@ -362,40 +368,74 @@ class _RequestPlane:
         return reply
 
     async def send(self, identity: bytes, data: bytes) -> None:
-        while True:
-            if self._closed:
-                raise zmq.ZMQError(zmq.ENOTSOCK, "the request plane is closed")
-            try:
-                self.socket.send_multipart((identity, data), zmq.NOBLOCK)
-            except zmq.Again:  # that frontend's queue is full: its stream waits
-                self._look_soon()
-                await asyncio.sleep(FULL_RETRY_S)
-                continue
-            except zmq.ZMQError as exc:
-                if exc.errno != zmq.EHOSTUNREACH:
-                    raise
-                log.debug("reply_dropped", reason="peer_gone")  # the frontend went away
-            self._look_soon()
-            return
+        """Queue one reply for this turn's flush; wait first while that frontend's queue is full."""
+        while (full := self._full.get(identity)) is not None:
+            await asyncio.shield(full[1])
+        if self._closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "the request plane is closed")
+        corked = self._corked.get(identity)
+        if corked is None:
+            self._corked[identity] = [data]
+            if not self._flushing:
+                self._flushing = True
+                self._loop.call_soon(self._flush)
+        else:
+            corked.append(data)
 
     def close(self) -> None:
         if self._closed:
             return
+        self._flush()  # the last replies of a drained worker
         self._closed = True
         self._loop.remove_reader(self.socket.fileno())
         self.socket.close(linger=ROUTER_LINGER_MS)
+        for _, room in self._full.values():
+            if not room.done():
+                room.set_result(None)
+        self._full.clear()
         if self._waiter is not None and not self._waiter.done():
             self._waiter.cancel()
 
-    def _look_soon(self) -> None:
-        if not self._looking:
-            self._looking = True
-            self._loop.call_soon(self._look)
-
-    def _look(self) -> None:
-        self._looking = False
+    def _flush(self) -> None:
+        self._flushing = False
         if self._closed:
             return
+        corked, self._corked = self._corked, {}
+        for identity, parts in corked.items():
+            self._send(identity, parts)
+        self._look()
+
+    def _send(self, identity: bytes, parts: list[bytes]) -> None:
+        """One multipart message; kept for a retry when that frontend's queue is full."""
+        try:
+            self.socket.send_multipart((identity, *parts), zmq.NOBLOCK)
+        except zmq.Again:
+            self._full[identity] = (parts, self._loop.create_future())
+            self._loop.call_later(FULL_RETRY_S, self._retry, identity)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("reply_dropped", reason="frontend_gone", replies=len(parts))
+
+    def _retry(self, identity: bytes) -> None:
+        full = self._full.get(identity)
+        if full is None or self._closed:
+            return
+        parts, room = full
+        try:
+            self.socket.send_multipart((identity, *parts), zmq.NOBLOCK)
+        except zmq.Again:
+            self._loop.call_later(FULL_RETRY_S, self._retry, identity)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("reply_dropped", reason="frontend_gone", replies=len(parts))
+        del self._full[identity]
+        room.set_result(None)
+        self._look()
+
+    def _look(self) -> None:
         events = self.socket.get(zmq.EVENTS)
         if isinstance(events, int) and events & zmq.POLLIN:
             self._take()
@@ -410,6 +450,6 @@ class _RequestPlane:
             except zmq.Again:
                 break
         else:
-            self._look_soon()
+            self._loop.call_soon(self._look)
         if self._arrived and self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
