@@ -32,6 +32,7 @@ from dynamo_prep.engines.base import EngineRuntime
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.mock.engine import MockContinuation
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, new_event_loop, on_stop_signals_in_loop
+from dynamo_prep.loopwatch import LoopWatch
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.engine import EngineArgsError, engine_card, engine_worker, start_runtime
@@ -161,7 +162,12 @@ async def _serve_signalled(
         except (zmq.ZMQError, OSError) as exc:
             log.error("worker_start_failed", error=str(exc))
             return EXIT_FAILED
-        return await _run_until(worker, stopping, None if runtime is None else runtime.wait_dead())
+        loop_watch = LoopWatch()  # its output loop: event_loop_stalled, with whose the stall was
+        loop_watch.start()
+        try:
+            return await _run_until(worker, stopping, None if runtime is None else runtime.wait_dead())
+        finally:
+            loop_watch.stop()
     finally:
         # Every socket is closed with a bounded linger, so this waits at most that long.
         context.term()
