@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.run-stamp
 STAMP := $(VENV)/.test-stamp
 
-.PHONY: test test-engines bench-engines lint typecheck unit up demo-models bench soak clean
+.PHONY: test test-engines bench-engines bench-stream lint typecheck unit up demo-models bench soak clean
 
 # What running needs (make up); the test extra comes on top, for make test.
 $(RUN_STAMP): pyproject.toml
@@ -77,6 +77,11 @@ test-engines: $(ENGINES_STAMP)
 # What frontend + worker add to a real vLLM (TTFT, CPU per token, throughput), in the engines' venv.
 bench-engines: $(ENGINES_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.engine_overhead
+
+# Streams side by side, frontend + worker against `vllm serve` on the same engine flags (events per
+# stream, TTFT, ITL per event, tokens/s, CPU per token outside the engine, loop stalls).
+bench-stream: $(ENGINES_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.stream_events
 
 demo-models: $(STAMP)
 	$(BIN)/python scripts/make_demo_models.py

@@ -17,6 +17,7 @@ FLOORS: dict[str, int] = {
     "dynamo_prep.lifecycle": 0,
     "dynamo_prep.limits": 0,
     "dynamo_prep.threads": 0,
+    "dynamo_prep.loopwatch": 0,
     "dynamo_prep.protocol": 0,
     "dynamo_prep.card": 1,
     "dynamo_prep.prompt": 1,

@@ -33,6 +33,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from dynamo_prep.frontend.config import DEFAULT_HEADER_TIMEOUT_S, HttpSettings
 from dynamo_prep.frontend.errors import OpenAIError
+from dynamo_prep.lifecycle import new_event_loop
 from dynamo_prep.logging import RateLimiter
 
 if TYPE_CHECKING:
@@ -58,13 +59,6 @@ KEEP_ALIVE_S = 5
 PROBE_RESERVE = 64
 PROBE_PATHS = ("/live", "/health")
 _TIMED_OUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """The frontend's event loop: uvloop (libuv), cheaper per I/O event than asyncio's own."""
-    import uvloop  # noqa: PLC0415 - the HTTP stack only where it runs
-
-    return uvloop.new_event_loop()
 
 
 def bind_http(host: str, port: int, *, reuse_port: bool = False) -> socket.socket:

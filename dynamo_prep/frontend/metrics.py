@@ -70,6 +70,13 @@ class FrontendMetrics:
             ["model", "status"],
             registry=reg,
         )
+        self.loop_stalls = Counter(
+            f"{PREFIX}event_loop_stalls",
+            "Times the frontend's event loop ran a timer over 100 ms late, by cause: host (it waited"
+            " for a CPU), loop (its own code ran), stopped, unknown",
+            ["cause"],
+            registry=reg,
+        )
         self.request_plane_refused = Counter(
             f"{PREFIX}request_plane_refused",
             "Requests not sent to a worker: the frontend had no socket left for a channel to it",

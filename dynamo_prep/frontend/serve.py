@@ -36,6 +36,7 @@ from dynamo_prep.frontend.router import Router
 from dynamo_prep.frontend.schema_checks import SchemaChecks
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 from dynamo_prep.limits import raise_limits
+from dynamo_prep.loopwatch import LoopWatch
 from dynamo_prep.routing.metrics import KvMetrics
 
 __all__ = ["GIL_SWITCH_INTERVAL_S", "run_in_loop", "serve_frontend"]
@@ -121,9 +122,12 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         http_port=http.port,
         router_mode=config.router.mode,
     )
+    loop_watch = LoopWatch(on_stall=lambda stall: metrics.loop_stalls.labels(cause=stall.cause).inc())
+    loop_watch.start()
     try:
         return await _supervise(_components(watcher, http, kv), stop)
     finally:
+        loop_watch.stop()
         if kv is not None:
             kv.subscriber.close()
         await schema_checks.close()

@@ -2,11 +2,12 @@
 
 Each Generate runs in its own task (handlers run inline in the ROUTER's receive loop, so a long
 stream must not block it) and is tracked by ``request_id`` until its final message, so Cancel
-can find it and a stopping worker can drain it. A stream sends at most one frame per frame
-interval (``frame_interval``: ``COALESCE_S``, longer with many streams in flight): steps an engine
-produces faster than that wait for the next frame and go out together as one Output (their
-tokens in order, the last step's usage); a slower stream sends every step at once, its first
-step (the first token) never waits, and the final message carries whatever was still waiting.
+can find it and a stopping worker can drain it. Every engine step goes out as its own Output, at
+once: the worker never holds a step back to fill a frame. Steps merge only when the stream falls
+behind: while a send waits for room (the frontend reads slower than the engine writes) the
+stream's task waits, and the engine merges the steps its consumer has not taken yet (vLLM's output
+collector does; the mock engine simply waits). An engine's own ``--stream-interval`` (vLLM's,
+SGLang's) sends fewer, fuller steps.
 
 Every request ends with exactly one final message: an ``Output`` with ``finish_reason`` ("stop",
 "length", "cancelled", "deadline") or an ``ErrorReply``. The one exception is a request cancelled
@@ -31,21 +32,11 @@ import zmq
 from dynamo_prep.engines.base import CheckFn, EngineContractError, EngineError, GenerateFn
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Load, now_ms
-from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong, merged
+from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
 
-__all__ = ["COALESCE_S", "GenerationServer", "Reply", "frame_interval"]
+__all__ = ["GenerationServer", "Reply"]
 
 log = structlog.get_logger("dynamo_prep.worker")
-
-# At most one frame per stream per this many seconds (500/s): faster steps are merged. A real
-# engine's inter-token gap is longer, so its steps go out as they come.
-COALESCE_S = 0.002
-# With many streams, each stream's frame interval grows by this much per stream in flight (up to
-# MAX_COALESCE_S): the worker's frames stay near a thousand a second however many streams share
-# the engine, so a frame carries several tokens when the engine makes tokens faster than that.
-# A stream's first frame (its first token) never waits.
-COALESCE_PER_STREAM_S = 0.001
-MAX_COALESCE_S = 0.02
 
 Reply = Callable[[wire.FromWorker], Awaitable[None]]
 """Sends one message to the peer that made the request (bound by the request-plane dispatcher)."""
@@ -220,10 +211,11 @@ class GenerationServer:
             self._waiting -= 1
 
     async def _stream(self, message: Generate, reply: Reply, progress: _Progress) -> Output:
-        """Send every engine output but the last; return the final one (or the deadline's)."""
+        """Send every engine output but the last, each as it comes; return the final one (or the
+        deadline's). A send that waits for room holds the stream (the engine merges meanwhile)."""
         steps = self._generate(message.request)
-        frames = _Frames(reply, self._frame_interval)
         running = self._running.get(message.request_id)
+        request_id = message.request_id
         try:
             async with asyncio.timeout(message.deadline_ms / 1000 - time.time()) as scope:
                 async for step in steps:
@@ -231,24 +223,27 @@ class GenerationServer:
                     progress.prompt_tokens = step.prompt_tokens or progress.prompt_tokens
                     progress.completion_tokens = step.completion_tokens
                     progress.cached_tokens = step.cached_tokens
-                    output = self._output(message.request_id, step.token_ids, step.finish_reason, progress)
-                    output.logprobs = step.logprobs
+                    output = Output(
+                        request_id=request_id,
+                        token_ids=step.token_ids,
+                        finish_reason=step.finish_reason,
+                        prompt_tokens=progress.prompt_tokens,
+                        completion_tokens=progress.completion_tokens,
+                        cached_tokens=progress.cached_tokens,
+                        logprobs=step.logprobs,
+                    )
                     if step.finish_reason is not None:
-                        return await frames.last(output)
-                    await frames.add(output)
+                        return output
+                    await reply(output)
         except TimeoutError:
             if not scope.expired():
                 raise
-            return await frames.last(self._output(message.request_id, [], "deadline", progress))
+            return self._output(request_id, [], "deadline", progress)
         finally:
-            frames.close()
             if isinstance(steps, AsyncGenerator):
                 await steps.aclose()
         # An engine that ends without a reason: the stream still needs its final message.
-        return await frames.last(self._output(message.request_id, [], "stop", progress))
-
-    def _frame_interval(self) -> float:
-        return frame_interval(len(self._running))
+        return self._output(request_id, [], "stop", progress)
 
     def _cancelled(self, request_id: str, progress: _Progress) -> Output | ErrorReply | None:
         running = self._running.get(request_id)
@@ -271,63 +266,6 @@ class GenerationServer:
             completion_tokens=progress.completion_tokens,
             cached_tokens=progress.cached_tokens,
         )
-
-
-def frame_interval(in_flight: int) -> float:
-    """How long a stream's frames wait for company: longer when many streams are in flight."""
-    return min(MAX_COALESCE_S, max(COALESCE_S, in_flight * COALESCE_PER_STREAM_S))
-
-
-class _Frames:
-    """One stream's frames: a step goes out at once unless the last frame left less than the frame
-    interval ago; then it waits, with any later ones, for one frame at that time. Frames
-    leave in order: nothing is sent directly while one is waiting or being sent."""
-
-    def __init__(self, reply: Reply, interval_s: Callable[[], float] = lambda: COALESCE_S) -> None:
-        self._reply = reply
-        self._interval_s = interval_s
-        self._loop = asyncio.get_running_loop()
-        self._waiting: list[Output] = []
-        self._next_at = 0.0
-        self._timer: asyncio.TimerHandle | None = None
-        self._sending: asyncio.Future[None] | None = None
-
-    async def add(self, output: Output) -> None:
-        now = self._loop.time()
-        if self._sending is None and not self._waiting and now >= self._next_at:
-            self._next_at = now + self._interval_s()
-            await self._reply(output)
-            return
-        self._waiting.append(output)
-        if self._timer is None and self._sending is None:
-            self._timer = self._loop.call_at(self._next_at, self._flush)
-
-    async def last(self, final: Output) -> Output:
-        """The final message, carrying whatever was still waiting (after a frame being sent)."""
-        self.close()
-        if self._sending is not None:
-            await self._sending
-        waiting, self._waiting = self._waiting, []
-        return merged([*waiting, final])
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _flush(self) -> None:
-        self._timer = None
-        waiting, self._waiting = self._waiting, []
-        self._next_at = self._loop.time() + self._interval_s()
-        self._sending = asyncio.ensure_future(self._send(merged(waiting)))
-
-    async def _send(self, output: Output) -> None:
-        try:
-            await _send_quietly(self._reply, output)
-        finally:
-            self._sending = None
-            if self._waiting and self._timer is None:
-                self._timer = self._loop.call_at(self._next_at, self._flush)
 
 
 async def _send_quietly(reply: Reply, message: wire.FromWorker) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -31,7 +31,8 @@ from dynamo_prep.discovery.trust import TrustError
 from dynamo_prep.engines.base import EngineRuntime
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.mock.engine import MockContinuation
-from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
+from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, new_event_loop, on_stop_signals_in_loop
+from dynamo_prep.loopwatch import LoopWatch
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.engine import EngineArgsError, engine_card, engine_worker, start_runtime
@@ -62,14 +63,20 @@ def run_worker(**options: Any) -> int:
         log.error("worker_start_failed", model_path=str(config.model_dir), error=str(exc))
         return EXIT_FAILED
     if config.real_engine:
-        return asyncio.run(_serve_engine(config))
+        return _run(_serve_engine(config))
     try:
         engine = mock_engine(config)
         card = mock_card(config, declared_token(config, engine.engine.declared_image_token))
     except (ModelCardError, OSError, ValueError) as exc:
         log.error("worker_start_failed", model_path=str(config.model_dir), error=str(exc))
         return EXIT_FAILED
-    return asyncio.run(_serve_mock(config, card, engine))
+    return _run(_serve_mock(config, card, engine))
+
+
+def _run(serving: Coroutine[Any, Any, int]) -> int:
+    """``serving`` on uvloop, as the frontend's loop and ``vllm serve``'s run."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(serving)
 
 
 def check_servable(config: WorkerConfig) -> None:
@@ -155,7 +162,12 @@ async def _serve_signalled(
         except (zmq.ZMQError, OSError) as exc:
             log.error("worker_start_failed", error=str(exc))
             return EXIT_FAILED
-        return await _run_until(worker, stopping, None if runtime is None else runtime.wait_dead())
+        loop_watch = LoopWatch()  # its output loop: event_loop_stalled, with whose the stall was
+        loop_watch.start()
+        try:
+            return await _run_until(worker, stopping, None if runtime is None else runtime.wait_dead())
+        finally:
+            loop_watch.stop()
     finally:
         # Every socket is closed with a bounded linger, so this waits at most that long.
         context.term()

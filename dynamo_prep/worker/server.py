@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -60,6 +61,10 @@ log = structlog.get_logger("dynamo_prep.worker")
 
 STOP_TIMEOUT_S = 5.0
 ROUTER_LINGER_MS = 100
+# A reply to a frontend whose queue is full is tried again after this long.
+FULL_RETRY_S = 0.001
+# Requests taken per wake of the request plane before the loop runs anything else.
+RECV_BATCH = 256
 
 M = TypeVar("M")
 Handler = Callable[[Any, Reply], Awaitable[None]]
@@ -154,7 +159,7 @@ class Worker:
         self._legacy_runtime = legacy_runtime
         self._curve = curve
         self._context = context or zmq.asyncio.Context.instance()
-        self._router: zmq.asyncio.Socket | None = None
+        self._router: _RequestPlane | None = None
         self._publisher: CardPublisher | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: asyncio.Task[None] | None = None
@@ -199,14 +204,17 @@ class Worker:
 
     async def start(self) -> None:
         """Bind the request plane (the advertised endpoint is the real bound address)."""
-        router = self._context.socket(zmq.ROUTER)
+        router: zmq.Socket[bytes] = zmq.Context.shadow(self._context.underlying).socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, ROUTER_LINGER_MS)
+        # A reply to a frontend whose queue is full waits for room (the stream waits, its engine
+        # merges its steps) instead of being dropped, as a plain ROUTER would drop it.
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             router.bind(f"tcp://{self._endpoint_host}:*")
         except zmq.ZMQError:
             router.close(linger=0)
             raise
-        self._router = router
+        self._router = _RequestPlane(router)
         self.endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
         try:
             if self._metrics_port is not None:
@@ -301,26 +309,147 @@ class Worker:
         if self.kv_publisher is not None:
             await self.kv_publisher.close()
         if self._router is not None:
-            self._router.close(linger=ROUTER_LINGER_MS)
+            self._router.close()
             self._router = None
         if self.metrics_server is not None:
             await asyncio.to_thread(self.metrics_server.close)
             self.metrics_server = None
 
-    async def _serve(self, router: zmq.asyncio.Socket) -> None:
+    async def _serve(self, router: _RequestPlane) -> None:
         while True:
-            frames = await router.recv_multipart()
+            frames = await router.recv()
             if len(frames) != 2:
                 continue  # the frontend sends exactly one frame; the ROUTER adds the identity
             identity, payload = frames
-            await self.dispatcher.dispatch(payload, self._replier(router, identity))
-
-    @staticmethod
-    def _replier(router: zmq.asyncio.Socket, identity: bytes) -> Reply:
-        async def reply(message: wire.FromWorker) -> None:
-            await router.send_multipart([identity, wire.encode(message)])
-
-        return reply
+            await self.dispatcher.dispatch(payload, router.replier(identity))
 
     async def _fetch_file(self, request: FetchFile, reply: Reply) -> None:
         await reply(await asyncio.to_thread(self.files.handle, request))
+
+
+class _RequestPlane:
+    """The worker's ROUTER as a plain socket: the event loop's reader callback takes what arrived,
+    and replies are corked: those of one loop turn to one frontend leave as the parts of one
+    multipart message (one ``send`` and one wake of ZeroMQ's I/O thread per engine step, however
+    many streams it advanced; the frontend reads each part as a reply). No Future or task per reply.
+
+    A frontend whose queue is full (ROUTER_MANDATORY says so) gets its corked replies again every
+    ``FULL_RETRY_S``; meanwhile its streams wait at their next reply (their engine merges their
+    steps). Replies to a frontend that is gone are dropped (``reply_dropped``, debug).
+
+    ZeroMQ's descriptor is edge-triggered and any call on the socket (a send too) may consume the
+    edge of requests that just arrived, so after sends the socket is looked at once more.
+    """
+
+    def __init__(self, socket: zmq.Socket[bytes]) -> None:
+        self.socket = socket
+        self._loop = asyncio.get_running_loop()
+        self._arrived: deque[list[bytes]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._corked: dict[bytes, list[bytes]] = {}  # frontend identity -> replies of this turn
+        self._full: dict[bytes, tuple[list[bytes], asyncio.Future[None]]] = {}  # waiting for room
+        self._flushing = False  # a flush is queued
+        self._closed = False
+        self._loop.add_reader(socket.fileno(), self._take)
+
+    async def recv(self) -> list[bytes]:
+        while not self._arrived:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._arrived.popleft()
+
+    def replier(self, identity: bytes) -> Reply:
+        async def reply(message: wire.FromWorker) -> None:
+            await self.send(identity, wire.encode(message))
+
+        return reply
+
+    async def send(self, identity: bytes, data: bytes) -> None:
+        """Queue one reply for this turn's flush; wait first while that frontend's queue is full."""
+        while (full := self._full.get(identity)) is not None:
+            await asyncio.shield(full[1])
+        if self._closed:
+            raise zmq.ZMQError(zmq.ENOTSOCK, "the request plane is closed")
+        corked = self._corked.get(identity)
+        if corked is None:
+            self._corked[identity] = [data]
+            if not self._flushing:
+                self._flushing = True
+                self._loop.call_soon(self._flush)
+        else:
+            corked.append(data)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._flush()  # the last replies of a drained worker
+        self._closed = True
+        self._loop.remove_reader(self.socket.fileno())
+        self.socket.close(linger=ROUTER_LINGER_MS)
+        for _, room in self._full.values():
+            if not room.done():
+                room.set_result(None)
+        self._full.clear()
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.cancel()
+
+    def _flush(self) -> None:
+        self._flushing = False
+        if self._closed:
+            return
+        corked, self._corked = self._corked, {}
+        for identity, parts in corked.items():
+            self._send(identity, parts)
+        self._look()
+
+    def _send(self, identity: bytes, parts: list[bytes]) -> None:
+        """One multipart message; kept for a retry when that frontend's queue is full."""
+        try:
+            self.socket.send_multipart((identity, *parts), zmq.NOBLOCK)
+        except zmq.Again:
+            self._full[identity] = (parts, self._loop.create_future())
+            self._loop.call_later(FULL_RETRY_S, self._retry, identity)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("reply_dropped", reason="frontend_gone", replies=len(parts))
+
+    def _retry(self, identity: bytes) -> None:
+        full = self._full.get(identity)
+        if full is None or self._closed:
+            return
+        parts, room = full
+        try:
+            self.socket.send_multipart((identity, *parts), zmq.NOBLOCK)
+        except zmq.Again:
+            self._loop.call_later(FULL_RETRY_S, self._retry, identity)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.debug("reply_dropped", reason="frontend_gone", replies=len(parts))
+        del self._full[identity]
+        room.set_result(None)
+        self._look()
+
+    def _look(self) -> None:
+        events = self.socket.get(zmq.EVENTS)
+        if isinstance(events, int) and events & zmq.POLLIN:
+            self._take()
+
+    def _take(self) -> None:
+        """Take what arrived, at most ``RECV_BATCH`` messages before the loop runs the others."""
+        if self._closed:
+            return
+        for _ in range(RECV_BATCH):
+            try:
+                self._arrived.append(self.socket.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        else:
+            self._loop.call_soon(self._look)
+        if self._arrived and self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
