@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.run-stamp
 STAMP := $(VENV)/.test-stamp
 
-.PHONY: test test-engines bench-engines lint typecheck unit up demo-models bench soak clean
+.PHONY: test test-engines bench-engines bench-serve lint typecheck unit up demo-models bench soak clean
 
 # What running needs (make up); the test extra comes on top, for make test.
 $(RUN_STAMP): pyproject.toml
@@ -77,6 +77,17 @@ test-engines: $(ENGINES_STAMP)
 # What frontend + worker add to a real vLLM (TTFT, CPU per token, throughput), in the engines' venv.
 bench-engines: $(ENGINES_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.engine_overhead
+
+# Frontend + worker against `vllm serve`, and the KV router against sglang-router, on real vLLM
+# engines with `vllm bench serve` as the load (benchmarks/serve.py; BENCH_SERVE_ARGS=--quick for a
+# short run). sglang-router and matplotlib go into the engines' venv for this only.
+SERVE_STAMP := $(ENGINES_VENV)/.bench-serve-stamp
+$(SERVE_STAMP): $(ENGINES_STAMP)
+	$(EBIN)/python -m pip install --quiet sglang-router==0.3.2 'matplotlib>=3.8'
+	touch $(SERVE_STAMP)
+
+bench-serve: $(SERVE_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.serve $(BENCH_SERVE_ARGS)
 
 demo-models: $(RUN_STAMP)
 	$(BIN)/python scripts/make_demo_models.py

@@ -226,3 +226,24 @@ def test_router_hashes_matches_chooses_and_tracks_load_end_to_end() -> None:
     assert router.load.active() == {}
     pictured = serve("r4", [*system, *range(1, 9)], [ImageSpan("sha256:chart", 36, 6)])
     assert pictured.instance_id == first.instance_id and pictured.overlap_blocks == 9
+
+
+def test_what_a_request_shares_with_an_instances_running_requests_is_not_load_it_adds_there() -> None:
+    """w0 is prefilling a 31-block prompt whose first 24 blocks are this request's whole prompt: the
+    request would wait for those blocks there, or compute them itself elsewhere. Counted as load
+    (Dynamo's cost) w1 wins, 0 + 31 + 31 against 24; shared, w0 does: 7 + 7 against 24."""
+    tracker = LoadTracker()
+    tracker.dispatch("long", "w0", 31, list(range(30)), prefill_blocks=31)
+    prompt = list(range(24))
+    assert tracker.shared("w0", prompt) == (24, 24) and tracker.shared("w1", prompt) == (0, 0)
+    assert tracker.shared("w0", [99, *prompt]) == (0, 0)  # a chain from its first block only
+    figures = {"active_blocks": tracker.active(), "blocks_held": {}, "prefilling": tracker.prefilling()}
+    assert choose(["w0", "w1"], {"w0": 24}, 24, **figures).instance_id == "w1"  # type: ignore[arg-type]
+    shared = {"w0": tracker.shared("w0", prompt)}
+    decision = choose(["w0", "w1"], {"w0": 24}, 24, shared=shared, **figures)  # type: ignore[arg-type]
+    assert (decision.instance_id, decision.cost) == ("w0", 0 + 7 + 7)
+    # Once it had its first token, the 24 blocks are shared as active blocks only.
+    tracker.prefilled("long")
+    assert tracker.shared("w0", prompt) == (24, 0) and tracker.shared("w0", prompt[:5]) == (5, 0)
+    tracker.dispatch("short", "w0", 3, [0, 1, 77], prefill_blocks=1)  # only 77 is its own to prefill
+    assert tracker.shared("w0", prompt) == (24, 0) and tracker.shared("w0", [0, 1, 77]) == (3, 1)
