@@ -22,13 +22,16 @@ def test_the_instance_holding_the_prefix_wins() -> None:
 
 
 def test_load_outweighs_a_small_overlap_advantage() -> None:
-    # w1 holds 8 of 10 blocks but is busy; w2 holds 6 and is idle: 2 + 30 > 4 + 0
+    # w1 holds 8 of 10 blocks but is busy; w2 holds 6 and is idle: 2 + 30 > 4 + 2 (the 2 blocks of
+    # w1's it would compute again) + 0
     decision = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 30}, {})
-    assert (decision.instance_id, decision.cost, decision.reason) == ("w2", 4.0, "overlap")
+    assert (decision.instance_id, decision.cost, decision.reason) == ("w2", 6.0, "overlap")
     weighted = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 30}, {}, overlap_score_weight=20.0)
-    assert weighted.instance_id == "w1"  # prefill weighs 20x: 40 + 30 beats 80
+    assert weighted.instance_id == "w1"  # prefill weighs 20x: 40 + 30 beats 120
     cheap_prefill = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 3}, {}, overlap_score_weight=0.1)
-    assert cheap_prefill.instance_id == "w2"  # 0.2 + 3 vs 0.4 + 0
+    assert cheap_prefill.instance_id == "w2"  # 0.2 + 3 vs 0.6 + 0
+    # A little load does not: w1 busy with 3 blocks, 2 + 3 < 6 + 0
+    assert choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 3}, {}).instance_id == "w1"
 
 
 def test_a_new_prefix_goes_to_the_least_loaded_instance_not_the_one_holding_the_preamble() -> None:
@@ -169,13 +172,14 @@ def test_blocks_waiting_for_prefill_count_until_the_first_token() -> None:
     """An instance busy prefilling another request is as far from this one's first token as the
     blocks it still has to prefill; once that request's first token is out, it is not."""
     tracker = LoadTracker()
-    tracker.dispatch("long", "w0", 30, list(range(30)), prefill_blocks=30)
+    tracker.dispatch("long", "w0", 50, list(range(50)), prefill_blocks=50)
     tracker.dispatch("other", "w1", 30, list(range(100, 130)), prefill_blocks=30)
     tracker.prefilled("other")
-    assert tracker.prefilling() == {"w0": 30, "w1": 0} and tracker.active() == {"w0": 30, "w1": 30}
-    # 20 of 24 blocks cached on w0, none on w1: w0 would win on overlap (4 + 30 vs 24 + 30)...
+    assert tracker.prefilling() == {"w0": 50, "w1": 0} and tracker.active() == {"w0": 50, "w1": 30}
+    # 20 of 24 blocks cached on w0, none on w1: w0 would win on overlap (4 + 50 vs 24 + 20 + 30,
+    # the 20 held by w0 computed again)...
     busy = choose(["w0", "w1"], {"w0": 20}, 24, tracker.active(), {}, prefilling=tracker.prefilling())
-    assert busy.instance_id == "w1"  # ...but it has 30 blocks to prefill first: 34 + 30 vs 24 + 30
+    assert busy.instance_id == "w1"  # ...but it has 50 blocks to prefill first: 54 + 50 vs 44 + 30
     tracker.prefilled("long")
     tracker.prefilled("long")  # once only
     assert tracker.prefilling() == {"w0": 0, "w1": 0}

@@ -7,6 +7,12 @@ token yet) plus the blocks its running requests hold. At
 temperature 0 the cheapest instance wins; above 0 one is sampled from a softmax over the costs
 normalised to [0, 1] (``exp(-normalised / temperature)``), so a higher temperature spreads more.
 
+Beyond Dynamo, computing a prefix again costs twice: by cost, an instance also pays (weighted like
+its prefill) for the blocks it would compute that the instance with the most of them already holds
+(``best overlap - overlap``). A request leaves the instance holding its prefix only when waiting
+there would cost more than the prefill it saves twice over: the same prefix computed on several
+instances is compute and cache spent on no new token, and spreads the next requests of it too.
+
 Beyond Dynamo, the balance rule: when no instance holds at least half the prompt
 (``2 * max overlap < prompt_blocks``), the request goes to the least loaded instance (fewest active
 and prefilling blocks, then fewest blocks held) whatever the temperature. A new prefix then lands where there
@@ -126,8 +132,10 @@ def choose(
     balance = not best_overlap or 2 * best_overlap < prompt_blocks
     waiting = [queued.get(instance_id, 0) for instance_id in ordered]
     weighted = [active.get(instance_id, 0) * weight[instance_id] for instance_id in ordered]
+    # By cost, an instance also pays for the blocks it would compute again that another one holds.
+    again = 0 if balance else best_overlap
     costs = [
-        overlap_score_weight * (prompt_blocks - overlap + wait) + held
+        overlap_score_weight * (prompt_blocks - overlap + wait + again - overlap) + held
         for overlap, wait, held in zip(found, waiting, weighted, strict=True)
     ]
     if not balance and temperature > 0:
