@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.run-stamp
 STAMP := $(VENV)/.test-stamp
 
-.PHONY: test test-engines bench-engines bench-stream lint typecheck unit up demo-models bench soak clean
+.PHONY: test test-engines bench-engines bench-stream bench-serve lint typecheck unit up demo-models bench soak clean
 
 # What running needs (make up); the test extra comes on top, for make test.
 $(RUN_STAMP): pyproject.toml
@@ -82,6 +82,17 @@ bench-engines: $(ENGINES_STAMP)
 # stream, TTFT, ITL per event, tokens/s, CPU per token outside the engine, loop stalls).
 bench-stream: $(ENGINES_STAMP)
 	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.stream_events
+
+# Frontend + worker against `vllm serve`, and the KV router against sglang-router, on real vLLM
+# engines with `vllm bench serve` as the load (benchmarks/serve.py; BENCH_SERVE_ARGS=--quick for a
+# short run). sglang-router and matplotlib go into the engines' venv for this only.
+SERVE_STAMP := $(ENGINES_VENV)/.bench-serve-stamp
+$(SERVE_STAMP): $(ENGINES_STAMP)
+	$(EBIN)/python -m pip install --quiet sglang-router==0.3.2 'matplotlib>=3.8'
+	touch $(SERVE_STAMP)
+
+bench-serve: $(SERVE_STAMP)
+	VLLM_TARGET_DEVICE=cpu $(EBIN)/python -m benchmarks.serve $(BENCH_SERVE_ARGS)
 
 demo-models: $(STAMP)
 	$(BIN)/python scripts/make_demo_models.py

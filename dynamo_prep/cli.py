@@ -457,6 +457,9 @@ def _add_routing(command: Any) -> None:
          "kv mode: weight of the blocks still to prefill against the blocks already busy"),
         ("--router-temperature", "DYN_ROUTER_TEMPERATURE", d.DEFAULT_ROUTER_TEMPERATURE,
          "kv mode: 0 picks the cheapest instance; higher samples among them"),
+        ("--kv-predict-ttl", "DYN_KV_PREDICT_TTL", d.DEFAULT_KV_PREDICT_TTL_S,
+         "kv mode: seconds a routed request's prompt blocks still count as cached on its instance "
+         "after its first token, unless the engine's own events say otherwise first (0: off)"),
     ):  # fmt: skip
         _env_option(command, flag, env=env, kind=float, default=default, help=text)
     _env_option(
@@ -663,6 +666,7 @@ def _frontend(args: argparse.Namespace) -> int:
         router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature,
+        kv_predict_ttl_s=args.kv_predict_ttl,
         kv_endpoint_hosts=_addresses(args.kv_endpoint_hosts),
         stream_stall_timeout_s=args.stream_stall_timeout,
         worker_stall_timeout_s=args.worker_stall_timeout,

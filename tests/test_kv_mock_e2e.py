@@ -9,6 +9,7 @@ from the frontends' ``request_finished`` lines.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,24 +34,26 @@ class Fleet:
     planes: list[str] = field(default_factory=lambda: [tcp_endpoint(), tcp_endpoint()])
     watch_plane: str = field(default_factory=tcp_endpoint)  # for ``dynamo-prep watch --bind``
     frontends: list[tuple[DynamoProcess, str]] = field(default_factory=list)
+    frontend_args: tuple[str, ...] = ()
     workers: dict[str, DynamoProcess] = field(default_factory=dict)  # instance_id -> process
 
     def frontend(self, plane: str) -> tuple[DynamoProcess, str]:
         port = free_port()
         proc = start_dynamo(
             "frontend", "--discovery-bind", plane, "--http-host", "127.0.0.1", "--http-port", str(port),
-            "--router-mode", "kv", "--cache-dir", str(self.tmp_path / f"cache-{port}"), log_level="info",
+            "--router-mode", "kv", "--cache-dir", str(self.tmp_path / f"cache-{port}"), *self.frontend_args,
+            log_level="info",
         )  # fmt: skip
         self.procs.append(proc)
         proc.wait_event("frontend_started", timeout=20)
         self.frontends.append((proc, f"http://127.0.0.1:{port}"))
         return proc, f"http://127.0.0.1:{port}"
 
-    def worker(self, flavor: str) -> str:
+    def worker(self, flavor: str, *, token_delay: float = 0, prefill_ms_per_1k: float = 0) -> str:
         args = (
             "--model-path", K3, "--discovery", ",".join([*self.planes, self.watch_plane]), "--flavor", flavor,
-            "--token-delay", "0", "--kv-events", "--kv-blocks", "4096", "--heartbeat", "0.2",
-            "--ttl-ms", "1000",
+            "--token-delay", str(token_delay), "--kv-events", "--kv-blocks", "4096", "--heartbeat", "0.2",
+            "--ttl-ms", "1000", "--prefill-ms-per-1k", str(prefill_ms_per_1k),
         )  # fmt: skip
         proc = start_dynamo("worker", *args, log_level="debug")
         self.procs.append(proc)
@@ -62,8 +65,9 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(tmp_path: Path, procs: list[DynamoProcess]) -> Iterator[Fleet]:
-    made = Fleet(tmp_path, procs)
+def fleet(request: pytest.FixtureRequest, tmp_path: Path, procs: list[DynamoProcess]) -> Iterator[Fleet]:
+    """Parametrized indirectly, its parameter is more flags for the frontends."""
+    made = Fleet(tmp_path, procs, frontend_args=getattr(request, "param", ()))
     for plane in made.planes:
         made.frontend(plane)
     yield made
@@ -142,6 +146,8 @@ def test_affinity_spread_images_and_removal(fleet: Fleet) -> None:
     assert after["kv_overlap_blocks"] < again["kv_overlap_blocks"]
 
 
+# What a frontend predicts from the requests it routed is its own: the indexes agree on the events.
+@pytest.mark.parametrize("fleet", [("--kv-predict-ttl", "0")], indirect=True)
 def test_two_frontends_build_the_same_index_and_agree(fleet: Fleet) -> None:
     (front_a, url_a), (front_b, url_b) = fleet.frontends
     fleet.worker("sglang")
@@ -159,3 +165,43 @@ def test_two_frontends_build_the_same_index_and_agree(fleet: Fleet) -> None:
             on_b["kv_overlap_blocks"],
         )
         assert on_a["kv_overlap_blocks"] > 0
+
+
+async def test_concurrent_requests_of_a_new_prefix_land_on_one_instance_and_other_prefixes_spread(
+    fleet: Fleet,
+) -> None:
+    """Four conversations on each of two new preambles, all at once (the first preamble's four sent
+    first), while the first of each is still prefilling (its instance's events may not have arrived
+    yet): each preamble is computed on one instance, the two go to different ones. The old router
+    sent the second request of a preamble to the idle instance (the first one's prefill and blocks
+    counted as load against it)."""
+    frontend, url = fleet.frontends[0]
+    for flavor in ("sglang", "vllm"):
+        fleet.worker(flavor, token_delay=0.05, prefill_ms_per_1k=400)
+    preambles = {
+        "maps": "You keep the maps of a very old library; answer with care and cite drawers. " * 12,
+        "tea": "You brew tea for travellers at a mountain inn; name every leaf you use. " * 12,
+    }
+
+    async def one(http: httpx.AsyncClient, name: str, n: int) -> None:
+        messages = [
+            {"role": "system", "content": preambles[name]},
+            {"role": "user", "content": f"Question {n} about {name}, please."},
+        ]
+        answer = await http.post(
+            f"{url}/v1/chat/completions",
+            json={"model": K3, "messages": messages, "max_tokens": 16},
+            headers={"x-request-id": f"{name}-{n}"},
+        )
+        assert answer.status_code == 200, answer.text
+
+    async with httpx.AsyncClient(trust_env=False, timeout=60) as http:
+        await asyncio.gather(*(one(http, name, n) for name in preambles for n in range(4)))
+    placed = {
+        name: {
+            frontend.wait_event("request_finished", request_id=f"{name}-{n}")["instance_id"] for n in range(4)
+        }
+        for name in preambles
+    }
+    assert len(placed["maps"]) == len(placed["tea"]) == 1, placed
+    assert placed["maps"] != placed["tea"]

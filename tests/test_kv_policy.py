@@ -22,13 +22,16 @@ def test_the_instance_holding_the_prefix_wins() -> None:
 
 
 def test_load_outweighs_a_small_overlap_advantage() -> None:
-    # w1 holds 8 of 10 blocks but is busy; w2 holds 6 and is idle: 2 + 30 > 4 + 0
+    # w1 holds 8 of 10 blocks but is busy; w2 holds 6 and is idle: 2 + 30 > 4 + 2 x 2 (the 2 blocks
+    # of w1's it would compute again, RECOMPUTE_WEIGHT) + 0
     decision = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 30}, {})
-    assert (decision.instance_id, decision.cost, decision.reason) == ("w2", 4.0, "overlap")
+    assert (decision.instance_id, decision.cost, decision.reason) == ("w2", 8.0, "overlap")
     weighted = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 30}, {}, overlap_score_weight=20.0)
-    assert weighted.instance_id == "w1"  # prefill weighs 20x: 40 + 30 beats 80
+    assert weighted.instance_id == "w1"  # prefill weighs 20x: 40 + 30 beats 160
     cheap_prefill = choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 3}, {}, overlap_score_weight=0.1)
-    assert cheap_prefill.instance_id == "w2"  # 0.2 + 3 vs 0.4 + 0
+    assert cheap_prefill.instance_id == "w2"  # 0.2 + 3 vs 0.8 + 0
+    # A little load does not: w1 busy with 3 blocks, 2 + 3 < 8 + 0
+    assert choose(WORKERS, {"w1": 8, "w2": 6}, 10, {"w1": 3}, {}).instance_id == "w1"
 
 
 def test_a_new_prefix_goes_to_the_least_loaded_instance_not_the_one_holding_the_preamble() -> None:
@@ -169,13 +172,14 @@ def test_blocks_waiting_for_prefill_count_until_the_first_token() -> None:
     """An instance busy prefilling another request is as far from this one's first token as the
     blocks it still has to prefill; once that request's first token is out, it is not."""
     tracker = LoadTracker()
-    tracker.dispatch("long", "w0", 30, list(range(30)), prefill_blocks=30)
+    tracker.dispatch("long", "w0", 50, list(range(50)), prefill_blocks=50)
     tracker.dispatch("other", "w1", 30, list(range(100, 130)), prefill_blocks=30)
     tracker.prefilled("other")
-    assert tracker.prefilling() == {"w0": 30, "w1": 0} and tracker.active() == {"w0": 30, "w1": 30}
-    # 20 of 24 blocks cached on w0, none on w1: w0 would win on overlap (4 + 30 vs 24 + 30)...
+    assert tracker.prefilling() == {"w0": 50, "w1": 0} and tracker.active() == {"w0": 50, "w1": 30}
+    # 20 of 24 blocks cached on w0, none on w1: w0 would win on overlap (4 + 50 vs 24 + 2 x 20 + 30,
+    # the 20 held by w0 computed again)...
     busy = choose(["w0", "w1"], {"w0": 20}, 24, tracker.active(), {}, prefilling=tracker.prefilling())
-    assert busy.instance_id == "w1"  # ...but it has 30 blocks to prefill first: 34 + 30 vs 24 + 30
+    assert busy.instance_id == "w1"  # ...but it has 50 blocks to prefill first: 54 + 50 vs 64 + 30
     tracker.prefilled("long")
     tracker.prefilled("long")  # once only
     assert tracker.prefilling() == {"w0": 0, "w1": 0}
@@ -226,3 +230,25 @@ def test_router_hashes_matches_chooses_and_tracks_load_end_to_end() -> None:
     assert router.load.active() == {}
     pictured = serve("r4", [*system, *range(1, 9)], [ImageSpan("sha256:chart", 36, 6)])
     assert pictured.instance_id == first.instance_id and pictured.overlap_blocks == 9
+
+
+def test_what_a_request_shares_with_an_instances_running_requests_is_not_load_it_adds_there() -> None:
+    """w0 is prefilling a 50-block prompt whose first 24 blocks are this request's whole prompt: the
+    request would wait for those blocks there, or compute them itself elsewhere. Counted as load
+    (Dynamo's cost) w1 wins, 0 + 50 + 50 against 24 + 2 x 24 (computed again); shared, w0 does:
+    26 + 26."""
+    tracker = LoadTracker()
+    tracker.dispatch("long", "w0", 50, list(range(49)), prefill_blocks=50)
+    prompt = list(range(24))
+    assert tracker.shared("w0", prompt) == (24, 24) and tracker.shared("w1", prompt) == (0, 0)
+    assert tracker.shared("w0", [99, *prompt]) == (0, 0)  # a chain from its first block only
+    figures = {"active_blocks": tracker.active(), "blocks_held": {}, "prefilling": tracker.prefilling()}
+    assert choose(["w0", "w1"], {"w0": 24}, 24, **figures).instance_id == "w1"  # type: ignore[arg-type]
+    shared = {"w0": tracker.shared("w0", prompt)}
+    decision = choose(["w0", "w1"], {"w0": 24}, 24, shared=shared, **figures)  # type: ignore[arg-type]
+    assert (decision.instance_id, decision.cost) == ("w0", 0 + 26 + 26)
+    # Once it had its first token, the 24 blocks are shared as active blocks only.
+    tracker.prefilled("long")
+    assert tracker.shared("w0", prompt) == (24, 0) and tracker.shared("w0", prompt[:5]) == (5, 0)
+    tracker.dispatch("short", "w0", 3, [0, 1, 77], prefill_blocks=1)  # only 77 is its own to prefill
+    assert tracker.shared("w0", prompt) == (24, 0) and tracker.shared("w0", [0, 1, 77]) == (3, 1)

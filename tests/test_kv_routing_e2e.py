@@ -57,19 +57,19 @@ class Plane:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start_frontend(self) -> DynamoProcess:
+    def start_frontend(self, *extra: str) -> DynamoProcess:
         self.frontend = start_dynamo(
             "frontend", "--discovery-bind", self.discovery, "--http-host", "127.0.0.1",
             "--http-port", str(self.port), "--router-mode", "kv", "--cache-dir", str(self.tmp_path / "cache"),
-            log_level="info",
+            *extra, log_level="info",
         )  # fmt: skip
         self.procs.append(self.frontend)
         self.frontend.wait_event("frontend_started", timeout=20)
         return self.frontend
 
-    def start_worker(self) -> None:
+    def start_worker(self, *extra: str) -> None:
         worker = start_dynamo(
-            "worker", "--model-path", K3, "--discovery", self.discovery, "--token-delay", "0"
+            "worker", "--model-path", K3, "--discovery", self.discovery, "--token-delay", "0", *extra
         )
         self.procs.append(worker)
         self.endpoint = worker.wait_event("worker_started")["endpoint"]
@@ -128,20 +128,26 @@ class Plane:
 
     async def applied(self, kind: str = "stored") -> float:
         """``dynamo_frontend_kv_blocks_applied_total{kind}``: blocks the index took from the events."""
+        return await self.metric(f'dynamo_frontend_kv_blocks_applied_total{{kind="{kind}"}}')
+
+    async def metric(self, name: str) -> float:
+        """One series of the frontend's ``/metrics`` (0 when it is not there)."""
         async with httpx.AsyncClient(trust_env=False, timeout=30) as http:
             text = (await http.get(f"{self.url}/metrics")).text
-        prefix = f'dynamo_frontend_kv_blocks_applied_total{{kind="{kind}"}}'
-        lines = [line for line in text.splitlines() if line.startswith(prefix)]
+        lines = [line for line in text.splitlines() if line.startswith(f"{name} ")]
         return float(lines[0].rsplit(" ", 1)[1]) if lines else 0.0
 
 
 @pytest.fixture
 async def plane(
-    tmp_path: Path, context: zmq.asyncio.Context, procs: list[DynamoProcess]
+    request: pytest.FixtureRequest, tmp_path: Path, context: zmq.asyncio.Context, procs: list[DynamoProcess]
 ) -> AsyncIterator[Plane]:
+    """Parametrized indirectly, its parameter is more flags for the frontend, and the worker serving
+    the request plane announces in another namespace: only the raw instances are routed to."""
+    flags = getattr(request, "param", None)
     made = Plane(tmp_path, context, procs)
-    made.start_frontend()
-    made.start_worker()
+    made.start_frontend(*(flags or ()))
+    made.start_worker(*(("--namespace", "unseen") if flags is not None else ()))
     try:
         yield made
     finally:
@@ -216,6 +222,58 @@ async def test_a_restarted_frontend_replays_the_cache_and_routes_by_overlap_at_o
     finally:
         await publisher.close()
         await other.close()
+
+
+@pytest.mark.parametrize("plane", [("--kv-predict-ttl", "60")], indirect=True)
+async def test_a_routed_prefix_counts_as_cached_on_its_instance_until_the_engines_events_say_otherwise(
+    plane: Plane, context: zmq.asyncio.Context
+) -> None:
+    """The engines never publish the prompt: only the prediction of each routed request steers the
+    next ones of its prefix (the old router spread them by its round-robin tie-break)."""
+    pubs = {name: RawKvPublisher(context, topic=TOPIC) for name in ("raw-a", "raw-b")}
+    try:
+        for name, publisher in pubs.items():
+            await plane.announced(name, publisher)
+        first = await plane.ask(conversation("Where is the harbour?"), "predict-1")
+        assert first["kv_overlap_blocks"] == 0
+        holder = first["instance_id"]
+        tokens = await plane.prompt_ids(conversation("Where is the harbour?"))
+        shared = len(await plane.prompt_ids(conversation(""))) // BLOCK - 1  # the system prompt's
+        for n, question in enumerate(("Where is the station?", "Where is the market?"), start=2):
+            line = await plane.ask(conversation(question), f"predict-{n}")
+            assert line["instance_id"] == holder and line["kv_overlap_blocks"] >= shared > 0
+        assert await plane.metric("dynamo_frontend_kv_predicted_blocks") >= shared
+        # The holder's engine stores the first blocks, then evicts them: its word wins, the blocks
+        # predicted after them no longer count (nothing before them is cached).
+        publisher, kept = pubs[holder], 4
+        publisher.publish(blocks_of(tokens, kept, first_hash=500, shape="map", kind="int"))
+        publisher.publish(batch([removed([500 + i for i in reversed(range(kept))])]))
+        await until_async(lambda: plane.applied("removed"), kept)
+        line = await plane.ask(conversation("Where is the harbour?"), "predict-after-removal")
+        assert line["kv_overlap_blocks"] == 0
+    finally:
+        for publisher in pubs.values():
+            await publisher.close()
+
+
+@pytest.mark.parametrize("plane", [("--kv-predict-ttl", "0.2")], indirect=True)
+async def test_predicted_blocks_expire_after_their_time_to_live(
+    plane: Plane, context: zmq.asyncio.Context
+) -> None:
+    pubs = {name: RawKvPublisher(context, topic=TOPIC) for name in ("raw-a", "raw-b")}
+    try:
+        for name, publisher in pubs.items():
+            await plane.announced(name, publisher)
+        await plane.ask(conversation("Where is the harbour?"), "expire-1")
+        deadline = time.monotonic() + 20
+        while await plane.metric("dynamo_frontend_kv_predicted_blocks"):  # the gauge drops them
+            assert time.monotonic() < deadline, "the predicted blocks never expired"
+            await asyncio.sleep(0.05)
+        line = await plane.ask(conversation("Where is the station?"), "expire-2")
+        assert line["kv_overlap_blocks"] == 0
+    finally:
+        for publisher in pubs.values():
+            await publisher.close()
 
 
 async def until_async(read: Any, at_least: float, timeout: float = 20.0) -> None:

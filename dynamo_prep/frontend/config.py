@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from dynamo_prep.protocol.discovery import DEFAULT_BIND, DEFAULT_NAMESPACE
 from dynamo_prep.protocol.schema_bounds import SchemaLimits
+from dynamo_prep.routing.predicted import DEFAULT_PREDICT_TTL_S
 
 if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import ZeroMQ
     from dynamo_prep.discovery.trust import ServerCurve
@@ -88,6 +89,7 @@ DEFAULT_ROUTER_MODE: RouterMode = "round-robin"
 # Dynamo's defaults: the cost counts blocks to prefill once; temperature 0 picks the cheapest.
 DEFAULT_KV_OVERLAP_SCORE_WEIGHT = 1.0
 DEFAULT_ROUTER_TEMPERATURE = 0.0
+DEFAULT_KV_PREDICT_TTL_S = DEFAULT_PREDICT_TTL_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,12 +115,13 @@ class HttpSettings:
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
     """What the routing flags mean (``--router-mode``, ``--kv-overlap-score-weight``,
-    ``--router-temperature``, ``--kv-endpoint-hosts``: hosts a KV endpoint may be on besides its
-    worker's own, ``*`` for any)."""
+    ``--router-temperature``, ``--kv-predict-ttl``, ``--kv-endpoint-hosts``: hosts a KV endpoint may
+    be on besides its worker's own, ``*`` for any)."""
 
     mode: RouterMode = DEFAULT_ROUTER_MODE
     kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT
     temperature: float = DEFAULT_ROUTER_TEMPERATURE
+    predict_ttl_s: float = DEFAULT_KV_PREDICT_TTL_S
     kv_endpoint_hosts: tuple[str, ...] = ()
 
 
@@ -188,6 +191,7 @@ class FrontendConfig:
         router_mode: str = DEFAULT_ROUTER_MODE,
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
+        kv_predict_ttl_s: float = DEFAULT_KV_PREDICT_TTL_S,
         kv_endpoint_hosts: Sequence[str] = (),
         stream_stall_timeout_s: float = DEFAULT_STREAM_STALL_TIMEOUT_S,
         worker_stall_timeout_s: float = DEFAULT_WORKER_STALL_TIMEOUT_S,
@@ -238,8 +242,10 @@ class FrontendConfig:
             )
         if router_mode not in ROUTER_MODES:
             raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {router_mode!r}")
-        if not kv_overlap_score_weight >= 0 or not router_temperature >= 0:
-            raise ValueError("--kv-overlap-score-weight and --router-temperature must be >= 0")
+        if not kv_overlap_score_weight >= 0 or not router_temperature >= 0 or not kv_predict_ttl_s >= 0:
+            raise ValueError(
+                "--kv-overlap-score-weight, --router-temperature and --kv-predict-ttl must be >= 0"
+            )
         return cls(
             bind=bind,
             connect=connect,
@@ -267,6 +273,7 @@ class FrontendConfig:
                 mode=router_mode,
                 kv_overlap_score_weight=kv_overlap_score_weight,
                 temperature=router_temperature,
+                predict_ttl_s=kv_predict_ttl_s,
                 kv_endpoint_hosts=tuple(kv_endpoint_hosts),
             ),
             pool=PoolSettings(

@@ -31,6 +31,7 @@ from dynamo_prep.routing.policy import (
     KvRouter,
     count_blocks,
 )
+from dynamo_prep.routing.predicted import DEFAULT_PREDICT_TTL_S
 from dynamo_prep.routing.subscriber import KvEventSubscriber
 
 __all__ = ["KvRouting", "RoutingPrompt"]
@@ -55,6 +56,7 @@ class KvRouting:
         *,
         overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
         temperature: float = DEFAULT_TEMPERATURE,
+        predict_ttl_s: float = DEFAULT_PREDICT_TTL_S,
         metrics: KvMetrics | None = None,
         context: zmq.asyncio.Context | None = None,
         seed: int | None = None,
@@ -64,12 +66,14 @@ class KvRouting:
             raise ValueError(f"the router temperature must be >= 0, got {temperature}")
         self.overlap_score_weight = overlap_score_weight
         self.temperature = temperature
+        self.predict_ttl_s = predict_ttl_s
         self.metrics = metrics if metrics is not None else KvMetrics()
         rules = KvEndpointRules(kv_endpoint_hosts)
         self.subscriber = KvEventSubscriber(self, metrics=self.metrics, context=context, rules=rules)
         self._models: dict[str, KvRouter] = {}
         self._model_of: dict[str, str] = {}  # instance_id -> model
         self._seed = seed
+        self.metrics.predicted_blocks.set_function(self.predicted_blocks)
 
     # -- the watcher's instances -----------------------------------------------------------------
 
@@ -77,7 +81,11 @@ class KvRouting:
         """Follow a new instance's KV events (or its changed record's); one index per model."""
         if card.display_name not in self._models:
             self._models[card.display_name] = KvRouter(
-                KvIndex(card.kv_cache_block_size, on_refused=self.metrics.index_refused),
+                KvIndex(
+                    card.kv_cache_block_size,
+                    on_refused=self.metrics.index_refused,
+                    predict_ttl_s=self.predict_ttl_s,
+                ),
                 overlap_score_weight=self.overlap_score_weight,
                 temperature=self.temperature,
                 seed=self._seed,
@@ -176,6 +184,10 @@ class KvRouting:
         """Blocks the running requests of each instance hold (``LoadTracker``), by instance id."""
         router = self._models.get(model_name)
         return router.load.active() if router is not None else {}
+
+    def predicted_blocks(self) -> int:
+        """Blocks counted as cached by prediction (``KvIndex.predict``), every model together."""
+        return sum(router.index.predicted.count() for router in self._models.values())
 
     def blocks_held(self, model_name: str) -> Mapping[str, int]:
         """Blocks each instance of the model holds, by instance id (what ``/metrics`` and logs show)."""

@@ -142,6 +142,7 @@ def _kv_routing(
     return KvRouting(
         overlap_score_weight=config.router.kv_overlap_score_weight,
         temperature=config.router.temperature,
+        predict_ttl_s=config.router.predict_ttl_s,
         metrics=KvMetrics(metrics.registry),
         context=context,
         kv_endpoint_hosts=config.router.kv_endpoint_hosts,

@@ -22,6 +22,9 @@ event that cannot be placed is counted, logged rate-limited and skipped; it neve
 instance's blocks. Every event costs O(its own size) (plus the blocks it drops), and an instance
 holds at most its engine's own capacity (``set_capacity``, from its card) and never more than
 ``MAX_INSTANCE_BLOCKS``: stores past that are refused (``over_capacity``).
+
+Beside what the events say, ``predict`` counts a routed request's blocks as present on its instance
+until the events speak of them (``routing.predicted``): ``match`` reports both.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import structlog
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 from dynamo_prep.routing.hashing import ROOT_HASH, stored_block_hashes
+from dynamo_prep.routing.predicted import PredictedBlocks
 
 __all__ = ["MAX_INSTANCE_BLOCKS", "IndexCounters", "KvIndex"]
 
@@ -161,6 +165,9 @@ class _Holder:
     blocks: int = 0
     doomed: list[int] = field(default_factory=list)  # removed blocks whose descendants are being dropped
 
+    def holds(self, own: int) -> bool:
+        return own in self.engines.of(own)
+
     @classmethod
     def new(cls, instance_id: str, bit: int, capacity: int) -> _Holder:
         return cls(
@@ -222,7 +229,8 @@ class KvIndex:
     """The KV-event sink of one model (one block size): applies events, answers prefix matches.
 
     Not thread-safe: one event loop applies events and matches requests. ``on_refused(reason,
-    blocks)`` is told of every refusal (the metrics).
+    blocks)`` is told of every refusal (the metrics). ``predict_ttl_s``: how long predicted blocks
+    outlive their request's first token (0: no predictions); ``clock`` their time.
     """
 
     def __init__(
@@ -231,6 +239,8 @@ class KvIndex:
         *,
         limiter: RateLimiter | None = None,
         on_refused: Callable[[str, int], None] | None = None,
+        predict_ttl_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -247,6 +257,7 @@ class KvIndex:
         self._retiring = 0  # their bits, not given to another instance until then
         self._limiter = limiter or RateLimiter()
         self._on_refused = on_refused
+        self.predicted = PredictedBlocks(predict_ttl_s, clock=clock)
 
     # -- KvEventSink ---------------------------------------------------------------------------
 
@@ -271,6 +282,7 @@ class KvIndex:
         (each later ``apply`` or ``reset`` takes one); its bit is free for a later instance then."""
         holder = self._instances.pop(instance_id, None)
         self.counters.resets += 1
+        self.predicted.clear(instance_id)
         if holder is not None:
             self._retire(holder)
         self._tidy(DROP_PER_APPLY)
@@ -295,6 +307,7 @@ class KvIndex:
     def forget(self, instance_id: str) -> None:
         """An instance that left: its blocks (as ``reset``, if it holds any) and its capacity."""
         self._capacity.pop(instance_id, None)
+        self.predicted.clear(instance_id)
         if instance_id in self._instances:
             self.reset(instance_id)
 
@@ -302,7 +315,14 @@ class KvIndex:
 
     def match(self, own_hashes: Sequence[int]) -> dict[str, int]:
         """Per instance, how many leading blocks of ``own_hashes`` (a request's hashes, in order)
-        it holds; instances holding none are left out.
+        it holds or is predicted to hold; instances holding none are left out."""
+        found = self.match_cached(own_hashes)
+        if self.predicted:
+            self.predicted.extend(own_hashes, found)
+        return found
+
+    def match_cached(self, own_hashes: Sequence[int]) -> dict[str, int]:
+        """``match`` by the events alone.
 
         One lookup when nobody holds the first block; else about log2(blocks) lookups per
         instance whose run ends inside the request. Bits of retired instances may still be set:
@@ -334,6 +354,19 @@ class KvIndex:
             if mid_mask != high_mask:
                 pending.append((mid, mid_mask, high, high_mask))
         return found
+
+    def predict(self, instance_id: str, own_hashes: Sequence[int]) -> Sequence[int]:
+        """A request of ``own_hashes`` was routed to ``instance_id``: the blocks past what its events
+        say it holds count as held there until ``unpredict`` plus the time-to-live (at most its
+        capacity's worth). Returns the hashes predicted, for ``unpredict``."""
+        holder = self._instances.get(instance_id)
+        cached = 0 if holder is None else _run(own_hashes, holder.holds)
+        return self.predicted.pin(instance_id, own_hashes[cached:], self.capacity(instance_id))
+
+    def unpredict(self, instance_id: str, predicted: Sequence[int]) -> None:
+        """The request that predicted these blocks had its first token or ended: they live the
+        time-to-live more, unless the events speak of them first."""
+        self.predicted.unpin(instance_id, predicted)
 
     def blocks_held(self, instance_id: str) -> int:
         """Distinct blocks (own hashes) the instance holds."""
@@ -392,6 +425,8 @@ class KvIndex:
                 parent = ROOT_HASH if known is None else known
                 owns = stored_block_hashes(parent, event)
                 placed, full = self._place(holder, event.block_hashes, owns, parent)
+                if self.predicted.holds(instance_id):  # the engine's word replaces the prediction
+                    self.predicted.drop(instance_id, owns[:placed])
         except (TypeError, ValueError, RecursionError):
             self.counters.invalid_events += 1
             self._refused(instance_id, "invalid", blocks)
@@ -511,6 +546,8 @@ class KvIndex:
         (after its descendants, when it has any: no engine we know removes a block before them)."""
         if not _discard(holder.engines.of(own), own, engine):
             return
+        if self.predicted.holds(holder.instance_id):  # a removal wins over a prediction
+            self.predicted.drop(holder.instance_id, (own,))
         holder.blocks -= 1
         if own in holder.children.of(own):
             holder.doomed.append(own)
@@ -553,6 +590,7 @@ class KvIndex:
 
     def _retire(self, holder: _Holder) -> None:
         """``holder``'s blocks are no one's from now on; ``_tidy`` takes its bit out of the table."""
+        self.predicted.clear(holder.instance_id)
         slot = holder.bit.bit_length() - 1
         self._slots[slot] = None
         self._retiring |= holder.bit
@@ -596,3 +634,16 @@ class KvIndex:
                 blocks=blocks,
                 suppressed=suppressed,
             )
+
+
+def _run(own_hashes: Sequence[int], held: Callable[[int], bool]) -> int:
+    """How many leading ``own_hashes`` are ``held``, by bisection (what an instance holds is closed
+    under ancestors)."""
+    low, high = 0, len(own_hashes)  # held: all before low; not held: own_hashes[high] (if any)
+    while low < high:
+        mid = (low + high) // 2
+        if held(own_hashes[mid]):
+            low = mid + 1
+        else:
+            high = mid
+    return low

@@ -101,6 +101,12 @@ class KvMetrics:
             buckets=_DECISION_SECONDS,
             registry=reg,
         )
+        self.predicted_blocks = Gauge(
+            f"{PREFIX}kv_predicted_blocks",
+            "Blocks counted as cached on an instance because a request was routed there, until its "
+            "engine's own events speak of them or their time-to-live ends",
+            registry=reg,
+        )
         self.overlap_ratio = Histogram(
             f"{PREFIX}kv_overlap_ratio",
             "Share of a request's prompt blocks already cached on the chosen instance",

@@ -7,6 +7,14 @@ token yet) plus the blocks its running requests hold. At
 temperature 0 the cheapest instance wins; above 0 one is sampled from a softmax over the costs
 normalised to [0, 1] (``exp(-normalised / temperature)``), so a higher temperature spreads more.
 
+Beyond Dynamo, computing a prefix again costs more than its prefill: by cost, an instance also pays
+``RECOMPUTE_WEIGHT`` (2) times its prefill weight for each block it would compute that the instance
+with the most of them already holds (``best overlap - overlap``). A request leaves the instance
+holding its prefix only when waiting there would cost more than that: the same prefix computed on
+several instances is compute and cache spent on no new token, and spreads the next requests of it
+too. (With it counted once, 3 of 24 requests of ``vllm bench serve``'s prefix_repetition left their
+prefix's instance when it ran 6 of the 8 streams; counted twice, none did.)
+
 Beyond Dynamo, the balance rule: when no instance holds at least half the prompt
 (``2 * max overlap < prompt_blocks``), the request goes to the least loaded instance (fewest active
 and prefilling blocks, then fewest blocks held) whatever the temperature. A new prefix then lands where there
@@ -18,6 +26,14 @@ whose active and prefilling blocks leave no room for this prompt is passed over 
 room, and among instances of different sizes the load terms are weighed by size (the largest
 counts its blocks as they are; one half as large counts each block twice), so a bigger engine
 takes a proportionally bigger share. Without capacities every instance counts alike.
+
+Shared work: what a request shares with an instance's running requests is not load it adds
+there. The leading blocks of its prompt that they hold count against neither the active term nor
+the room check, and those of them still waiting to be prefilled (another request of the same prefix
+is computing them) not against the prefill term: the request needs them computed anyway, there or
+elsewhere. With the prediction of a routed request's blocks (``KvIndex.predict``), concurrent
+requests of a new prefix thus follow the first one instead of computing it again elsewhere, while
+different prefixes still spread by load.
 
 Ties (equal cost, or equal load in the balance rule) go to the instance holding fewer blocks,
 then to a round-robin turn over the candidates in id order: with equal figures (a cold start,
@@ -50,6 +66,9 @@ __all__ = [
 
 DEFAULT_OVERLAP_SCORE_WEIGHT: Final = 1.0
 DEFAULT_TEMPERATURE: Final = 0.0
+# Blocks another instance holds, computed again, cost this many times their prefill on top of it:
+# the work buys no new token, and the prefix then takes cache room on two instances.
+RECOMPUTE_WEIGHT: Final = 2
 
 Reason = Literal["overlap", "balance"]
 
@@ -88,14 +107,16 @@ def choose(
     turn: int = 0,
     prefilling: Mapping[str, int] | None = None,
     capacity: Mapping[str, int] | None = None,
+    shared: Mapping[str, tuple[int, int]] | None = None,
 ) -> Decision:
     """The instance for a request of ``prompt_blocks`` blocks (see the module docstring).
 
     ``prefilling``: blocks each instance still has to prefill for requests it was sent (they delay
     this one's first token there, as its own prefill does). ``capacity``: each instance's KV blocks
-    (missing: unbounded, weighed as the largest). Missing entries in the other mappings count as
-    0. ``rng`` is only drawn from when ``temperature > 0`` and the cost rule applies; ``turn``
-    rotates the final tie-break.
+    (missing: unbounded, weighed as the largest). ``shared``: per instance, how many of its active
+    blocks and of its prefilling blocks are this prompt's (``LoadTracker.shared``). Missing entries
+    in the other mappings count as 0. ``rng`` is only drawn from when ``temperature > 0`` and the
+    cost rule applies; ``turn`` rotates the final tie-break.
     """
     if not candidates:
         raise ValueError("no candidate instance")
@@ -105,6 +126,9 @@ def choose(
     # decision among 2,000 instances took 7 ms of Mapping lookups.
     queued = _present(prefilling or {})
     active = _present(active_blocks)
+    for instance_id, (shared_active, shared_prefill) in (shared or {}).items():
+        active[instance_id] = max(active.get(instance_id, 0) - shared_active, 0)
+        queued[instance_id] = max(queued.get(instance_id, 0) - shared_prefill, 0)
     sizes = capacity or {}
     ordered = _with_room(sorted(set(candidates)), prompt_blocks, active, queued, sizes)
     weight = _weights(ordered, sizes)
@@ -113,8 +137,10 @@ def choose(
     balance = not best_overlap or 2 * best_overlap < prompt_blocks
     waiting = [queued.get(instance_id, 0) for instance_id in ordered]
     weighted = [active.get(instance_id, 0) * weight[instance_id] for instance_id in ordered]
+    # By cost, an instance also pays for the blocks it would compute again that another one holds.
+    again = 0 if balance else best_overlap
     costs = [
-        overlap_score_weight * (prompt_blocks - overlap + wait) + held
+        overlap_score_weight * (prompt_blocks - overlap + wait + RECOMPUTE_WEIGHT * (again - overlap)) + held
         for overlap, wait, held in zip(found, waiting, weighted, strict=True)
     ]
     if not balance and temperature > 0:
@@ -187,7 +213,8 @@ class LoadTracker:
     Active blocks are counted as Dynamo counts them: each distinct full block of the running
     requests' prompts once per instance (requests sharing a prefix there share its blocks), plus
     every block given without a hash (a partial last block). Prefilling blocks are the uncached
-    blocks of the requests that have not had their first token yet (``prefilled`` ends that).
+    blocks of the requests that have not had their first token yet (``prefilled`` ends that),
+    counted per request (each computes its own), and known by hash for ``shared``.
     Generated tokens are not counted (their number is unknown at dispatch and small next to the
     prompts this router is for).
     """
@@ -209,14 +236,20 @@ class LoadTracker:
         them to prefill; a request id may be active once."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already active")
+        prefill = max(prefill_blocks, 0)
         request = _Request(
-            instance_id, block_hashes, max(blocks - len(block_hashes), 0), max(prefill_blocks, 0)
+            instance_id,
+            block_hashes,
+            max(blocks - len(block_hashes), 0),
+            prefill,
+            block_hashes[max(blocks - prefill, 0) :] if prefill else (),  # the uncached ones
         )
         self._requests[request_id] = request
         load = self._instances.get(instance_id)
         if load is None:
             load = self._instances[instance_id] = _Load()
         load.refs.update(block_hashes)
+        load.prefill_refs.update(request.prefill_hashes)
         load.unhashed += request.unhashed
         load.prefill += request.prefill
 
@@ -224,8 +257,10 @@ class LoadTracker:
         """The request's first token arrived: its prompt no longer waits to be prefilled."""
         request = self._requests.get(request_id)
         if request is not None and request.prefill:
-            self._instances[request.instance_id].prefill -= request.prefill
-            request.prefill = 0
+            load = self._instances[request.instance_id]
+            load.prefill -= request.prefill
+            _uncount(load.prefill_refs, request.prefill_hashes)
+            request.prefill, request.prefill_hashes = 0, ()
 
     def release(self, request_id: str) -> None:
         """The request ended (finished, failed, cancelled, migrated away); unknown ids are ignored."""
@@ -233,16 +268,11 @@ class LoadTracker:
         if request is None:
             return
         load = self._instances[request.instance_id]
-        refs = load.refs
-        for block in request.block_hashes:
-            remaining = refs[block] - 1
-            if remaining:
-                refs[block] = remaining
-            else:
-                del refs[block]
+        _uncount(load.refs, request.block_hashes)
+        _uncount(load.prefill_refs, request.prefill_hashes)
         load.unhashed -= request.unhashed
         load.prefill -= request.prefill
-        if not refs and not load.unhashed:
+        if not load.refs and not load.unhashed:
             del self._instances[request.instance_id]
 
     def forget(self, instance_id: str) -> None:
@@ -257,6 +287,24 @@ class LoadTracker:
         load = self._instances.get(instance_id)
         return 0 if load is None else load.blocks()
 
+    def shared(self, instance_id: str, block_hashes: Sequence[int]) -> tuple[int, int]:
+        """How many leading blocks of a prompt (its hashes) the instance's running requests hold,
+        and how many of those are still waiting to be prefilled there. The first is found by
+        bisection (the blocks held form chains from the first), the second by a walk over it."""
+        load = self._instances.get(instance_id)
+        if load is None or not block_hashes or block_hashes[0] not in load.refs:
+            return 0, 0
+        refs = load.refs
+        low, high = 1, len(block_hashes)
+        while low < high:
+            mid = (low + high) // 2
+            if block_hashes[mid] in refs:
+                low = mid + 1
+            else:
+                high = mid
+        waiting = load.prefill_refs
+        return low, sum(1 for block in block_hashes[:low] if block in waiting) if waiting else 0
+
     def active(self) -> Mapping[str, int]:
         """Active blocks of every instance that has any (a live view: read it, do not keep it)."""
         return _View(self._instances, _Load.blocks)
@@ -266,17 +314,28 @@ class LoadTracker:
         return _View(self._instances, _Load.queued)
 
 
+def _uncount(refs: Counter[int], blocks: Sequence[int]) -> None:
+    for block in blocks:
+        remaining = refs[block] - 1
+        if remaining:
+            refs[block] = remaining
+        else:
+            del refs[block]
+
+
 @dataclass(slots=True)
 class _Request:
     instance_id: str
     block_hashes: Sequence[int]
     unhashed: int
     prefill: int
+    prefill_hashes: Sequence[int]  # the hashed blocks of ``prefill``, until the first token
 
 
 @dataclass(slots=True)
 class _Load:
     refs: Counter[int] = field(default_factory=Counter)  # block hash -> running requests holding it
+    prefill_refs: Counter[int] = field(default_factory=Counter)  # -> those still prefilling it
     unhashed: int = 0
     prefill: int = 0
 
@@ -330,6 +389,7 @@ class KvRouter:
         self.temperature = temperature
         self._rng = random.Random(seed)
         self._turn = 0
+        self._predicted: dict[str, tuple[str, Sequence[int]]] = {}  # request -> (instance, hashes)
 
     def decide(
         self, candidates: Sequence[str], token_ids: Sequence[int], images: Sequence[ImageSpan] = ()
@@ -350,11 +410,13 @@ class KvRouter:
         """``choose`` among the instances of ``block_hashes`` (each one's hashes of the prompt, as
         rendered for it) with this router's load, index and settings, and the instances' KV
         ``capacity`` when their cards say it."""
+        active = self.load.active()
+        shared = {i: self.load.shared(i, hashes) for i, hashes in block_hashes.items() if i in active}
         decision = choose(
             list(block_hashes),
             overlaps,
             prompt_blocks,
-            self.load.active(),
+            active,
             self.index.held(),
             overlap_score_weight=self.overlap_score_weight,
             temperature=self.temperature,
@@ -362,19 +424,31 @@ class KvRouter:
             turn=self._turn,
             prefilling=self.load.prefilling(),
             capacity=capacity,
+            shared=shared,
         )
         self._turn += 1
         return replace(decision, block_hashes=block_hashes[decision.instance_id])
 
     def dispatch(self, request_id: str, decision: Decision) -> None:
-        """The request was sent where ``decision`` says: its prompt blocks count as active there."""
+        """The request was sent where ``decision`` says: its prompt blocks count as active there,
+        and as cached there (predicted) until the instance's events say so or the prediction ends."""
         uncached = decision.prompt_blocks - decision.overlap_blocks
         self.load.dispatch(
             request_id, decision.instance_id, decision.prompt_blocks, decision.block_hashes, uncached
         )
+        predicted = self.index.predict(decision.instance_id, decision.block_hashes)
+        if predicted:
+            self._predicted[request_id] = (decision.instance_id, predicted)
 
     def prefilled(self, request_id: str) -> None:
         self.load.prefilled(request_id)
+        self._unpredict(request_id)
 
     def release(self, request_id: str) -> None:
         self.load.release(request_id)
+        self._unpredict(request_id)
+
+    def _unpredict(self, request_id: str) -> None:
+        found = self._predicted.pop(request_id, None)
+        if found is not None:
+            self.index.unpredict(*found)
