@@ -65,7 +65,7 @@ from benchmarks._report import RESULTS_DIR, Suite
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = RESULTS_DIR / "serve.png"
-# The engine flags of every engine, ours and theirs (docs: /work/shared/reference/engines.md).
+# The engine flags of every engine, ours and theirs (vLLM and SGLang as shipped: docs/engines.md).
 FLAGS = (
     "--load-format", "dummy", "--block-size", "32", "--max-num-seqs", "32", "--max-model-len", "2048",
     "--gpu-memory-utilization", "0.05", "--seed", "0",

@@ -1,4 +1,4 @@
-"""Kimi-K3 formatter against the worked examples and rules of shared/spec/kimi-k3-xtml.md."""
+"""Kimi-K3 formatter against the worked examples and rules of docs/spec/kimi-k3-xtml.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The mock engine's answers in the model's own format (``reply_format="model"``), on real prompts.
 
 Prompts come from the real formatter (``OpenAIPreprocessor``); expected completions are written
-here from the Kimi-K3 contract (shared/spec/kimi-k3-xtml.md 1.2, 1.6.3, 1.6.4, 1.9) and the
+here from the Kimi-K3 contract (docs/spec/kimi-k3-xtml.md 1.2, 1.6.3, 1.6.4, 1.9) and the
 qwen-vl-demo chat template, segment by segment: markers are control segments, everything else is
 text, so the comparison is on exact ids.
 """

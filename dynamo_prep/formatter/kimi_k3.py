@@ -1,7 +1,7 @@
 """Kimi-K3 XTML prompt formatter: the checkpoint encoder's segments, with errors a user can act on.
 
 ``render_segments`` reproduces the reference encoder ``encoding_k3.build_chat_segments`` (HF-main
-revision, "A" in the contract ``shared/spec/kimi-k3-xtml.md``) segment for segment: 4-segment
+revision, "A" in the contract ``docs/spec/kimi-k3-xtml.md``) segment for segment: 4-segment
 attributes, no coalescing, empty segments dropped, Python ``json`` semantics. Where the reference
 raises KeyError/TypeError/ValueError/AssertionError, this raises ``PromptRenderError`` naming the
 message and field, so a bad request is a 400 and never a 500.
