@@ -24,7 +24,7 @@ from support.cluster import Cluster, mock_cluster
 from support.cluster import openai_client as client
 from support.plane import free_port, start_dynamo, tcp_endpoint
 
-from dynamo_prep.frontend.responses import to_chat
+from dynamo_prep.frontend.responses_request import to_chat
 from dynamo_prep.protocol.openai import RequestError
 from dynamo_prep.protocol.responses import ResponsesRequest
 

@@ -8,7 +8,7 @@ routing and records; the answer is plain text (no reasoning or tool parsing), sh
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import msgspec
 
@@ -45,19 +45,12 @@ __all__ = [
     "Render",
     "TextChoices",
     "chat_of",
-    "completion_params",
     "plain_answer",
     "read_completion",
     "renders",
 ]
 
 Render = Callable[[ChatCompletionRequest], tuple[PreprocessedRequest, TokenizedPrompt]]
-# A chat parameter named in a refusal, as the completions request spells it.
-_PARAMS = {
-    "messages": "prompt",
-    "max_completion_tokens": "max_tokens",
-    "top_logprobs": "logprobs",
-}
 _encoder = msgspec.json.Encoder()
 
 
@@ -141,17 +134,6 @@ def _tokenized(prompt: Prompt, tokenizer: Tokenizer, add_special_tokens: bool) -
     if not ids:
         raise PreprocessError("prompt must not be empty", param="prompt")
     return ids, text
-
-
-@contextlib.contextmanager
-def completion_params() -> Iterator[None]:
-    """Inside, a chat-path refusal names the parameter as the completions request spells it."""
-    try:
-        yield
-    except PreprocessError as exc:
-        if exc.param in _PARAMS:
-            raise PreprocessError(exc.message, param=_PARAMS[exc.param]) from exc
-        raise
 
 
 def plain_answer(tokenizer: Tokenizer, chat: ChatCompletionRequest) -> AnswerStream:

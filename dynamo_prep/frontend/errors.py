@@ -1,4 +1,5 @@
-"""Every failure a client can see, as OpenAI's error body with the right HTTP status.
+"""Every failure a client can see: its HTTP status, decided here once, and its body in the shape
+the serving surface chose (``ErrorShape``; OpenAI's error body unless a surface brings its own).
 
 Handlers raise ``OpenAIError``; the preprocessor's and the request plane's own exceptions are
 mapped here once (``as_openai_error``), so the status a client gets for a given cause is decided
@@ -9,6 +10,9 @@ client sends ends as a 500.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import msgspec
 from starlette.responses import Response
 
@@ -17,7 +21,15 @@ from dynamo_prep.preprocessor import PreprocessError
 from dynamo_prep.protocol.openai import ErrorBody, ErrorDetail, RequestError
 from dynamo_prep.tokenizer import TokenizerError
 
-__all__ = ["REQUEST_ERRORS", "OpenAIError", "as_openai_error", "error_event", "error_response"]
+__all__ = [
+    "OPENAI_ERRORS",
+    "REQUEST_ERRORS",
+    "ErrorShape",
+    "OpenAIError",
+    "as_openai_error",
+    "error_event",
+    "error_response",
+]
 
 _TYPES = {
     400: "invalid_request_error",
@@ -86,15 +98,24 @@ def as_openai_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, "internal error")
 
 
-def error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> Response:
+@dataclass(frozen=True)
+class ErrorShape:
+    """How a surface writes a failure's body; the status (and ``Retry-After``) stay this module's."""
+
+    body: Callable[[OpenAIError], bytes]
+    media_type: str = "application/json"
+
+
+OPENAI_ERRORS = ErrorShape(lambda error: _encoder.encode(error.body()))
+"""OpenAI's ``{"error": {"message", "type", "param", "code"}}``: the shape of every OpenAI surface."""
+
+
+def error_response(
+    error: OpenAIError, headers: dict[str, str] | None = None, shape: ErrorShape = OPENAI_ERRORS
+) -> Response:
     if error.retry_after_s is not None:
         headers = {**(headers or {}), "retry-after": str(error.retry_after_s)}
-    return Response(
-        _encoder.encode(error.body()),
-        status_code=error.status,
-        media_type="application/json",
-        headers=headers,
-    )
+    return Response(shape.body(error), status_code=error.status, media_type=shape.media_type, headers=headers)
 
 
 def error_event(error: OpenAIError) -> bytes:

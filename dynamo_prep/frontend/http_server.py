@@ -11,7 +11,7 @@ Hostile clients: a connection has ``header_timeout_s`` to deliver a request's he
 first byte, or from the connection when it says nothing), else it gets a 408 and is closed, so
 slow-header clients (slowloris) cannot hold connections forever; idle keep-alive connections are
 closed after ``KEEP_ALIVE_S``; past ``max_connections`` open connections new requests get a 503
-at once instead of queueing behind them. The body's own deadline is the app's (``app.py``).
+at once instead of queueing behind them. The body's own deadline is the app's (``api/common.py``).
 """
 
 from __future__ import annotations
