@@ -31,7 +31,7 @@ from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.limits import is_exhausted
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import now_ms
+from dynamo_prep.protocol.clock import now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Generate, Output, Ping, merged
 
