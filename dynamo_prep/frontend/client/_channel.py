@@ -15,7 +15,7 @@ import zmq
 
 from dynamo_prep.frontend.client._allowance import Allowance, Refusals
 from dynamo_prep.frontend.client._errors import WorkerLost
-from dynamo_prep.frontend.client._inbox import TAKEN, UNSOLICITED, Inbox
+from dynamo_prep.frontend.client._inbox import TAKEN, UNSOLICITED, Inbox, Reply
 from dynamo_prep.frontend.client._limits import (
     DRAIN_BATCH,
     DRAIN_BYTES,
@@ -153,13 +153,13 @@ class Channel:
             self._late[request_id] = self._loop.time() + LATE_GRACE_S
             self.send_nowait(Cancel(request_id=request_id))
 
-    def _is_late(self, reply: Output | ErrorReply) -> bool:
-        """A reply in flight when its stream was cancelled here (its final one ends the grace)."""
+    def _is_late(self, reply: Reply) -> bool:
+        """A reply in flight when its request was cancelled here (its final one ends the grace)."""
         until = self._late.get(reply.request_id)
         if until is None:
             return False
         expired = until < self._loop.time()
-        if expired or isinstance(reply, ErrorReply) or reply.finish_reason is not None:
+        if expired or not isinstance(reply, Output) or reply.finish_reason is not None:
             del self._late[reply.request_id]
         return not expired
 

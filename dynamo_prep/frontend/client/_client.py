@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, Callable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import structlog
 import zmq
@@ -15,8 +15,16 @@ from prometheus_client import Counter
 
 from dynamo_prep.frontend.client._allowance import Refusals
 from dynamo_prep.frontend.client._channel import Channel
-from dynamo_prep.frontend.client._errors import NoSocketLeft, WorkerLost
-from dynamo_prep.frontend.client._inbox import CUT, DEADLINE, Inbox, Progress, failure_of
+from dynamo_prep.frontend.client._errors import NoSocketLeft, WorkerError, WorkerLost
+from dynamo_prep.frontend.client._inbox import (
+    CUT,
+    DEADLINE,
+    AnswerInbox,
+    Inbox,
+    Progress,
+    StreamInbox,
+    failure_of,
+)
 from dynamo_prep.frontend.client._limits import (
     DEADLINE_GRACE_S,
     DEFAULT_CONNECT_TIMEOUT_S,
@@ -29,17 +37,20 @@ from dynamo_prep.frontend.client._limits import (
 from dynamo_prep.frontend.config import DEFAULT_FIRST_TOKEN_TIMEOUT_S, DEFAULT_STREAM_STALL_TIMEOUT_S
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.limits import is_exhausted
-from dynamo_prep.logging import RateLimiter
+from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.clock import now_ms
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
-from dynamo_prep.protocol.wire import Generate, Output, Ping, merged
+from dynamo_prep.protocol.wire import Answer, Call, Generate, Output, Ping, Unary, WireDecodeError, merged
 
 log = structlog.get_logger("dynamo_prep.frontend")
 
+A = TypeVar("A")
+
 
 class RequestPlaneClient:
-    """Streams generations from workers over shared per-endpoint DEALER sockets."""
+    """Streams generations from workers, and makes non-streamed calls to them, over shared
+    per-endpoint DEALER sockets."""
 
     def __init__(
         self,
@@ -92,7 +103,7 @@ class RequestPlaneClient:
         """
         channel = self._channel(endpoint)
         loop = asyncio.get_running_loop()
-        inbox = channel.open(request_id, Inbox(loop, request.stop_conditions.max_tokens))
+        inbox = channel.open(request_id, StreamInbox(loop, request.stop_conditions.max_tokens))
         deadline = loop.call_at(loop.time() + timeout_s + DEADLINE_GRACE_S, inbox.put, DEADLINE)
         progress = Progress(inbox.room)
         progress.first = loop.call_later(
@@ -127,6 +138,43 @@ class RequestPlaneClient:
             if not inbox.worker_done and not inbox.cancel_sent:  # the client left, a stop string, ...
                 channel.cancel(request_id, inbox)
                 log.debug("request_cancel_sent", request_id=request_id, endpoint=endpoint)
+
+    async def call(self, endpoint: str, request: Unary[A], *, request_id: str, timeout_s: float) -> A:
+        """Send a non-streamed request (a ``Unary`` kind) and return its answer.
+
+        Raises ``WorkerError`` on an ErrorReply (504 if not even the deadline reply comes; 500 if
+        the answer is not the kind's), ``WorkerLost`` if the worker is lost. Leaving early
+        (cancellation) sends Cancel.
+        """
+        channel = self._channel(endpoint)
+        loop = asyncio.get_running_loop()
+        inbox = channel.open(request_id, AnswerInbox(loop))
+        deadline = loop.call_at(loop.time() + timeout_s + DEADLINE_GRACE_S, inbox.put, DEADLINE)
+        try:
+            deadline_ms = now_ms() + int(timeout_s * 1000)
+            body = wire.encode_body(request)
+            await channel.send(
+                Call(request_id=request_id, method=request.method, body=body, deadline_ms=deadline_ms)
+            )
+            item = (await inbox.take())[0]
+            if not isinstance(item, Answer):
+                raise failure_of(item, endpoint)
+            return self._answer(item, cast("type[A]", type(request).answer), endpoint)
+        finally:
+            deadline.cancel()
+            channel.finish(request_id)
+            if not inbox.worker_done and not inbox.cancel_sent:  # the caller left
+                channel.cancel(request_id, inbox)
+                log.debug("request_cancel_sent", request_id=request_id, endpoint=endpoint)
+
+    def _answer(self, answer: Answer, kind: type[A], endpoint: str) -> A:
+        """An Answer's body as its kind's answer; a 500 (counted as refused) when it is not one."""
+        try:
+            return wire.decode_body(answer.body, kind)
+        except WireDecodeError as exc:
+            self.refusals.replies(exc.reason, 1)
+            message = f"the answer is not a {kind.__name__}: {exc.detail[:DETAIL_CHARS]}"
+            raise WorkerError(500, message, endpoint=endpoint) from None
 
     def endpoint_expired(self, endpoint: str) -> None:
         """The instance at ``endpoint`` expired (its heartbeats stopped reaching us). A channel that
@@ -274,7 +322,9 @@ class RequestPlaneClient:
             return
         self.refusals.slow_reader(request_id=request_id, endpoint=channel.endpoint)
 
-    def _no_first_token(self, channel: Channel, request_id: str, inbox: Inbox, progress: Progress) -> None:
+    def _no_first_token(
+        self, channel: Channel, request_id: str, inbox: StreamInbox, progress: Progress
+    ) -> None:
         """No token ``first_token_timeout_s`` after the request was sent: it fails over like a
         lost worker, the worker is told to stop and is routed around for a while; unless the
         worker is busy (its queue keeps the request's place: the deadline starts again)."""
@@ -294,7 +344,7 @@ class RequestPlaneClient:
     def _stall_check_s(self) -> float:
         return self.stream_stall_timeout_s / STALL_CHECKS
 
-    def _check_stall(self, channel: Channel, request_id: str, inbox: Inbox, progress: Progress) -> None:
+    def _check_stall(self, channel: Channel, request_id: str, inbox: StreamInbox, progress: Progress) -> None:
         """Every ``stream_stall_timeout_s / STALL_CHECKS``: a stream that got no token over the
         last ``stream_stall_timeout_s`` moves on like one without a first token (its worker is
         routed around), unless the worker is busy. A token costs nothing here: the timer compares

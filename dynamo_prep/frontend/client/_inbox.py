@@ -1,4 +1,5 @@
-"""One request's replies on their way to its consumer (``Inbox``), and a stream's timers (``Progress``)."""
+"""One request's replies on their way to its consumer: a stream's (``StreamInbox``) or a call's
+(``AnswerInbox``); and a stream's timers (``Progress``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import msgspec
 from dynamo_prep.frontend.client._errors import SlowReader, WorkerError, WorkerLost
 from dynamo_prep.frontend.client._limits import MAX_BUFFERED_TOKENS, MAX_EMPTY_OUTPUTS
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.wire import ErrorReply, Output
+from dynamo_prep.protocol.wire import Answer, ErrorReply, Output
 
 
 class Deadline:
@@ -24,42 +25,76 @@ class Overflow:
 
 DEADLINE = Deadline()
 OVERFLOW = Overflow()
-Item: TypeAlias = Output | ErrorReply | WorkerLost | Deadline | Overflow
+Item: TypeAlias = Output | Answer | ErrorReply | WorkerLost | Deadline | Overflow
+Reply: TypeAlias = Output | Answer | ErrorReply
+"""A worker's reply to a request (``Pong`` and ``FileData`` never reach an inbox)."""
 # What ``Inbox.accept`` made of a reply.
 TAKEN, UNSOLICITED, CUT, OVERFLOWED = range(4)
 
 
 class Inbox:
-    """One request's replies; its consumer takes all that arrived at once.
+    """One request's queued items; its consumer takes all that arrived at once."""
 
-    Consecutive Outputs are merged as they arrive (one object however many frames came), the
-    stream is cut at ``room`` tokens (its ``max_tokens``), and what is queued is bounded."""
+    __slots__ = ("_loop", "_waiter", "buffered", "cancel_sent", "ended", "items", "started", "worker_done")
 
-    __slots__ = (
-        "_loop", "_waiter", "buffered", "cancel_sent", "empties", "ended", "items", "room", "started",
-        "worker_done",
-    )  # fmt: skip
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, max_tokens: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self.items: deque[Item] = deque()
         self._waiter: asyncio.Future[None] | None = None
-        self.room = max_tokens  # tokens the stream may still carry
         self.buffered = 0  # tokens queued and not taken yet
-        self.empties = 0  # replies without a token that did not end the stream
         self.started = False  # a token (or the end) came: the worker made progress
-        self.ended = False  # the stream's last reply is queued; later ones are unsolicited
-        self.worker_done = False  # the worker ended it (its final Output, an ErrorReply)
+        self.ended = False  # the last reply is queued; later ones are unsolicited
+        self.worker_done = False  # the worker ended it (its final reply, an ErrorReply)
         self.cancel_sent = False
 
-    def accept(self, reply: Output | ErrorReply) -> int:
+    def accept(self, reply: Reply) -> int:
         """Queue a worker's reply for this request; what was made of it (``TAKEN``, ...)."""
+        raise NotImplementedError
+
+    def put(self, item: Item) -> None:
+        self.items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def replace(self, item: Item) -> None:
+        """Drop whatever is queued: ``item`` is reported at once."""
+        self.items.clear()
+        self.put(item)
+
+    async def take(self) -> list[Item]:
+        while not self.items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        items = list(self.items)
+        self.items.clear()
+        self.buffered = 0
+        return items
+
+
+class StreamInbox(Inbox):
+    """A generation's replies. Consecutive Outputs are merged as they arrive (one object however
+    many frames came), the stream is cut at ``room`` tokens (its ``max_tokens``), and what is
+    queued is bounded."""
+
+    __slots__ = ("empties", "room")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, max_tokens: int) -> None:
+        super().__init__(loop)
+        self.room = max_tokens  # tokens the stream may still carry
+        self.empties = 0  # replies without a token that did not end the stream
+
+    def accept(self, reply: Reply) -> int:
         if self.ended:
             return UNSOLICITED
         if reply.__class__ is ErrorReply:
             self.ended = self.started = self.worker_done = True
             self.put(reply)
             return TAKEN
+        if reply.__class__ is Answer:  # a call's answer: not this stream's
+            return UNSOLICITED
         return self._output(reply)  # type: ignore[arg-type]
 
     def _output(self, output: Output) -> int:
@@ -97,27 +132,19 @@ class Inbox:
         else:
             self.put(output)
 
-    def put(self, item: Item) -> None:
-        self.items.append(item)
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
-    def replace(self, item: Item) -> None:
-        """Drop whatever is queued: ``item`` is reported at once."""
-        self.items.clear()
-        self.put(item)
+class AnswerInbox(Inbox):
+    """A call's reply: one ``Answer`` or ``ErrorReply``; anything after it, or an Output, is
+    unsolicited."""
 
-    async def take(self) -> list[Item]:
-        while not self.items:
-            self._waiter = self._loop.create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        items = list(self.items)
-        self.items.clear()
-        self.buffered = 0
-        return items
+    __slots__ = ()
+
+    def accept(self, reply: Reply) -> int:
+        if self.ended or reply.__class__ is Output:
+            return UNSOLICITED
+        self.ended = self.started = self.worker_done = True
+        self.put(reply)
+        return TAKEN
 
 
 class Progress:
