@@ -432,7 +432,7 @@ def top_frames(raw: Path, limit: int = 25) -> list[tuple[float, str]]:
 # Where a sample's leaf frame lives, by path fragment (first match wins): the profile's summary
 # attributes self time to these parts of the stack.
 _COMPONENTS = (
-    ("dynamo_prep/frontend/client.py", "request-plane client"),
+    ("dynamo_prep/frontend/client/", "request-plane client"),
     ("dynamo_prep/frontend/", "frontend (app, answers, records)"),
     ("dynamo_prep/parsing/", "answer parsing"),
     ("dynamo_prep/", "dynamo_prep (other)"),

@@ -32,7 +32,7 @@ from dynamo_prep.engines.vllm.translate import (
     sampling_fields,
     structured_fields,
 )
-from dynamo_prep.protocol.discovery import now_ms
+from dynamo_prep.protocol.clock import now_ms
 from dynamo_prep.protocol.preprocessed import (
     ImageRef,
     OutputOptions,

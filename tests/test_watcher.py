@@ -469,8 +469,7 @@ async def test_a_scale_up_of_a_model_in_use_gets_into_a_table_full_of_served_jun
     """Issue 13: names announced with a served model's files build, so their instances are kept;
     once a worker of the real model answered a request (``model_answered``, reported by the request
     plane), a second worker of it gets in, in place of the junk built last."""
-    watcher, peer = await start()
-    watcher.registry = DiscoveryRegistry(max_instances=3)  # before any message: a table of three
+    watcher, peer = await start(registry=DiscoveryRegistry(max_instances=3))  # a table of three
     await peer.publish(announce("real", 1, card_bytes(k3_card)))
     for name in ("junk-0", "junk-1"):
         await peer.publish(announce(name, 1, card_bytes(msgspec.structs.replace(k3_card, display_name=name))))
@@ -492,8 +491,7 @@ async def test_a_worker_of_a_new_model_is_probed_into_a_table_full_of_served_jun
     refused, probed on the request plane (it answers; junk at dead ports does not) and let in on
     its next heartbeat, in place of the junk built last."""
     client = RequestPlaneClient()
-    watcher, peer = await start(prober=client.answers)
-    watcher.registry = DiscoveryRegistry(max_instances=2)  # before any message: a table of two
+    watcher, peer = await start(prober=client.answers, registry=DiscoveryRegistry(max_instances=2))  # of two
     for name in ("junk-0", "junk-1"):
         raw = card_bytes(msgspec.structs.replace(k3_card, display_name=name, slug=name))
         await peer.publish(announce(name, 1, raw))

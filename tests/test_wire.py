@@ -1,13 +1,19 @@
-"""Request-plane wire messages: every message round-trips, and malformed frames fail to decode."""
+"""Request-plane wire messages: every message round-trips, malformed frames fail to decode, and
+the messages older than the request-kind seam (issue 29) encode to the same bytes as before it."""
 
 from __future__ import annotations
+
+import hashlib
 
 import msgspec
 import pytest
 
 from dynamo_prep.protocol import wire
+from dynamo_prep.protocol.calls import Echo, Echoed
 from dynamo_prep.protocol.preprocessed import ImageRef, PreprocessedRequest, StopConditions
 from dynamo_prep.protocol.wire import (
+    Answer,
+    Call,
     Cancel,
     ErrorReply,
     FetchFile,
@@ -30,6 +36,9 @@ TO_WORKER: list[wire.ToWorker] = [
     Generate(request_id="g1", request=REQUEST, deadline_ms=1_900_000_000_000),
     Cancel(request_id="g1"),
     Ping(request_id="p1"),
+    Call(
+        request_id="c1", method="echo", body=wire.encode_body(Echo(data=b"x")), deadline_ms=1_900_000_000_000
+    ),
 ]
 FROM_WORKER: list[wire.FromWorker] = [
     FileData(request_id="f1", sha256="a" * 64, data=b"\x00bytes"),
@@ -37,7 +46,21 @@ FROM_WORKER: list[wire.FromWorker] = [
     Output(request_id="g1", token_ids=[], finish_reason="stop", prompt_tokens=4, completion_tokens=1),
     Pong(request_id="p1"),
     ErrorReply(request_id="g1", code=400, message="Expected 1 image placeholder token(s), found 0"),
+    Answer(request_id="c1", body=wire.encode_body(Echoed(data=b"x"))),
 ]
+# The first 16 hex digits of the sha256 of each message above as main encoded it before ``call`` and
+# ``answer`` were added (issue 29): the wire of the existing kinds is byte-identical.
+BEFORE_THE_SEAM = {
+    ("to", 0): "a17bd5175c9504db",
+    ("to", 1): "e3a32c040c44809e",
+    ("to", 2): "c0e3d2cc669d606a",
+    ("to", 3): "20635a7c1a13cc16",
+    ("from", 0): "1705d62dfa97c81c",
+    ("from", 1): "a156fe7a137e9774",
+    ("from", 2): "033619c0d90a327c",
+    ("from", 3): "242d5ba48235ee6e",
+    ("from", 4): "4552647c6e15f6f0",
+}
 
 
 @pytest.mark.parametrize("message", TO_WORKER, ids=lambda m: type(m).__name__)
@@ -48,6 +71,29 @@ def test_to_worker_round_trips(message: wire.ToWorker) -> None:
 @pytest.mark.parametrize("message", FROM_WORKER, ids=lambda m: f"{type(m).__name__}")
 def test_from_worker_round_trips(message: wire.FromWorker) -> None:
     assert wire.from_worker_decoder.decode(wire.encode(message)) == message
+
+
+@pytest.mark.parametrize(("side", "index"), sorted(BEFORE_THE_SEAM), ids=str)
+def test_the_existing_kinds_encode_as_before(side: str, index: int) -> None:
+    message = (TO_WORKER if side == "to" else FROM_WORKER)[index]
+    assert hashlib.sha256(wire.encode(message)).hexdigest()[:16] == BEFORE_THE_SEAM[(side, index)]
+
+
+def test_a_call_and_its_answer_carry_their_kind_as_messagepack() -> None:
+    call = msgspec.msgpack.decode(wire.encode(TO_WORKER[-1]))
+    assert call == {
+        "kind": "call",
+        "request_id": "c1",
+        "method": "echo",
+        "body": {"data": b"x"},
+        "deadline_ms": 1_900_000_000_000,
+    }
+    answer = msgspec.msgpack.decode(wire.encode(FROM_WORKER[-1]))
+    assert answer == {"kind": "answer", "request_id": "c1", "body": {"data": b"x"}}
+    assert wire.decode_body(wire.decode_to_worker(wire.encode(TO_WORKER[-1])).body, Echo) == Echo(data=b"x")  # type: ignore[union-attr]
+    with pytest.raises(wire.WireDecodeError) as raised:
+        wire.decode_body(msgspec.Raw(msgspec.msgpack.encode({"data": 7})), Echoed)
+    assert raised.value.reason == "invalid"
 
 
 def test_frames_are_tagged_maps_with_documented_keys() -> None:
@@ -87,8 +133,20 @@ def test_output_defaults_are_a_plain_step() -> None:
         msgspec.msgpack.encode({"kind": "ping", "request_id": "x" * 129}),  # id too long
         msgspec.msgpack.encode({"kind": "generate", "request_id": "x", "request": {}, "deadline_ms": 1}),
         msgspec.msgpack.encode({"kind": "output", "request_id": "x", "token_ids": []}),  # wrong direction
+        msgspec.msgpack.encode(
+            {"kind": "call", "request_id": "x", "method": "", "body": 1, "deadline_ms": 1}
+        ),
     ],
-    ids=["garbage", "unknown_kind", "missing_field", "empty_id", "long_id", "bad_request", "wrong_direction"],
+    ids=[
+        "garbage",
+        "unknown_kind",
+        "missing_field",
+        "empty_id",
+        "long_id",
+        "bad_request",
+        "wrong_direction",
+        "empty_method",
+    ],
 )
 def test_to_worker_decode_errors(payload: bytes) -> None:
     with pytest.raises((msgspec.DecodeError, msgspec.ValidationError)):

@@ -21,7 +21,8 @@ from dynamo_prep.engines.mock.standins import sglang_engine_standin
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import Announce, Withdraw, now_ms
+from dynamo_prep.protocol.clock import now_ms
+from dynamo_prep.protocol.discovery import Announce, Withdraw
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
 from dynamo_prep.worker.generate import GenerationServer

@@ -33,6 +33,7 @@ import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
 from dynamo_prep.discovery.trust import ClientCurve, apply_client_curve
+from dynamo_prep.protocol.clock import now_ms
 from dynamo_prep.protocol.discovery import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_NAMESPACE,
@@ -42,7 +43,6 @@ from dynamo_prep.protocol.discovery import (
     Load,
     Withdraw,
     encode_message,
-    now_ms,
     topic,
 )
 

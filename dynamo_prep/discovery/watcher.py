@@ -27,8 +27,7 @@ import asyncio
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -38,10 +37,12 @@ import zmq.asyncio
 from zmq.auth.thread import ThreadAuthenticator
 
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.discovery.builder import BuiltModel, ModelBuilder
-from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
+from dynamo_prep.discovery.builder import ModelBuilder
+from dynamo_prep.discovery.builds import ModelBuilds
+from dynamo_prep.discovery.catalog import ModelCatalog
 from dynamo_prep.discovery.eventlog import DiscoveryLog
 from dynamo_prep.discovery.metrics import DiscoveryMetrics
+from dynamo_prep.discovery.probing import NewcomerProbe, Prober
 from dynamo_prep.discovery.registry import (
     CardRejected,
     ChecksumMismatch,
@@ -89,17 +90,6 @@ RECV_HWM = 10_000
 # Frames above this are refused by libzmq (the peer is disconnected): a memory bound, far above
 # the 1 MiB payload limit so that oversize payloads still arrive and are counted as too_large.
 MAX_FRAME_BYTES = 16 << 20
-BUILD_BACKOFF_S = (1.0, 30.0)
-# Builds run on their own threads (never the request path's executor): a flood of unbuildable
-# model names queues here, and already served models are not slowed down by it.
-BUILD_THREADS = 2
-# Builds started and not finished at once; a model beyond it waits for a later announce of its own.
-MAX_BUILDS_IN_FLIGHT = 16
-# A newcomer the full table refused is probed (one at a time; an instance at most once a minute):
-# if its endpoint answers within the timeout, the registry lets it in on its next announce.
-PROBE_TIMEOUT_S = 1.0
-PROBE_AGAIN_AFTER_S = 60.0
-MAX_PROBED = 16_384
 
 
 class InstanceListener(Protocol):
@@ -109,20 +99,6 @@ class InstanceListener(Protocol):
     def instance_added(self, card: ModelDeploymentCard, instance: Instance) -> None: ...
 
     def instance_removed(self, model: str, instance: Instance) -> None: ...
-
-
-class _Build(msgspec.Struct, gc=False):
-    """One model's preprocessor build: in flight, failed (waiting for a retry) or done.
-
-    Untracked by the GC, as the registry's records (one per model of a 10,000-name flood): the only
-    cycle, through the task's coroutine while it runs, ends with the task (``task`` is cleared)."""
-
-    mdcsum: str
-    task: asyncio.Task[None] | None = None
-    failures: int = 0
-    retry_at: float = 0.0
-    built: BuiltModel | None = None
-    pending_legacy: list[LegacyDowngrade] | None = None
 
 
 class DiscoveryWatcher:
@@ -150,7 +126,8 @@ class DiscoveryWatcher:
         on_model_removed: Callable[[str], None] | None = None,
         metrics: DiscoveryMetrics | None = None,
         listeners: Sequence[InstanceListener] = (),
-        prober: Callable[[str, float], Awaitable[bool]] | None = None,
+        prober: Prober | None = None,
+        registry: DiscoveryRegistry | None = None,
     ) -> None:
         if not bind and not connect:
             raise ValueError("the discovery watcher needs at least one bind or connect address")
@@ -160,12 +137,11 @@ class DiscoveryWatcher:
         self.bind = list(bind)
         self.connect = list(connect)
         self.curve = curve
-        self.registry = DiscoveryRegistry()
+        self._registry = registry if registry is not None else DiscoveryRegistry()
         self.catalog = catalog or ModelCatalog()
         self.counters: Counter[str] = Counter()
         self.metrics = metrics if metrics is not None else DiscoveryMetrics()
         self.addresses: list[str] = []
-        self._builder = builder
         self._context = context or zmq.asyncio.Context.instance()
         self._clock = clock
         self._tick: float | None = None  # real time of the last wake, to notice this process stalling
@@ -173,9 +149,15 @@ class DiscoveryWatcher:
         self._max_drain = max_drain
         self._topic = topic(namespace)
         self._log = DiscoveryLog(namespace)
-        self._builds: dict[str, _Build] = {}
-        self._build_threads = ThreadPoolExecutor(BUILD_THREADS, thread_name_prefix="model-build")
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._builds = ModelBuilds(
+            builder,
+            self.registry,
+            self.catalog,
+            self.metrics,
+            self._log,
+            clock=clock,
+            on_published=self._note_composition,
+        )
         self._socket: zmq.asyncio.Socket | None = None
         self._shadow: zmq.Socket[Any] | None = None
         self._authenticator: ThreadAuthenticator | None = None
@@ -184,12 +166,16 @@ class DiscoveryWatcher:
         self._on_load = on_load  # (instance_id, load) of each fresh announce of an admitted instance
         self._on_model_removed = on_model_removed  # called with the mdcsum: its cached files may go
         self._listeners = tuple(listeners)
-        self._prober = prober  # (endpoint, timeout_s) -> whether it answered (the request plane's)
-        self._probing: asyncio.Task[None] | None = None
-        self._probed: dict[str, float] = {}  # instance_id -> when, oldest first
+        # a newcomer the full table refused is let in once its endpoint answers the request plane
+        self._probe = NewcomerProbe(prober, self.registry, namespace) if prober is not None else None
         self._compositions: dict[str, tuple[str, ...]] = {}  # sorted labels (no GC-tracked set per model)
         self._pool_log = structlog.get_logger("dynamo_prep.discovery").bind(namespace=namespace)
         self._limiter = RateLimiter()
+
+    @property
+    def registry(self) -> DiscoveryRegistry:
+        """The instance table (its builds and probes hold it too: given once, never replaced)."""
+        return self._registry
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -270,11 +256,9 @@ class DiscoveryWatcher:
 
     def close(self) -> None:
         """Cancel builds and a probe, close the socket (LINGER 0) and stop the authenticator."""
-        for task in list(self._tasks):
-            task.cancel()
-        if self._probing is not None:
-            self._probing.cancel()
-        self._build_threads.shutdown(wait=False, cancel_futures=True)
+        self._builds.close()
+        if self._probe is not None:
+            self._probe.close()
         if self._socket is not None:
             self._socket.close(linger=0)
             self._socket = None
@@ -336,9 +320,11 @@ class DiscoveryWatcher:
         self._handle(events)
         if isinstance(message, Announce):
             self._note_load(message)
-            self._maybe_retry_build(message.instance_id, message.endpoint, now)
-            if any(isinstance(e, CardRejected) and e.reason == "too_many_instances" for e in events):
-                self._maybe_probe(message.instance_id, message.endpoint, now)
+            self._builds.retry(message.instance_id, message.endpoint, now)
+            if self._probe is not None and any(
+                isinstance(e, CardRejected) and e.reason == "too_many_instances" for e in events
+            ):
+                self._probe.maybe(message.instance_id, message.endpoint, now)
 
     def _note_load(self, message: Announce) -> None:
         """Hand on the load an admitted instance reports, from news only (not a duplicate or stale)."""
@@ -347,35 +333,6 @@ class DiscoveryWatcher:
             return
         if self.registry.serving(message.instance_id, message.seq):
             self._on_load(message.instance_id, load)
-
-    def _maybe_probe(self, instance_id: str, endpoint: str, now: float) -> None:
-        """Probe a newcomer the full table refused (see ``PROBE_TIMEOUT_S``)."""
-        if self._prober is None or self._probing is not None:
-            return
-        last = self._probed.get(instance_id)
-        if last is not None and now - last < PROBE_AGAIN_AFTER_S:
-            return
-        self._probed.pop(instance_id, None)  # re-inserted: the oldest probe first
-        self._probed[instance_id] = now
-        if len(self._probed) > MAX_PROBED:
-            del self._probed[next(iter(self._probed))]
-        self._probing = asyncio.get_running_loop().create_task(
-            self._probe(self._prober, instance_id, endpoint)
-        )
-
-    async def _probe(
-        self, prober: Callable[[str, float], Awaitable[bool]], instance_id: str, endpoint: str
-    ) -> None:
-        try:
-            answered = await prober(endpoint, PROBE_TIMEOUT_S)
-        except Exception as exc:  # a probe that cannot run proves nothing; the watcher goes on
-            self._pool_log.warning("instance_probe_failed", instance_id=instance_id, error=str(exc)[:200])
-            answered = False
-        finally:
-            self._probing = None
-        if answered:
-            self.registry.note_proven(instance_id)
-            self._pool_log.info("instance_proven", instance_id=instance_id, endpoint=endpoint)
 
     def _reject(self, reason: str, detail: str, now: float) -> None:
         """Count a refused message; the log line is rate-limited per reason."""
@@ -420,10 +377,10 @@ class DiscoveryWatcher:
                 self._note_composition(event.model)
             case ModelFirstSeen():
                 self.catalog.mark_pending(event.model)
-                self._on_model_first_seen(event)
+                self._builds.first_seen(event)
             case ModelRemoved():
                 self.catalog.remove(event.model)
-                self._builds.pop(event.model, None)  # an in-flight build sees this and drops its result
+                self._builds.forget(event.model)  # an in-flight build sees this and drops its result
                 self._log.model_removed(event)
                 self._note_composition(event.model)
                 if self._on_model_removed is not None:
@@ -435,7 +392,7 @@ class DiscoveryWatcher:
             case RuntimeConfigConflict():
                 self._log.runtime_config_conflict(event)
             case LegacyDowngrade():
-                self._on_legacy(event)
+                self._builds.legacy(event)
             case KeyMismatch():
                 self.counters["key_mismatch"] += 1
                 self._log.key_mismatch(event, total=self.counters["key_mismatch"], now=self._clock())
@@ -490,90 +447,3 @@ class DiscoveryWatcher:
             composition=composition,
             mixed=len(declarations) > 1,
         )
-
-    def _on_legacy(self, event: LegacyDowngrade) -> None:
-        """Log now if the model is built (we know what renders); else when its build ends."""
-        build = self._builds.get(event.model)
-        if build is not None and build.built is None and build.failures == 0:
-            if build.pending_legacy is None:
-                build.pending_legacy = []
-            build.pending_legacy.append(event)
-            return
-        self._log.legacy_downgrade(event, build.built if build is not None else None)
-
-    # -- builds ------------------------------------------------------------------------------
-
-    def _on_model_first_seen(self, event: ModelFirstSeen) -> None:
-        build = _Build(event.mdcsum)
-        self._builds[event.model] = build
-        self._start_build(event.model, build, event.card, event.instance.instance_id, event.instance.endpoint)
-
-    def _maybe_retry_build(self, instance_id: str, endpoint: str, now: float) -> None:
-        """A later announce of a model whose build failed (after its backoff) or never started (too
-        many in flight) starts it."""
-        name = self.registry.model_of(instance_id)
-        build = self._builds.get(name) if name is not None else None
-        if name is None or build is None or build.built is not None or build.task is not None:
-            return
-        snapshot = self.registry.model(name)
-        if now >= build.retry_at and snapshot is not None:
-            self._start_build(name, build, snapshot.card, instance_id, endpoint)
-
-    def _start_build(
-        self, name: str, build: _Build, card: ModelDeploymentCard, instance_id: str, endpoint: str
-    ) -> None:
-        if len(self._tasks) >= MAX_BUILDS_IN_FLIGHT:
-            return
-        task = asyncio.get_running_loop().create_task(
-            self._build(name, build, card, instance_id, endpoint), name=f"build:{name}"
-        )
-        build.task = task
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _build(
-        self, name: str, build: _Build, card: ModelDeploymentCard, instance_id: str, endpoint: str
-    ) -> None:
-        started = time.perf_counter()
-        try:
-            loop = asyncio.get_running_loop()
-            built = await loop.run_in_executor(self._build_threads, self._builder, card, endpoint)
-        except Exception as exc:  # the contract is ModelBuildError; anything else is reported the same
-            self._build_failed(name, build, instance_id, endpoint, exc)
-            return
-        finally:
-            build.task = None
-        snapshot = self.registry.model(name)
-        if self._builds.get(name) is not build or snapshot is None:
-            self._log.model_build_discarded(name, build.mdcsum)
-            return
-        build.built = built
-        self.registry.confirm(name)
-        self.metrics.note_unregistered(built.preprocessor.unregistered_image_token)
-        live = LiveModel(
-            name, card, build.mdcsum, built.preprocessor, snapshot.instances, model_dir=built.model_dir
-        )
-        self.catalog.publish(live)
-        build_ms = (time.perf_counter() - started) * 1000
-        self._log.model_added(
-            name, build.mdcsum, instance_id, built, instances=len(snapshot.instances), build_ms=build_ms
-        )
-        self._flush_legacy(build)
-        self._note_composition(name)
-
-    def _build_failed(
-        self, name: str, build: _Build, instance_id: str, endpoint: str, exc: Exception
-    ) -> None:
-        build.failures += 1
-        low, high = BUILD_BACKOFF_S
-        retry_in = min(high, low * 2 ** (build.failures - 1))
-        build.retry_at = self._clock() + retry_in
-        self._log.model_build_failed(
-            name, build.mdcsum, instance_id, endpoint, exc, attempt=build.failures, retry_in_s=retry_in
-        )
-        self._flush_legacy(build)
-
-    def _flush_legacy(self, build: _Build) -> None:
-        pending, build.pending_legacy = build.pending_legacy or [], None
-        for event in pending:
-            self._log.legacy_downgrade(event, build.built)

@@ -201,7 +201,7 @@ class FrontendConfig:
         """Embedded plane on ``DEFAULT_BIND`` unless told otherwise; CURVE needs both key options.
 
         Several HTTP processes (``http_workers``) share the embedded plane through a forwarder in
-        their parent (``workers.py``); CURVE is refused with them: the per-instance key binding
+        their parent (``http_supervisor.py``); CURVE is refused with them: the per-instance key binding
         lives in a frontend's own bound socket (run brokers with keys and ``--discovery`` instead).
         """
         if discovery_bind and discovery:

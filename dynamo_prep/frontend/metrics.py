@@ -7,7 +7,7 @@ Dynamo's frontend (``dynamo_frontend_`` prefix) so existing dashboards fit; docs
 lists each one with what it means.
 
 Several HTTP processes (``--http-workers``) share prometheus_client's multiprocess mode: when
-``PROMETHEUS_MULTIPROC_DIR`` is set (by their supervisor, ``workers.py``) every value lives in that
+``PROMETHEUS_MULTIPROC_DIR`` is set (by their supervisor, ``http_supervisor.py``) every value lives in that
 directory's per-process files and ``exposition`` merges them, so any process answers for all.
 """
 

@@ -1,7 +1,7 @@
 """``dynamo-prep frontend``: read the options, then serve in this process or supervise N of them.
 
 One process (the default) runs ``serve.py``'s components on its own event loop. With
-``--http-workers N`` (N > 1) a supervisor (``workers.py``) runs N such processes, each binding the
+``--http-workers N`` (N > 1) a supervisor (``http_supervisor.py``) runs N such processes, each binding the
 HTTP port with SO_REUSEPORT. Logging is configured by the CLI, never here.
 """
 
@@ -29,7 +29,7 @@ def run_frontend(**options: Any) -> int:
         log.error("frontend_config_error", error=str(exc))
         return EXIT_CONFIG
     if config.http_workers > 1:
-        from dynamo_prep.frontend.workers import run_workers  # noqa: PLC0415 - the supervisor only
+        from dynamo_prep.frontend.http_supervisor import run_workers  # noqa: PLC0415 - the supervisor only
 
         return run_workers(config)
     return run_in_loop(serve_frontend(config))

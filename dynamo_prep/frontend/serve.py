@@ -3,7 +3,7 @@
 Components are named coroutines supervised together: the discovery watcher and the HTTP server
 (``app.py`` on uvicorn), on one event loop (uvloop) and sharing the live ``ModelCatalog``. A signal
 stops every component and exits 0; a component that ends on its own is a failure and exits 1.
-``process.py`` runs this once, or ``workers.py`` runs it in each of ``--http-workers N`` children.
+``process.py`` runs this once, or ``http_supervisor.py`` runs it in each of ``--http-workers N`` children.
 Logging is configured by the CLI (or the supervisor, per child), never here.
 """
 

@@ -7,7 +7,6 @@ a heartbeat costs one small decode.
 
 from __future__ import annotations
 
-import time
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -145,10 +144,6 @@ def reachable_from_elsewhere(address: str) -> bool:
         return False
     host = rest.rsplit(":", 1)[0]
     return not host.startswith(_LOCAL_HOSTS)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def encode_message(message: DiscoveryMessage) -> bytes:

@@ -7,7 +7,7 @@ requests share one DEALER per worker. ``docs/request-plane.md`` documents every 
 
 from __future__ import annotations
 
-from typing import Annotated, Final
+from typing import Annotated, Any, ClassVar, Final, Generic, TypeVar
 
 import msgspec
 
@@ -17,6 +17,8 @@ from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 __all__ = [
     "FINISH_REASONS",
     "MAX_REPLY_BYTES",
+    "Answer",
+    "Call",
     "Cancel",
     "ErrorReply",
     "FetchFile",
@@ -28,11 +30,14 @@ __all__ = [
     "Pong",
     "ToWorker",
     "TokenLogprob",
+    "Unary",
     "WireDecodeError",
     "aligned_logprobs",
+    "decode_body",
     "decode_from_worker",
     "decode_to_worker",
     "encode",
+    "encode_body",
     "extend_logprobs",
     "from_worker_decoder",
     "merged",
@@ -41,7 +46,7 @@ __all__ = [
 
 # The largest model file the request plane carries: cards with bigger files are refused on both sides.
 MAX_FILE_BYTES = 256 << 20
-# The largest generation reply (Output, ErrorReply, Pong) a frontend takes: a frame of 1M token ids
+# The largest reply (Output, Answer, ErrorReply, Pong) a frontend takes: a frame of 1M token ids
 # is ~5 MB, far beyond any context. Larger frames are refused by libzmq at the frontend's socket
 # (MAXMSGSIZE: the connection is dropped before the frame is allocated).
 MAX_REPLY_BYTES = 8 << 20
@@ -50,6 +55,8 @@ FINISH_REASONS: Final = frozenset({"stop", "length", "cancelled", "deadline"})
 
 _Sha256 = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]
 _RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_Method = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+A = TypeVar("A")
 
 
 class FetchFile(msgspec.Struct, kw_only=True, tag="fetch_file", tag_field="kind"):
@@ -77,6 +84,24 @@ class Ping(msgspec.Struct, kw_only=True, tag="ping", tag_field="kind"):
     """Liveness probe: a slow worker still answers, a dead one does not."""
 
     request_id: _RequestId
+
+
+class Unary(msgspec.Struct, Generic[A], kw_only=True):
+    """A non-streamed request kind: the body of a ``Call``, answered by one ``Answer`` whose body is
+    an ``A``. A kind sets ``method`` (its name on the wire) and ``answer`` (``A``, to decode it)."""
+
+    method: ClassVar[str]
+    answer: ClassVar[type[Any]]
+
+
+class Call(msgspec.Struct, kw_only=True, tag="call", tag_field="kind"):
+    """One non-streamed request: ``body`` is the MessagePack of the ``Unary`` kind ``method`` names;
+    ``deadline_ms`` as Generate's. Answered by one ``Answer`` or an ``ErrorReply``."""
+
+    request_id: _RequestId
+    method: _Method
+    body: msgspec.Raw
+    deadline_ms: int
 
 
 class FileData(msgspec.Struct, kw_only=True, tag="file_data", tag_field="kind"):
@@ -183,8 +208,15 @@ class ErrorReply(msgspec.Struct, kw_only=True, tag="error", tag_field="kind"):
     message: str
 
 
-ToWorker = FetchFile | Generate | Cancel | Ping
-FromWorker = FileData | Output | Pong | ErrorReply
+class Answer(msgspec.Struct, kw_only=True, tag="answer", tag_field="kind"):
+    """The answer to a ``Call``, same ``request_id``: ``body`` is the MessagePack of its kind's answer."""
+
+    request_id: str
+    body: msgspec.Raw
+
+
+ToWorker = FetchFile | Generate | Cancel | Ping | Call
+FromWorker = FileData | Output | Pong | ErrorReply | Answer
 
 _encoder = msgspec.msgpack.Encoder()
 to_worker_decoder = msgspec.msgpack.Decoder(ToWorker)
@@ -193,6 +225,17 @@ from_worker_decoder = msgspec.msgpack.Decoder(FromWorker)
 
 def encode(message: ToWorker | FromWorker) -> bytes:
     return _encoder.encode(message)
+
+
+def encode_body(value: Any) -> msgspec.Raw:
+    """A ``Call``'s or an ``Answer``'s body: ``value`` (a kind, or its answer) as MessagePack."""
+    return msgspec.Raw(_encoder.encode(value))
+
+
+def decode_body(body: msgspec.Raw, kind: type[A]) -> A:
+    """A ``Call``'s or an ``Answer``'s body as ``kind``; ``WireDecodeError`` otherwise."""
+    with decoding():
+        return msgspec.msgpack.decode(body, type=kind)
 
 
 def decode_to_worker(payload: bytes | memoryview) -> ToWorker:

@@ -31,7 +31,8 @@ import zmq
 
 from dynamo_prep.engines.base import CheckFn, EngineContractError, EngineError, GenerateFn
 from dynamo_prep.protocol import wire
-from dynamo_prep.protocol.discovery import Load, now_ms
+from dynamo_prep.protocol.clock import now_ms
+from dynamo_prep.protocol.discovery import Load
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, Generate, Output, Ping, Pong
 
 __all__ = ["GenerationServer", "Reply"]

@@ -2,8 +2,9 @@
 
 The worker owns two sockets. A ROUTER bound on a random port is its request plane (advertised in
 every announce as ``endpoint``); a ``CardPublisher`` announces the card on the discovery plane.
-The request loop is a dispatcher on message type: ``FetchFile`` always, plus Generate / Cancel /
-Ping when the worker runs an engine (``GenerationServer``, in ``worker.generate``).
+The request loop is a dispatcher on message type: ``FetchFile`` and ``Call`` (the non-streamed
+kinds, ``worker.calls``) always, plus Generate / Cancel / Ping when the worker runs an engine
+(``GenerationServer``, in ``worker.generate``).
 
 With KV events, every announce also carries where the engine publishes them (``kv_events``):
 either a fixed address (a real engine's publisher, ``register``) or the bound addresses of a
@@ -38,13 +39,15 @@ from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
 from dynamo_prep.discovery.trust import ClientCurve
 from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
 from dynamo_prep.protocol import wire
+from dynamo_prep.protocol.calls import Echo
 from dynamo_prep.protocol.discovery import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_NAMESPACE,
     DEFAULT_TTL_MS,
     KvEventsEndpoint,
 )
-from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
+from dynamo_prep.protocol.wire import Call, Cancel, ErrorReply, FetchFile, Generate, Ping
+from dynamo_prep.worker.calls import CallServer, echo
 from dynamo_prep.worker.config import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_ENDPOINT_HOST,
@@ -139,6 +142,10 @@ class Worker:
         self.dispatcher = RequestDispatcher()
         self.files = FileServer(card, model_dir)
         self.dispatcher.register(FetchFile, self._fetch_file)
+        self.calls = CallServer()
+        self.calls.register(Echo, echo)
+        self.dispatcher.register(Call, self.calls.on_call)
+        self.dispatcher.register(Cancel, self.calls.cancelling(None))
         self.generation = generation
         self.drain_timeout_s = drain_timeout_s
         self.watchdog = (
@@ -149,7 +156,7 @@ class Worker:
         if generation is not None:
             self.metrics.track_inflight(lambda: generation.in_flight)
             self.dispatcher.register(Generate, self.metrics.counting_generate(generation.on_generate))
-            self.dispatcher.register(Cancel, generation.on_cancel)
+            self.dispatcher.register(Cancel, self.calls.cancelling(generation.on_cancel))
             self.dispatcher.register(Ping, generation.on_ping)
         self._discovery = list(discovery)
         self._namespace = namespace
@@ -286,12 +293,17 @@ class Worker:
         engine died or hung): new work is refused from now on, and what is in flight fails at once
         after the withdraw.
         """
-        if self.generation is not None and not drain:
-            self.generation.draining = True  # a dying worker: new work gets a retryable 503 at once
+        if not drain:  # a dying worker: new work gets a retryable 503 at once
+            self.calls.draining = True
+            if self.generation is not None:
+                self.generation.draining = True
         if self._publisher is not None:
             await self._publisher.stop()
+        drain_s = self.drain_timeout_s if drain else 0.0
+        drains: list[Awaitable[object]] = [self.calls.drain(drain_s)]
         if self.generation is not None:
-            await self.generation.drain(self.drain_timeout_s if drain else 0.0)
+            drains.append(self.generation.drain(drain_s))
+        await asyncio.gather(*drains)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
