@@ -102,9 +102,6 @@ def test_no_modules_import_each_other() -> None:
 FRONTEND = PACKAGE / "frontend"
 FRONTEND_MAX_LINES = 600
 PACKAGE_MAX_LINES = 800
-# Being split on another branch (issue 29 point 5: the request-plane client into inbox / channel /
-# client / allowance modules); the lead removes it from here when that lands.
-OVERSIZED_ALLOWED = {"frontend/client.py"}
 
 
 def _lines(path: Path) -> int:
@@ -112,8 +109,7 @@ def _lines(path: Path) -> int:
 
 
 def _oversized(paths: list[Path], limit: int) -> list[str]:
-    found = [f"{path.relative_to(PACKAGE)} ({_lines(path)} lines)" for path in paths if _lines(path) > limit]
-    return [entry for entry in found if entry.split(" ")[0] not in OVERSIZED_ALLOWED]
+    return [f"{path.relative_to(PACKAGE)} ({_lines(path)} lines)" for path in paths if _lines(path) > limit]
 
 
 def test_no_frontend_module_is_over_600_lines() -> None:
@@ -122,15 +118,6 @@ def test_no_frontend_module_is_over_600_lines() -> None:
 
 def test_no_module_is_over_800_lines() -> None:
     assert not _oversized(MODULES, PACKAGE_MAX_LINES)
-
-
-def test_the_allowed_oversized_modules_still_exist_and_are_oversized() -> None:
-    """The allow-list only names what still needs it: a split module must leave it."""
-    for name in OVERSIZED_ALLOWED:
-        path = PACKAGE / name
-        assert path.exists() and _lines(path) > FRONTEND_MAX_LINES, (
-            f"{name}: remove it from OVERSIZED_ALLOWED"
-        )
 
 
 def test_the_http_app_is_assembly_only() -> None:
