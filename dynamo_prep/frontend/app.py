@@ -56,7 +56,6 @@ from dynamo_prep.frontend.completions import (
 from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import REQUEST_ERRORS, OpenAIError, as_openai_error, error_response
-from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.load import LoadBoard
 from dynamo_prep.frontend.logprobs import Pacer, content_logprobs_for, paced, pacer_for
 from dynamo_prep.frontend.metrics import CONTENT_TYPE, FrontendMetrics
@@ -71,7 +70,6 @@ from dynamo_prep.frontend.responses import (
     response_events,
     responses_params,
 )
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.frontend.schema_checks import SchemaChecks
 from dynamo_prep.preprocessor import stop_strings, validate_answer_budget, validate_n
 from dynamo_prep.protocol.decode import decoding
@@ -88,6 +86,8 @@ from dynamo_prep.protocol.openai import (
     parse_chat_request,
 )
 from dynamo_prep.protocol.wire import Output
+from dynamo_prep.routing.round_robin import RoundRobin
+from dynamo_prep.routing.router import Router
 from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = ["create_app"]
@@ -115,7 +115,6 @@ def create_app(
     client: RequestPlaneClient,
     *,
     router: Router | None = None,
-    kv: KvRouting | None = None,
     board: LoadBoard | None = None,
     settings: HttpSettings | None = None,
     metrics: FrontendMetrics | None = None,
@@ -124,7 +123,7 @@ def create_app(
 ) -> ASGIApp:
     """The ASGI app serving ``catalog``'s live models through ``client``.
 
-    ``kv`` routes by KV-cache overlap (else ``router``'s round robin); ``board`` holds the
+    ``router`` chooses each request's instance (else round robin); ``board`` holds the
     instances' load and the requests waiting for room (the watcher's; else a private one, which
     knows only this frontend's own requests). ``metrics`` is the
     frontend's own registry (shared with its watcher and router); without one the app gets a
@@ -136,7 +135,7 @@ def create_app(
     settings = settings or HttpSettings()
     declarations = DeclarationPreprocessors(metrics.discovery)
     migration = Migration(
-        catalog, router or Router(), client, declarations, kv=kv, board=board, on_answered=on_answered,
+        catalog, router or RoundRobin(), client, declarations, board=board, on_answered=on_answered,
         schema_limits=settings.schema_limits,
     )  # fmt: skip
     schemas = schema_checks or SchemaChecks(settings.schema_limits, metrics)
