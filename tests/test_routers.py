@@ -4,6 +4,7 @@ loop moves a request off a killed worker with either one, asking neither which o
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoin
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient
+from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
@@ -65,6 +67,25 @@ def test_the_kv_router_takes_its_settings_whole() -> None:
     router = build_router(settings)
     assert isinstance(router, KvRouting) and router.settings is settings
     router.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"mode": "random"}, "--router-mode must be one of round-robin, kv, got 'random'"),
+        (
+            {"temperature": -0.5},
+            "--kv-overlap-score-weight, --router-temperature and --kv-predict-ttl must be >= 0",
+        ),
+        ({"predict_ttl_s": float("nan")}, "--kv-predict-ttl must be >= 0"),
+    ],
+)
+def test_the_routing_settings_are_validated_in_their_record(fields: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        RouterSettings(**fields)
+    options = {"router_mode": fields.get("mode", "kv"), "router_temperature": fields.get("temperature", 0.0)}
+    with pytest.raises(ValueError, match=re.escape(message)):  # the frontend's options, the same record
+        FrontendConfig.from_options(**options, kv_predict_ttl_s=fields.get("predict_ttl_s", 0.0))
 
 
 # -- the migration loop with either router, through real mock workers ------------------------------

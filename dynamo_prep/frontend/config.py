@@ -177,7 +177,7 @@ class FrontendConfig:
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         max_headers: int = DEFAULT_MAX_HEADERS,
         schema_limits: Sequence[str] = (),
-        router_mode: str = DEFAULT_ROUTER_MODE,
+        router_mode: RouterMode = DEFAULT_ROUTER_MODE,
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
         kv_predict_ttl_s: float = DEFAULT_KV_PREDICT_TTL_S,
@@ -228,12 +228,6 @@ class FrontendConfig:
             raise ValueError(
                 "--http-workers > 1 cannot keep CURVE's per-instance key binding on the embedded plane: "
                 "run a broker with the keys and give the frontends --discovery"
-            )
-        if router_mode not in ROUTER_MODES:
-            raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {router_mode!r}")
-        if not kv_overlap_score_weight >= 0 or not router_temperature >= 0 or not kv_predict_ttl_s >= 0:
-            raise ValueError(
-                "--kv-overlap-score-weight, --router-temperature and --kv-predict-ttl must be >= 0"
             )
         return cls(
             bind=bind,

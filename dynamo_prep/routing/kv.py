@@ -44,8 +44,6 @@ class KvRouting:
         seed: int | None = None,
     ) -> None:
         settings = settings if settings is not None else RouterSettings(mode="kv")
-        if settings.temperature < 0:
-            raise ValueError(f"the router temperature must be >= 0, got {settings.temperature}")
         self.settings = settings
         self.metrics = metrics if metrics is not None else KvMetrics()
         rules = KvEndpointRules(settings.kv_endpoint_hosts)

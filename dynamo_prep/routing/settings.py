@@ -40,3 +40,11 @@ class RouterSettings:
     temperature: float = DEFAULT_ROUTER_TEMPERATURE
     predict_ttl_s: float = DEFAULT_KV_PREDICT_TTL_S
     kv_endpoint_hosts: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROUTER_MODES:
+            raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {self.mode!r}")
+        if not (self.kv_overlap_score_weight >= 0 and self.temperature >= 0 and self.predict_ttl_s >= 0):
+            raise ValueError(
+                "--kv-overlap-score-weight, --router-temperature and --kv-predict-ttl must be >= 0"
+            )
