@@ -51,7 +51,6 @@ from dynamo_prep.discovery.registry import (
     RegistryEvent,
     RuntimeConfigConflict,
 )
-from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 from dynamo_prep.logging import RateLimiter
 from dynamo_prep.protocol.discovery import (
@@ -62,6 +61,7 @@ from dynamo_prep.protocol.discovery import (
     decode_message,
     topic,
 )
+from dynamo_prep.routing.kv import KvRouting
 
 __all__ = ["Change", "InstanceRow", "PlaneView", "run_watch"]
 

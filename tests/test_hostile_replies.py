@@ -35,7 +35,6 @@ from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.logging import DETAIL_CHARS
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
@@ -44,6 +43,7 @@ from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import parse_chat_request
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Output
+from dynamo_prep.routing.round_robin import RoundRobin
 
 K3 = "kimi-k3-demo"
 TOKEN = 3_000  # an ordinary id of the demo vocabulary
@@ -126,7 +126,7 @@ def policy(
     )
     catalog = ModelCatalog()
     catalog.publish(model)
-    return Migration(catalog, Router(), client, DeclarationPreprocessors()), model
+    return Migration(catalog, RoundRobin(), client, DeclarationPreprocessors()), model
 
 
 async def served(

@@ -106,6 +106,8 @@ class Plane:
             assert time.monotonic() < deadline, "the raw announce was never admitted"
             self.announce(instance_id, publisher)
             await asyncio.sleep(0.1)  # a heartbeat period (the slow joiner drops the first ones)
+        # Admitted is not served yet: the model's build may still run (its requests would get a 503).
+        await asyncio.to_thread(self.frontend.wait_event, "model_added", timeout=30, model=K3)
         await publisher.wait_subscribed()
 
     async def prompt_ids(self, messages: list[dict[str, Any]]) -> list[int]:

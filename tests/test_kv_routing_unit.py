@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.frontend.kv_routing import KvRouting, RoutingPrompt
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.kv_events import BlockStored
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions
+from dynamo_prep.routing.kv import KvRouting
+from dynamo_prep.routing.router import Route, RoutingPrompt
 
 MEDIA_PAD = "<|media_pad|>"
 
@@ -36,8 +37,9 @@ def test_a_text_prompt_is_matched_for_every_declaration_of_a_mixed_pool() -> Non
             assert (decision.instance_id, decision.overlap_blocks) == (cached.instance_id, 4)
             assert len(decision.block_hashes) == 4 and decision.prompt_blocks == 5
         routing.reset(cached.instance_id)
-    routing.dispatch(card.display_name, "r1", decision)
-    routing.dispatch(card.display_name, "r2", decision)
+    route = Route({"sglang": sglang, "vllm": vllm}[decision.instance_id], decision)
+    routing.dispatch(card.display_name, "r1", route)
+    routing.dispatch(card.display_name, "r2", route)
     assert routing.active_blocks(card.display_name) == {decision.instance_id: 4 + 2}
     routing.release(card.display_name, "r1")
     routing.release(card.display_name, "r2")

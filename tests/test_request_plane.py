@@ -23,7 +23,6 @@ from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire
@@ -31,6 +30,7 @@ from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import ChatCompletionRequest, parse_chat_request
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import Cancel, Generate, Output
+from dynamo_prep.routing.round_robin import RoundRobin
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -79,7 +79,9 @@ def migration(
     )
     catalog = ModelCatalog()
     catalog.publish(model)
-    return Migration(catalog, Router(), client, DeclarationPreprocessors(), on_answered=on_answered), model
+    return Migration(
+        catalog, RoundRobin(), client, DeclarationPreprocessors(), on_answered=on_answered
+    ), model
 
 
 def record() -> RequestRecord:

@@ -22,13 +22,13 @@ from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics, observe_many
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import parse_chat_request
 from dynamo_prep.protocol.wire import ErrorReply, Generate, Output, merged
+from dynamo_prep.routing.round_robin import RoundRobin
 
 DEMO = "kimi-k3-demo"
 MAX_TOKENS = 10
@@ -187,7 +187,7 @@ def migration(client: RequestPlaneClient, workers: list[HandWorker]) -> tuple[Mi
     )
     catalog = ModelCatalog()
     catalog.publish(model)
-    return Migration(catalog, Router(), client, DeclarationPreprocessors()), model
+    return Migration(catalog, RoundRobin(), client, DeclarationPreprocessors()), model
 
 
 async def started(stream: AsyncIterator[Output], worker: HandWorker) -> tuple[asyncio.Task[Output], Generate]:

@@ -21,10 +21,10 @@ from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.discovery import Instance
+from dynamo_prep.routing.round_robin import RoundRobin
 
 DEMO = "kimi-k3-demo"
 MEDIA_PAD = "<|media_pad|>"
@@ -52,7 +52,7 @@ def live_model(declared: str | None, instances: dict[str, str | None]) -> LiveMo
 
 def test_round_robin_over_live_instances_skipping_excluded() -> None:
     model = live_model(MEDIA_PAD, {"a": MEDIA_PAD, "b": MEDIA_PAD, "c": MEDIA_PAD})
-    router = Router()
+    router = RoundRobin()
     picks = [router.pick(model) for _ in range(6)]
     assert [pick.instance_id for pick in picks if pick] == ["a", "b", "c", "a", "b", "c"]
     assert {router.pick(model, excluded={"a", "b"}).instance_id for _ in range(3)} == {"c"}  # type: ignore[union-attr]
@@ -61,7 +61,7 @@ def test_round_robin_over_live_instances_skipping_excluded() -> None:
 
 def test_a_mixed_pool_renders_each_declaration_with_a_shared_tokenizer() -> None:
     model = live_model(MEDIA_PAD, {"sg": MEDIA_PAD, "vl": None})
-    router = Router()
+    router = RoundRobin()
     declarations = DeclarationPreprocessors()
     assert model.composition() == {MEDIA_PAD: 1, "checkpoint default": 1}
     assert {router.pick(model).declared_token for _ in range(2)} == {MEDIA_PAD, None}  # type: ignore[union-attr]

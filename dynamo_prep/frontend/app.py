@@ -17,13 +17,13 @@ from dynamo_prep.frontend.api.failures import HANDLERS
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import HttpSettings
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
-from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.load import LoadBoard
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_ids import RequestIds
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.frontend.schema_checks import SchemaChecks
+from dynamo_prep.routing.round_robin import RoundRobin
+from dynamo_prep.routing.router import Router
 
 __all__ = ["SURFACES", "create_app"]
 
@@ -36,7 +36,6 @@ def create_app(
     client: RequestPlaneClient,
     *,
     router: Router | None = None,
-    kv: KvRouting | None = None,
     board: LoadBoard | None = None,
     settings: HttpSettings | None = None,
     metrics: FrontendMetrics | None = None,
@@ -45,7 +44,7 @@ def create_app(
 ) -> ASGIApp:
     """The ASGI app serving ``catalog``'s live models through ``client``.
 
-    ``kv`` routes by KV-cache overlap (else ``router``'s round robin); ``board`` holds the
+    ``router`` chooses each request's instance (else round robin); ``board`` holds the
     instances' load and the requests waiting for room (the watcher's; else a private one, which
     knows only this frontend's own requests). ``metrics`` is the
     frontend's own registry (shared with its watcher and router); without one the app gets a
@@ -57,7 +56,7 @@ def create_app(
     settings = settings or HttpSettings()
     declarations = DeclarationPreprocessors(metrics.discovery)
     migration = Migration(
-        catalog, router or Router(), client, declarations, kv=kv, board=board, on_answered=on_answered,
+        catalog, router or RoundRobin(), client, declarations, board=board, on_answered=on_answered,
         schema_limits=settings.schema_limits,
     )  # fmt: skip
     schemas = schema_checks or SchemaChecks(settings.schema_limits, metrics)

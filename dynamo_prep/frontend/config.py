@@ -8,11 +8,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING
 
 from dynamo_prep.protocol.discovery import DEFAULT_BIND, DEFAULT_NAMESPACE
 from dynamo_prep.protocol.schema_bounds import SchemaLimits
-from dynamo_prep.routing.predicted import DEFAULT_PREDICT_TTL_S
+from dynamo_prep.routing.settings import (
+    DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
+    DEFAULT_KV_PREDICT_TTL_S,
+    DEFAULT_ROUTER_MODE,
+    DEFAULT_ROUTER_TEMPERATURE,
+    ROUTER_MODES,
+    RouterMode,
+    RouterSettings,
+)
 
 if TYPE_CHECKING:  # loaded on demand: reading the defaults must not import ZeroMQ
     from dynamo_prep.discovery.trust import ServerCurve
@@ -26,6 +34,7 @@ __all__ = [
     "DEFAULT_HTTP_PORT",
     "DEFAULT_HTTP_WORKERS",
     "DEFAULT_KV_OVERLAP_SCORE_WEIGHT",
+    "DEFAULT_KV_PREDICT_TTL_S",
     "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CLIENT_CONNECTIONS",
     "DEFAULT_MAX_CONNECTIONS",
@@ -83,13 +92,6 @@ DEFAULT_MAX_URL_BYTES = 8 << 10
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 DEFAULT_MAX_HEADERS = 100
 DEFAULT_HTTP_WORKERS = 1
-RouterMode = Literal["round-robin", "kv"]
-ROUTER_MODES: tuple[RouterMode, ...] = get_args(RouterMode)
-DEFAULT_ROUTER_MODE: RouterMode = "round-robin"
-# Dynamo's defaults: the cost counts blocks to prefill once; temperature 0 picks the cheapest.
-DEFAULT_KV_OVERLAP_SCORE_WEIGHT = 1.0
-DEFAULT_ROUTER_TEMPERATURE = 0.0
-DEFAULT_KV_PREDICT_TTL_S = DEFAULT_PREDICT_TTL_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,19 +112,6 @@ class HttpSettings:
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
     max_headers: int = DEFAULT_MAX_HEADERS
     schema_limits: SchemaLimits = field(default_factory=SchemaLimits)
-
-
-@dataclass(frozen=True, slots=True)
-class RouterSettings:
-    """What the routing flags mean (``--router-mode``, ``--kv-overlap-score-weight``,
-    ``--router-temperature``, ``--kv-predict-ttl``, ``--kv-endpoint-hosts``: hosts a KV endpoint may
-    be on besides its worker's own, ``*`` for any)."""
-
-    mode: RouterMode = DEFAULT_ROUTER_MODE
-    kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT
-    temperature: float = DEFAULT_ROUTER_TEMPERATURE
-    predict_ttl_s: float = DEFAULT_KV_PREDICT_TTL_S
-    kv_endpoint_hosts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +177,7 @@ class FrontendConfig:
         max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
         max_headers: int = DEFAULT_MAX_HEADERS,
         schema_limits: Sequence[str] = (),
-        router_mode: str = DEFAULT_ROUTER_MODE,
+        router_mode: RouterMode = DEFAULT_ROUTER_MODE,
         kv_overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
         router_temperature: float = DEFAULT_ROUTER_TEMPERATURE,
         kv_predict_ttl_s: float = DEFAULT_KV_PREDICT_TTL_S,
@@ -239,12 +228,6 @@ class FrontendConfig:
             raise ValueError(
                 "--http-workers > 1 cannot keep CURVE's per-instance key binding on the embedded plane: "
                 "run a broker with the keys and give the frontends --discovery"
-            )
-        if router_mode not in ROUTER_MODES:
-            raise ValueError(f"--router-mode must be one of {', '.join(ROUTER_MODES)}, got {router_mode!r}")
-        if not kv_overlap_score_weight >= 0 or not router_temperature >= 0 or not kv_predict_ttl_s >= 0:
-            raise ValueError(
-                "--kv-overlap-score-weight, --router-temperature and --kv-predict-ttl must be >= 0"
             )
         return cls(
             bind=bind,

@@ -45,11 +45,9 @@ from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.errors import OpenAIError
-from dynamo_prep.frontend.kv_routing import KvRouting, RoutingPrompt
 from dynamo_prep.frontend.load import LoadBoard, Ticket
 from dynamo_prep.frontend.offload import off_loop_if_slow
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.logging import DETAIL_CHARS, RateLimiter
 from dynamo_prep.preprocessor import TokenizedPrompt
 from dynamo_prep.protocol.discovery import Instance
@@ -57,7 +55,7 @@ from dynamo_prep.protocol.openai import ChatCompletionRequest
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.schema_bounds import SchemaLimits
 from dynamo_prep.protocol.wire import Output
-from dynamo_prep.routing.policy import Decision
+from dynamo_prep.routing.router import Route, Router, RoutingPrompt
 
 __all__ = ["Journey", "Migration", "continuation", "forked"]
 
@@ -100,7 +98,7 @@ class Journey:
     renders: dict[str | None, PreprocessedRequest] = field(default_factory=dict)
     streamed: list[int] = field(default_factory=list)
     last_error: WorkerLost | WorkerError | None = None
-    decision: Decision | None = None  # the KV router's last choice, when it chose
+    route: Route | None = None  # the router's last choice
     free_moves: int = 0  # moves that cost no budget so far
 
     @property
@@ -119,7 +117,6 @@ class Migration:
         client: RequestPlaneClient,
         declarations: DeclarationPreprocessors,
         *,
-        kv: KvRouting | None = None,
         board: LoadBoard | None = None,
         on_answered: Callable[[str], None] | None = None,
         schema_limits: SchemaLimits | None = None,
@@ -131,7 +128,6 @@ class Migration:
         self.router = router
         self.client = client
         self.declarations = declarations
-        self.kv = kv
         self.board = board if board is not None else LoadBoard()
         self._on_answered = on_answered  # told the model's name when one of its workers answers
         self._usage_log = RateLimiter()
@@ -189,29 +185,28 @@ class Migration:
             try:
                 journey.tried.add(instance.instance_id)
                 base = await self._render(instance.declared_token, journey)
-                journey.record.routed(instance, journey.decision)
+                route = journey.route
+                journey.record.routed(instance, None if route is None else route.decision)
                 log.debug(
                     "request_routed", instance_id=instance.instance_id, declared_token=instance.declared_token
                 )
-                if self.kv is not None and journey.decision is not None:
-                    self.kv.dispatch(model.name, journey.request_id, journey.decision)
+                if route is not None:
+                    self.router.dispatch(model.name, journey.request_id, route)
                 earlier = len(journey.streamed)
                 try:
                     outputs = self._stream(instance, base, journey)
-                    if self.kv is not None:
-                        first = await anext(outputs, None)
-                        self.kv.prefilled(model.name, journey.request_id)
-                        if first is None:
-                            return
-                        yield first
+                    first = await anext(outputs, None)
+                    self.router.prefilled(model.name, journey.request_id)
+                    if first is None:
+                        return
+                    yield first
                     async for output in outputs:
                         yield output
                     return
                 except (WorkerLost, WorkerError) as exc:
                     self._move_or_raise(exc, instance, journey, streamed=len(journey.streamed) - earlier)
                 finally:
-                    if self.kv is not None:
-                        self.kv.release(model.name, journey.request_id)
+                    self.router.release(model.name, journey.request_id)
             finally:
                 self.board.release(instance.instance_id)
 
@@ -241,29 +236,27 @@ class Migration:
 
     async def _choose(self, model: LiveModel, journey: Journey) -> Instance | _Saturated | None:
         """The next instance: one the request has not tried, preferably one that answers, with room
-        (``_SATURATED``: there are untried ones, none with room); by the router's turn, or where its
-        prefix is cached (KV routing). Nothing awaits between the room check and the return."""
+        (``_SATURATED``: there are untried ones, none with room), as the router chooses (it reads the
+        prompts it needs first). Nothing awaits between the room check and the return."""
         untried = [i for instance_id, i in model.instances.items() if instance_id not in journey.tried]
         unreachable = self.client.unreachable_endpoints()
         candidates = [instance for instance in untried if instance.endpoint not in unreachable] or untried
         if not candidates:
             return None
-        prompts = None
-        if self.kv is not None:
-            prompts = {
-                declared: RoutingPrompt(
-                    await self._render(declared, journey), self.declarations.placeholder(model, declared)
-                )
-                for declared in {instance.declared_token for instance in candidates}
-            }
+
+        async def render(declared: str | None) -> RoutingPrompt:
+            request = await self._render(declared, journey)
+            return RoutingPrompt(request, self.declarations.placeholder(model, declared))
+
+        prompts = await self.router.prompts(candidates, render)
         candidates = [instance for instance in candidates if not self.board.saturated(instance)]
         if not candidates:
             return _SATURATED
-        if self.kv is None or prompts is None:
-            chosen = {instance.instance_id for instance in candidates}
-            return self.router.pick(model, excluded=model.instances.keys() - chosen)
-        journey.decision = self.kv.decide(model.name, candidates, prompts)
-        return model.instances[journey.decision.instance_id]
+        route = self.router.choose(model, candidates, prompts)
+        if route is None:
+            return None
+        journey.route = route
+        return route.instance
 
     async def _render(self, declared: str | None, journey: Journey) -> PreprocessedRequest:
         """The prompt for a declaration (rendered once per declaration per request; a request

@@ -29,15 +29,14 @@ from dynamo_prep.frontend.app import create_app
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.http_server import HttpServer, bind_http, new_event_loop
-from dynamo_prep.frontend.kv_routing import KvRouting
 from dynamo_prep.frontend.load import LoadBoard
 from dynamo_prep.frontend.metrics import FrontendMetrics
-from dynamo_prep.frontend.router import Router
 from dynamo_prep.frontend.schema_checks import SchemaChecks
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals_in_loop
 from dynamo_prep.limits import raise_limits
 from dynamo_prep.loopwatch import LoopWatch
-from dynamo_prep.routing.metrics import KvMetrics
+from dynamo_prep.routing.modes import build_router
+from dynamo_prep.routing.router import Router, RouterParts
 
 __all__ = ["GIL_SWITCH_INTERVAL_S", "run_in_loop", "serve_frontend"]
 
@@ -83,8 +82,8 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
         metrics=metrics,
         busy=board.busy,
     )
-    kv = _kv_routing(config, context, metrics)
-    watcher = _watcher(config, catalog, store, context, client, metrics, kv, board)
+    router = build_router(config.router, RouterParts(context, metrics.registry))
+    watcher = _watcher(config, catalog, store, context, client, metrics, router, board)
     try:
         watcher.open()
     except (zmq.ZMQError, TrustError, ValueError) as exc:
@@ -100,8 +99,7 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     app = create_app(
         catalog,
         client,
-        router=Router(),
-        kv=kv,
+        router=router,
         board=board,
         settings=config.http,
         metrics=metrics,
@@ -125,28 +123,12 @@ async def _serve(config: FrontendConfig, stop: asyncio.Event) -> int:
     loop_watch = LoopWatch(on_stall=lambda stall: metrics.loop_stalls.labels(cause=stall.cause).inc())
     loop_watch.start()
     try:
-        return await _supervise(_components(watcher, http, kv), stop)
+        return await _supervise(_components(watcher, http, router), stop)
     finally:
         loop_watch.stop()
-        if kv is not None:
-            kv.subscriber.close()
+        router.close()
         await schema_checks.close()
         await client.close()
-
-
-def _kv_routing(
-    config: FrontendConfig, context: zmq.asyncio.Context, metrics: FrontendMetrics
-) -> KvRouting | None:
-    if config.router.mode != "kv":
-        return None
-    return KvRouting(
-        overlap_score_weight=config.router.kv_overlap_score_weight,
-        temperature=config.router.temperature,
-        predict_ttl_s=config.router.predict_ttl_s,
-        metrics=KvMetrics(metrics.registry),
-        context=context,
-        kv_endpoint_hosts=config.router.kv_endpoint_hosts,
-    )
 
 
 def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collaborator
@@ -156,7 +138,7 @@ def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collabora
     context: zmq.asyncio.Context,
     client: RequestPlaneClient,
     metrics: FrontendMetrics,
-    kv: KvRouting | None,
+    router: Router,
     board: LoadBoard,
 ) -> DiscoveryWatcher:
     builder = PreprocessorBuilder(store, local_model_path=config.model_path, context=context)
@@ -173,18 +155,15 @@ def _watcher(  # noqa: PLR0917 - private; every argument is a distinct collabora
         prober=client.answers,
         on_model_removed=store.release,
         metrics=metrics.discovery,
-        listeners=[board] if kv is None else [board, kv],
+        listeners=[board, router],
     )
 
 
 def _components(
-    watcher: DiscoveryWatcher, http: HttpServer, kv: KvRouting | None
+    watcher: DiscoveryWatcher, http: HttpServer, router: Router
 ) -> dict[str, Coroutine[Any, Any, None]]:
-    """Everything the frontend runs concurrently (they share one ``ModelCatalog``, and the KV index)."""
-    components = {"discovery_watcher": watcher.run(), "http_server": http.run()}
-    if kv is not None:
-        components["kv_events"] = kv.subscriber.run()
-    return components
+    """Everything the frontend runs concurrently (they share one ``ModelCatalog``, and the router)."""
+    return {"discovery_watcher": watcher.run(), "http_server": http.run(), **router.components()}
 
 
 async def _supervise(components: Mapping[str, Coroutine[Any, Any, None]], stop: asyncio.Event) -> int:

@@ -52,10 +52,9 @@ from typing import Final, Literal
 from dynamo_prep.protocol.kv_events import ImageSpan
 from dynamo_prep.routing.hashing import request_block_hashes
 from dynamo_prep.routing.index import KvIndex
+from dynamo_prep.routing.settings import DEFAULT_KV_OVERLAP_SCORE_WEIGHT, DEFAULT_ROUTER_TEMPERATURE
 
 __all__ = [
-    "DEFAULT_OVERLAP_SCORE_WEIGHT",
-    "DEFAULT_TEMPERATURE",
     "Decision",
     "KvRouter",
     "LoadTracker",
@@ -64,8 +63,6 @@ __all__ = [
     "count_blocks",
 ]
 
-DEFAULT_OVERLAP_SCORE_WEIGHT: Final = 1.0
-DEFAULT_TEMPERATURE: Final = 0.0
 # Blocks another instance holds, computed again, cost this many times their prefill on top of it:
 # the work buys no new token, and the prefix then takes cache room on two instances.
 RECOMPUTE_WEIGHT: Final = 2
@@ -101,8 +98,8 @@ def choose(
     active_blocks: Mapping[str, int],
     blocks_held: Mapping[str, int],
     *,
-    overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
-    temperature: float = DEFAULT_TEMPERATURE,
+    overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
+    temperature: float = DEFAULT_ROUTER_TEMPERATURE,
     rng: random.Random | None = None,
     turn: int = 0,
     prefilling: Mapping[str, int] | None = None,
@@ -377,8 +374,8 @@ class KvRouter:
         self,
         index: KvIndex,
         *,
-        overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
-        temperature: float = DEFAULT_TEMPERATURE,
+        overlap_score_weight: float = DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
+        temperature: float = DEFAULT_ROUTER_TEMPERATURE,
         seed: int | None = None,
     ) -> None:
         if temperature < 0:

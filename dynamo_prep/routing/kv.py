@@ -1,5 +1,5 @@
-"""KV-aware routing for every served model: the instances' own KV events feed one index per model,
-and each request goes where its prefix is cached (``routing.policy`` decides; this module wires).
+"""``--router-mode kv``: the instances' own KV events feed one index per model, and each request
+goes where its prefix is cached (``routing.policy`` decides; this module wires).
 
 The routing sequence of a request is the prompt rendered for each candidate's declared token, its
 images found by that declaration's placeholder ids and named by their identity (the ``uuid`` the
@@ -10,70 +10,52 @@ stored under the same tokens and images matches, whatever the engine's own hash 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Coroutine, Mapping, Sequence
+from typing import Any
 
-import structlog
 import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.kv_events import KVEvent, image_spans
-from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.routing.endpoints import KvEndpointRules
 from dynamo_prep.routing.hashing import request_block_hashes
 from dynamo_prep.routing.index import KvIndex
 from dynamo_prep.routing.metrics import KvMetrics
-from dynamo_prep.routing.policy import (
-    DEFAULT_OVERLAP_SCORE_WEIGHT,
-    DEFAULT_TEMPERATURE,
-    Decision,
-    KvRouter,
-    count_blocks,
-)
-from dynamo_prep.routing.predicted import DEFAULT_PREDICT_TTL_S
+from dynamo_prep.routing.policy import Decision, KvRouter, count_blocks
+from dynamo_prep.routing.router import Prompts, Render, Route, RouterParts, RoutingPrompt
+from dynamo_prep.routing.settings import RouterSettings
 from dynamo_prep.routing.subscriber import KvEventSubscriber
 
-__all__ = ["KvRouting", "RoutingPrompt"]
-
-log = structlog.get_logger("dynamo_prep.frontend")
-
-
-@dataclass(frozen=True, slots=True)
-class RoutingPrompt:
-    """A request as one declaration renders it: its ids, and that declaration's placeholder ids."""
-
-    request: PreprocessedRequest
-    placeholder: Sequence[int]
+__all__ = ["KvRouting"]
 
 
 class KvRouting:
     """The KV router of one frontend: a ``KvEventSink`` for the subscriber, a listener of the
-    discovery watcher (instances come and go), and ``decide`` for the migration loop."""
+    discovery watcher (instances come and go), and the migration loop's ``Router``."""
 
     def __init__(
         self,
+        settings: RouterSettings | None = None,
         *,
-        overlap_score_weight: float = DEFAULT_OVERLAP_SCORE_WEIGHT,
-        temperature: float = DEFAULT_TEMPERATURE,
-        predict_ttl_s: float = DEFAULT_PREDICT_TTL_S,
         metrics: KvMetrics | None = None,
         context: zmq.asyncio.Context | None = None,
         seed: int | None = None,
-        kv_endpoint_hosts: Sequence[str] = (),
     ) -> None:
-        if temperature < 0:
-            raise ValueError(f"the router temperature must be >= 0, got {temperature}")
-        self.overlap_score_weight = overlap_score_weight
-        self.temperature = temperature
-        self.predict_ttl_s = predict_ttl_s
+        settings = settings if settings is not None else RouterSettings(mode="kv")
+        self.settings = settings
         self.metrics = metrics if metrics is not None else KvMetrics()
-        rules = KvEndpointRules(kv_endpoint_hosts)
+        rules = KvEndpointRules(settings.kv_endpoint_hosts)
         self.subscriber = KvEventSubscriber(self, metrics=self.metrics, context=context, rules=rules)
         self._models: dict[str, KvRouter] = {}
         self._model_of: dict[str, str] = {}  # instance_id -> model
         self._seed = seed
         self.metrics.predicted_blocks.set_function(self.predicted_blocks)
+
+    @classmethod
+    def from_settings(cls, settings: RouterSettings, parts: RouterParts) -> KvRouting:
+        return cls(settings, metrics=KvMetrics(parts.registry), context=parts.context)
 
     # -- the watcher's instances -----------------------------------------------------------------
 
@@ -84,10 +66,10 @@ class KvRouting:
                 KvIndex(
                     card.kv_cache_block_size,
                     on_refused=self.metrics.index_refused,
-                    predict_ttl_s=self.predict_ttl_s,
+                    predict_ttl_s=self.settings.predict_ttl_s,
                 ),
-                overlap_score_weight=self.overlap_score_weight,
-                temperature=self.temperature,
+                overlap_score_weight=self.settings.kv_overlap_score_weight,
+                temperature=self.settings.temperature,
                 seed=self._seed,
             )
         self._model_of[instance.instance_id] = card.display_name
@@ -123,9 +105,16 @@ class KvRouting:
 
     # -- requests --------------------------------------------------------------------------------
 
-    def decide(
-        self, model_name: str, candidates: Sequence[Instance], prompts: Mapping[str | None, RoutingPrompt]
-    ) -> Decision:
+    async def prompts(self, candidates: Sequence[Instance], render: Render) -> Prompts:
+        """The request rendered for each declaration among ``candidates`` (its blocks are hashed as
+        each declaration's engine stores them)."""
+        return {declared: await render(declared) for declared in {i.declared_token for i in candidates}}
+
+    def choose(self, model: LiveModel, candidates: Sequence[Instance], prompts: Prompts) -> Route:
+        decision = self.decide(model.name, candidates, prompts)
+        return Route(model.instances[decision.instance_id], decision)
+
+    def decide(self, model_name: str, candidates: Sequence[Instance], prompts: Prompts) -> Decision:
         """The instance among ``candidates`` (the prompt each declaration renders in ``prompts``)."""
         started = time.perf_counter()
         router = self._models.get(model_name)
@@ -163,11 +152,11 @@ class KvRouting:
         images = image_spans(request.token_ids, prompt.placeholder, [image.uuid for image in request.images])
         return request_block_hashes(request.token_ids, block_size, images)
 
-    def dispatch(self, model_name: str, request_id: str, decision: Decision) -> None:
-        """The request went where ``decision`` says: its blocks count as that instance's load."""
+    def dispatch(self, model_name: str, request_id: str, route: Route) -> None:
+        """The request went where ``route`` says: its blocks count as that instance's load."""
         router = self._models.get(model_name)
-        if router is not None:
-            router.dispatch(request_id, decision)
+        if router is not None and route.decision is not None:
+            router.dispatch(request_id, route.decision)
 
     def prefilled(self, model_name: str, request_id: str) -> None:
         """The request's first output arrived: its instance is done prefilling it."""
@@ -193,3 +182,11 @@ class KvRouting:
         """Blocks each instance of the model holds, by instance id (what ``/metrics`` and logs show)."""
         router = self._models.get(model_name)
         return router.index.held() if router is not None else {}
+
+    # -- the frontend's components ----------------------------------------------------------------
+
+    def components(self) -> dict[str, Coroutine[Any, Any, None]]:
+        return {"kv_events": self.subscriber.run()}
+
+    def close(self) -> None:
+        self.subscriber.close()
