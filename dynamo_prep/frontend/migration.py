@@ -122,7 +122,7 @@ class Migration:
         schema_limits: SchemaLimits | None = None,
     ) -> None:
         """Requests reach ``begin`` with their schemas checked against their metaschemas already
-        (``app.py``); renders bound them by ``schema_limits`` again, and check nothing more."""
+        (``api/journeys.py``); renders bound them by ``schema_limits`` again, and check nothing more."""
         self.catalog = catalog
         self.schema_limits = schema_limits or SchemaLimits()
         self.router = router
