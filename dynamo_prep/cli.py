@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_prep.engines.base import FLAVORS, REPLY_FORMATS
+from dynamo_prep.engines.base import REPLY_FORMATS
+from dynamo_prep.engines.registry import DEFAULT_ENGINE, FLAVORS
 from dynamo_prep.frontend import config as frontend_defaults
 from dynamo_prep.frontend import up as up_defaults
 from dynamo_prep.lifecycle import EXIT_FAILED
@@ -223,7 +224,7 @@ def _add_worker(commands: Any) -> None:
     )
     worker.add_argument(
         "--engine",
-        default="mock",
+        default=DEFAULT_ENGINE,
         choices=defaults.ENGINES,
         help="the engine behind the worker: the GPU-free mock (default), or a real vLLM or SGLang engine "
         "in this process, built from the engine flags with --model-path as its model unless they name one",

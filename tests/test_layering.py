@@ -95,3 +95,29 @@ def test_no_modules_import_each_other() -> None:
     except graphlib.CycleError as exc:
         cycle = exc.args[1]
         raise AssertionError(f"an import cycle: {' -> '.join(cycle)}") from None
+
+
+# An engine's name may be written (as a string literal) in at most this many modules outside its
+# own folder: the registry's table, and at most one more (docs/engines.md).
+MAX_MODULES_NAMING_AN_ENGINE = 2
+
+
+def _engine_names() -> tuple[str, ...]:
+    from dynamo_prep.engines.registry import ENGINES  # noqa: PLC0415
+
+    return ENGINES
+
+
+@pytest.mark.parametrize("engine", _engine_names())
+def test_an_engines_name_is_written_in_its_own_folder(engine: str) -> None:
+    own = PACKAGE / "engines" / engine
+    naming = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in MODULES
+        if not path.is_relative_to(own)
+        and any(
+            isinstance(node, ast.Constant) and node.value == engine
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        )
+    )
+    assert len(naming) <= MAX_MODULES_NAMING_AN_ENGINE, f"{engine!r} is written in {naming}"

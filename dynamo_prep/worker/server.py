@@ -7,7 +7,7 @@ Ping when the worker runs an engine (``GenerationServer``, in ``worker.generate`
 
 With KV events, every announce also carries where the engine publishes them (``kv_events``):
 either a fixed address (a real engine's publisher, ``register``) or the bound addresses of a
-``KvEventPublisher`` the worker starts and closes itself (the mock engine's).
+``KvPublisher`` the worker starts and closes itself (the mock engine's).
 
 Stopping is graceful in Dynamo's order: withdraw the card first (frontends stop routing here),
 then drain (new Generate gets a retryable 503, in-flight requests may finish for
@@ -36,7 +36,7 @@ from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.discovery.files import FileServer
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
 from dynamo_prep.discovery.trust import ClientCurve
-from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
+from dynamo_prep.engines.base import KvPublisher
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import (
     DEFAULT_HEARTBEAT_S,
@@ -128,7 +128,7 @@ class Worker:
         metrics: WorkerMetrics | None = None,
         metrics_port: int | None = None,
         kv_events: KvEventsEndpoint | None = None,
-        kv_publisher: KvEventPublisher | None = None,
+        kv_publisher: KvPublisher | None = None,
         engine_stall_timeout_s: float = DEFAULT_ENGINE_STALL_TIMEOUT_S,
     ) -> None:
         if kv_events is not None and kv_publisher is not None:
@@ -179,7 +179,7 @@ class Worker:
         metrics: WorkerMetrics,
         *,
         kv_events: KvEventsEndpoint | None = None,
-        kv_publisher: KvEventPublisher | None = None,
+        kv_publisher: KvPublisher | None = None,
     ) -> Worker:
         """The worker ``dynamo-prep worker`` runs: every option from ``config``, the engine's parts given."""
         return cls(
