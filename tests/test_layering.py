@@ -19,6 +19,7 @@ FLOORS: dict[str, int] = {
     "dynamo_prep.threads": 0,
     "dynamo_prep.loopwatch": 0,
     "dynamo_prep.protocol": 0,
+    "dynamo_prep.options": 0,
     "dynamo_prep.card": 1,
     "dynamo_prep.prompt": 1,
     "dynamo_prep.tokenizer": 2,
@@ -30,7 +31,6 @@ FLOORS: dict[str, int] = {
     "dynamo_prep.routing": 5,
     "dynamo_prep.worker": 6,
     "dynamo_prep.frontend": 7,
-    "dynamo_prep.watch": 7,
     "dynamo_prep.cli": 8,
     "dynamo_prep": 9,
 }

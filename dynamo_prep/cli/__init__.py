@@ -3,6 +3,8 @@
 Heavy modules are imported inside each handler, so ``render`` does not pay for ZeroMQ and a
 worker does not pay for the HTTP stack. Defaults are read from the light modules that own them;
 global options (``--log-level``, ``--log-format``) are accepted before or after the subcommand.
+``worker``'s flags are one table (``worker.options``, built by ``worker``); ``up``, ``watch`` and
+``render`` are the commands that are processes of their own here.
 """
 
 from __future__ import annotations
@@ -15,21 +17,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_prep.engines.base import REPLY_FORMATS
-from dynamo_prep.engines.registry import DEFAULT_ENGINE, FLAVORS
+from dynamo_prep.cli import up as up_defaults
+from dynamo_prep.cli.worker import add_worker
 from dynamo_prep.frontend import config as frontend_defaults
-from dynamo_prep.frontend import up as up_defaults
 from dynamo_prep.lifecycle import EXIT_FAILED
 from dynamo_prep.logging import configure_logging
+from dynamo_prep.options import addresses as _addresses
 from dynamo_prep.protocol.discovery import (
     DEFAULT_BIND,
     DEFAULT_BROKER_XPUB,
     DEFAULT_BROKER_XSUB,
-    DEFAULT_HEARTBEAT_S,
     DEFAULT_NAMESPACE,
-    DEFAULT_TTL_MS,
 )
-from dynamo_prep.worker import config as worker_defaults
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
@@ -78,21 +77,12 @@ def _env_option(
     )
 
 
-def _addresses(value: str) -> list[str]:
-    return [address.strip() for address in value.split(",") if address.strip()]
-
-
-def _listed(values: list[str] | None) -> list[str] | None:
-    """A repeatable flag's values, each space- or comma-separated, as one list (None: not given)."""
-    return None if values is None else [item for value in values for item in _addresses(value)]
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dynamo-prep", description="Frontend preprocessor for LLM serving.")
     _add_global(parser, level=_env("DYN_LOG_LEVEL", "info"), log_format=_env("DYN_LOG_FORMAT", "json"))
     commands = _Subcommands(parser.add_subparsers(dest="command", required=True))
     _add_render(commands)
-    _add_worker(commands)
+    add_worker(commands)
     _add_frontend(commands)
     _add_broker(commands)
     _add_keys(commands)
@@ -162,200 +152,6 @@ def _add_namespace(command: Any) -> None:
         env="DYN_NAMESPACE",
         default=DEFAULT_NAMESPACE,
         help="discovery namespace: only cards of this namespace are seen",
-    )
-
-
-def _add_discovery_client(command: Any) -> None:
-    _add_namespace(command)
-    command.add_argument(
-        "--curve-secret-key", type=Path, default=None, help="this process's CURVE secret key file"
-    )
-    command.add_argument(
-        "--curve-server-key", type=Path, default=None, help="the receiving side's public key file"
-    )
-
-
-def _add_worker(commands: Any) -> None:
-    defaults = worker_defaults
-    worker = commands.add_parser(
-        "worker",
-        help="announce a model card and serve the request plane",
-        description="Flags not listed here go to the engine's own parser unchanged (--engine vllm or "
-        "sglang: --tensor-parallel-size, --block-size / --page-size, --kv-events-config, --seed, ...).",
-        allow_abbrev=False,  # an engine flag must never be taken for a prefix of one of ours
-    )
-    worker.add_argument(
-        "--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo / llama3-demo"
-    )
-    worker.add_argument("--served-name", default=None, help="model name (default: the directory name)")
-    declaration = worker.add_mutually_exclusive_group()
-    declaration.add_argument(
-        "--declare-image-token",
-        default=None,
-        help="per-image token the engine expects (default: what the engine's processor declares)",
-    )
-    declaration.add_argument(
-        "--legacy-expands-image-pad-token",
-        action="store_true",
-        help="publish the pre-declaration card key (to exercise rolling upgrades)",
-    )
-    worker.add_argument(
-        "--discovery", type=_addresses, required=True, help="ADDR[,ADDR] of frontends or brokers"
-    )
-    _env_option(
-        worker,
-        "--endpoint-host",
-        env="DYN_ENDPOINT_HOST",
-        default=defaults.DEFAULT_ENDPOINT_HOST,
-        help="address to bind the request plane on, advertised in the card",
-    )
-    worker.add_argument(
-        "--heartbeat",
-        type=float,
-        default=DEFAULT_HEARTBEAT_S,
-        metavar="SECONDS",
-        help=f"seconds between announces (default {DEFAULT_HEARTBEAT_S:g})",
-    )
-    worker.add_argument(
-        "--ttl-ms",
-        type=int,
-        default=DEFAULT_TTL_MS,
-        help=f"how long frontends keep this instance without news (default {DEFAULT_TTL_MS})",
-    )
-    worker.add_argument(
-        "--engine",
-        default=DEFAULT_ENGINE,
-        choices=defaults.ENGINES,
-        help="the engine behind the worker: the GPU-free mock (default), or a real vLLM or SGLang engine "
-        "in this process, built from the engine flags with --model-path as its model unless they name one",
-    )
-    worker.add_argument(
-        "--flavor",
-        default=None,
-        choices=FLAVORS,
-        help="mock engine: whose image contract it enforces (default sglang)",
-    )
-    worker.add_argument(
-        "--token-delay",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help=f"mock engine delay per token (default {defaults.DEFAULT_TOKEN_DELAY_S:g})",
-    )
-    worker.add_argument(
-        "--replies",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help='mock engine: scripted replies, JSON Lines {"when": SUBSTRING, ...} with one of segments, '
-        "text or token_ids; the first whose when occurs in the last user message is streamed",
-    )
-    worker.add_argument(
-        "--reply-format",
-        default=None,
-        choices=REPLY_FORMATS,
-        help="mock engine, when no scripted reply matches: the echo in the model's own answer format "
-        "(think channel, response, a call of the first declared tool; the default), or as plain text",
-    )
-    _add_answer_parsers(worker)
-    worker.add_argument(
-        "--migration-limit", type=int, default=0, help="times a request may move to another instance (card)"
-    )
-    worker.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=defaults.DEFAULT_DRAIN_TIMEOUT_S,
-        metavar="SECONDS",
-        help="on SIGTERM, how long in-flight requests may finish "
-        f"(default {defaults.DEFAULT_DRAIN_TIMEOUT_S:g})",
-    )
-    worker.add_argument(
-        "--engine-stall-timeout",
-        type=float,
-        default=defaults.DEFAULT_ENGINE_STALL_TIMEOUT_S,
-        metavar="SECONDS",
-        help="requests in flight and no engine step for this long: the engine is hung, the worker "
-        "withdraws, fails its requests over (503) and exits 1 (0: off; "
-        f"default {defaults.DEFAULT_ENGINE_STALL_TIMEOUT_S:g})",
-    )
-    worker.add_argument(
-        "--slots",
-        type=int,
-        default=None,
-        metavar="N",
-        help="mock engine: at most N requests generate at once, the others wait in order without a "
-        "token, as in an engine's queue (its card says max_num_seqs N; default: no bound)",
-    )
-    worker.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve dynamo_worker_* Prometheus metrics on this port (default off; 0: a free port, logged)",
-    )
-    worker.add_argument(
-        "--kv-events",
-        action="store_true",
-        help="mock engine: keep a paged prefix cache (blocks of the card's kv_cache_block_size) and publish "
-        "its KV events (vLLM's wire; the addresses go into the announce)",
-    )
-    worker.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=None,
-        metavar="N",
-        help="with --kv-events: cache capacity in blocks, unused ones evicted least recently used first "
-        f"(default {defaults.DEFAULT_KV_BLOCKS})",
-    )
-    worker.add_argument(
-        "--prefill-ms-per-1k",
-        type=float,
-        default=None,
-        metavar="MS",
-        help="with --kv-events: prefill time per 1000 prompt tokens not in the cache; prefills queue "
-        "one after another, as on a GPU "
-        f"(default {defaults.DEFAULT_PREFILL_MS_PER_1K:g})",
-    )
-    _add_media(worker)
-    _add_discovery_client(worker)
-    worker.set_defaults(handler=_worker)
-
-
-def _add_media(worker: Any) -> None:
-    """Where the worker fetches request images from, whatever its engine (docs/engines.md)."""
-    worker.add_argument(
-        "--allowed-media-domains",
-        nargs="+",
-        action="extend",
-        default=None,
-        metavar="DOMAIN",
-        help="fetch request images only from these host names, exact matches, as vLLM's flag "
-        "(space- or comma-separated; default: any host whose addresses are allowed)",
-    )
-    worker.add_argument(
-        "--allowed-media-networks",
-        nargs="+",
-        action="extend",
-        default=[],
-        metavar="CIDR",
-        help="private networks request images may also come from, e.g. 10.0.0.0/8 or 127.0.0.1/32 "
-        "(default none: only globally reachable addresses; 0.0.0.0 and multicast never)",
-    )
-
-
-def _add_answer_parsers(worker: argparse.ArgumentParser) -> None:
-    """vLLM's flags and names, with every engine: the card carries them, the frontend parses answers."""
-    for flag, what in (("--tool-call-parser", "tool calls"), ("--reasoning-parser", "reasoning")):
-        worker.add_argument(
-            flag,
-            default=None,
-            metavar="NAME",
-            help=f"how the frontend reads {what} in this model's answers, by vLLM's parser name (README "
-            "lists them; default: the model family's); an unknown name is refused",
-        )
-    worker.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="accepted as vllm serve takes it (calls are parsed whenever a tool-call parser is in effect)",
     )
 
 
@@ -572,7 +368,7 @@ def _add_keys(commands: Any) -> None:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from dynamo_prep.frontend.render import render_request  # noqa: PLC0415 - keep start-up light
+    from dynamo_prep.cli.render import render_request  # noqa: PLC0415 - keep start-up light
 
     try:
         output = render_request(
@@ -601,42 +397,6 @@ def _render_json(output: dict[str, Any]) -> str:
             rendered = json.dumps(value, ensure_ascii=False)
         lines.append(f"  {json.dumps(key)}: {rendered}")
     return "{\n" + ",\n".join(lines) + "\n}"
-
-
-def _worker(args: argparse.Namespace) -> int:
-    from dynamo_prep.worker.process import run_worker  # noqa: PLC0415
-
-    return run_worker(
-        model_path=args.model_path,
-        served_name=args.served_name,
-        declared_image_token=args.declare_image_token,
-        legacy_expands_image_pad_token=args.legacy_expands_image_pad_token,
-        discovery=args.discovery,
-        namespace=args.namespace,
-        endpoint_host=args.endpoint_host,
-        heartbeat_s=args.heartbeat,
-        ttl_ms=args.ttl_ms,
-        curve_secret_key=args.curve_secret_key,
-        curve_server_key=args.curve_server_key,
-        engine=args.engine,
-        flavor=args.flavor,
-        token_delay_s=args.token_delay,
-        replies=args.replies,
-        reply_format=args.reply_format,
-        migration_limit=args.migration_limit,
-        drain_timeout_s=args.drain_timeout,
-        metrics_port=args.metrics_port,
-        kv_events=args.kv_events,
-        kv_blocks=args.kv_blocks,
-        prefill_ms_per_1k=args.prefill_ms_per_1k,
-        allowed_media_domains=_listed(args.allowed_media_domains),
-        allowed_media_networks=_listed(args.allowed_media_networks) or (),
-        slots=args.slots,
-        engine_stall_timeout_s=args.engine_stall_timeout,
-        engine_args=args.engine_args,
-        tool_call_parser=args.tool_call_parser,
-        reasoning_parser=args.reasoning_parser,
-    )
 
 
 def _frontend(args: argparse.Namespace) -> int:
@@ -677,7 +437,7 @@ def _frontend(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    from dynamo_prep.frontend.up import run_up  # noqa: PLC0415
+    from dynamo_prep.cli.up import run_up  # noqa: PLC0415
 
     return run_up(
         http_port=args.http_port,
@@ -701,7 +461,7 @@ def _broker(args: argparse.Namespace) -> int:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    from dynamo_prep.watch import run_watch  # noqa: PLC0415
+    from dynamo_prep.cli.watch import run_watch  # noqa: PLC0415
 
     return run_watch(
         discovery=args.discovery,
@@ -731,7 +491,3 @@ def _read_request(path: Path) -> Any:
 def _print_error(exc: Exception) -> None:
     error = {"message": str(exc), "type": "invalid_request_error", "code": 400}
     print(json.dumps({"error": error}, ensure_ascii=False), file=sys.stderr)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Options declared once: the worker's flags are one table that builds its parser and fills its config."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from dynamo_prep.cli import _parser, parse_args
+from dynamo_prep.worker.config import WorkerConfig
+from dynamo_prep.worker.options import WORKER_OPTIONS
+
+GLOBAL_FLAGS = {"-h", "--help", "--log-level", "--log-format"}
+
+
+def _worker_parser() -> object:
+    subcommands = next(action for action in _parser()._actions if action.dest == "command")
+    return subcommands.choices["worker"]  # type: ignore[attr-defined]
+
+
+def test_every_worker_flag_is_declared_in_the_table_and_nowhere_else() -> None:
+    parser = _worker_parser()
+    flags = {flag for action in parser._actions for flag in action.option_strings}  # type: ignore[attr-defined]
+    assert flags - GLOBAL_FLAGS == {option.flag for option in WORKER_OPTIONS}
+
+
+def test_the_table_fills_every_keyword_of_the_validated_config() -> None:
+    keywords = set(inspect.signature(WorkerConfig.from_options).parameters)
+    assert WORKER_OPTIONS.keys() | {"engine_args"} == keywords
+
+
+def test_parsed_flags_become_a_validated_config() -> None:
+    args = parse_args(
+        ["worker", "--model-path", "kimi-k3-demo", "--discovery", "tcp://127.0.0.1:7555,tcp://127.0.0.1:7557",
+         "--flavor", "vllm", "--kv-events", "--kv-blocks", "64",
+         "--allowed-media-networks", "10.0.0.0/8,127.0.0.1/32", "--heartbeat", "0.5", "--drain-timeout", "2"]
+    )  # fmt: skip
+    config = WorkerConfig.from_options(**WORKER_OPTIONS.values(args), engine_args=args.engine_args)
+    assert config.discovery == ("tcp://127.0.0.1:7555", "tcp://127.0.0.1:7557")
+    assert (config.flavor, config.kv_events, config.kv_blocks) == ("vllm", True, 64)
+    assert (config.heartbeat_s, config.drain_timeout_s) == (0.5, 2.0)
+    assert (
+        config.media
+        == WorkerConfig.from_options(
+            model_path="kimi-k3-demo", discovery=["x"], allowed_media_networks=["10.0.0.0/8", "127.0.0.1/32"]
+        ).media
+    )
+
+
+def test_a_wrong_value_is_refused_by_the_config_naming_the_flag() -> None:
+    args = parse_args(["worker", "--model-path", "kimi-k3-demo", "--discovery", "tcp://a:1", "--slots", "0"])
+    with pytest.raises(ValueError, match="--slots must be >= 1, got 0"):
+        WorkerConfig.from_options(**WORKER_OPTIONS.values(args), engine_args=args.engine_args)
