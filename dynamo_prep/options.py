@@ -11,9 +11,11 @@ import argparse
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
-__all__ = ["Option", "Options", "addresses", "listed"]
+from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
+
+__all__ = ["NAMESPACE", "Option", "Options", "addresses", "listed"]
 
 
 def addresses(value: str) -> list[str]:
@@ -44,6 +46,8 @@ class Option:
     env: str | None = None
     exclusive: str | None = None
     spec: Mapping[str, Any] = field(default_factory=dict)
+    # A default read when the parser is built (e.g. from the environment), instead of ``default``.
+    default_from: Callable[[], Any] | None = None
 
     @property
     def dest(self) -> str:
@@ -53,7 +57,9 @@ class Option:
         extra = dict(self.spec)
         if self.env is None:
             if extra.get("action") not in ("store_true", "store_false"):
-                extra.setdefault("default", self.default)
+                extra.setdefault(
+                    "default", self.default if self.default_from is None else self.default_from()
+                )
             parser.add_argument(self.flag, help=self.help, **extra)
             return
         shown = f"{self.default:g}" if isinstance(self.default, float) else self.default
@@ -95,3 +101,13 @@ class Options:
     def keys(self) -> frozenset[str]:
         """The config keywords these flags fill."""
         return frozenset(option.key for option in self.options if option.key is not None)
+
+
+# Every process on the discovery plane takes it.
+NAMESPACE: Final = Option(
+    "--namespace",
+    "discovery namespace: only cards of this namespace are seen",
+    key="namespace",
+    default=DEFAULT_NAMESPACE,
+    env="DYN_NAMESPACE",
+)

@@ -1,4 +1,4 @@
-"""Options declared once: the worker's flags are one table that builds its parser and fills its config."""
+"""Options declared once: a subcommand's flags are one table that builds its parser and fills its config."""
 
 from __future__ import annotations
 
@@ -7,26 +7,38 @@ import inspect
 import pytest
 
 from dynamo_prep.cli import _parser, parse_args
+from dynamo_prep.frontend.config import FrontendConfig
+from dynamo_prep.frontend.options import FRONTEND_OPTIONS
+from dynamo_prep.options import Options
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.options import WORKER_OPTIONS
 
 GLOBAL_FLAGS = {"-h", "--help", "--log-level", "--log-format"}
 
 
-def _worker_parser() -> object:
+# Each subcommand declared by a table: its table, its validated config, the keywords given besides.
+TABLES = {
+    "worker": (WORKER_OPTIONS, WorkerConfig.from_options, {"engine_args"}),
+    "frontend": (FRONTEND_OPTIONS, FrontendConfig.from_options, set()),
+}
+
+
+def _flags_of(command: str) -> set[str]:
     subcommands = next(action for action in _parser()._actions if action.dest == "command")
-    return subcommands.choices["worker"]  # type: ignore[attr-defined]
+    parser = subcommands.choices[command]  # type: ignore[index]
+    return {flag for action in parser._actions for flag in action.option_strings}
 
 
-def test_every_worker_flag_is_declared_in_the_table_and_nowhere_else() -> None:
-    parser = _worker_parser()
-    flags = {flag for action in parser._actions for flag in action.option_strings}  # type: ignore[attr-defined]
-    assert flags - GLOBAL_FLAGS == {option.flag for option in WORKER_OPTIONS}
+@pytest.mark.parametrize("command", TABLES)
+def test_every_flag_is_declared_in_the_table_and_nowhere_else(command: str) -> None:
+    table: Options = TABLES[command][0]
+    assert _flags_of(command) - GLOBAL_FLAGS == {option.flag for option in table}
 
 
-def test_the_table_fills_every_keyword_of_the_validated_config() -> None:
-    keywords = set(inspect.signature(WorkerConfig.from_options).parameters)
-    assert WORKER_OPTIONS.keys() | {"engine_args"} == keywords
+@pytest.mark.parametrize("command", TABLES)
+def test_the_table_fills_every_keyword_of_the_validated_config(command: str) -> None:
+    table, from_options, besides = TABLES[command]
+    assert table.keys() | besides == set(inspect.signature(from_options).parameters)
 
 
 def test_parsed_flags_become_a_validated_config() -> None:

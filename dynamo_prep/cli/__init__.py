@@ -20,14 +20,14 @@ from typing import Any
 from dynamo_prep.cli import up as up_defaults
 from dynamo_prep.cli.worker import add_worker
 from dynamo_prep.frontend import config as frontend_defaults
+from dynamo_prep.frontend.options import FRONTEND_OPTIONS
 from dynamo_prep.lifecycle import EXIT_FAILED
 from dynamo_prep.logging import configure_logging
+from dynamo_prep.options import NAMESPACE
 from dynamo_prep.options import addresses as _addresses
 from dynamo_prep.protocol.discovery import (
-    DEFAULT_BIND,
     DEFAULT_BROKER_XPUB,
     DEFAULT_BROKER_XSUB,
-    DEFAULT_NAMESPACE,
 )
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -146,127 +146,13 @@ def _add_render(commands: Any) -> None:
 
 
 def _add_namespace(command: Any) -> None:
-    _env_option(
-        command,
-        "--namespace",
-        env="DYN_NAMESPACE",
-        default=DEFAULT_NAMESPACE,
-        help="discovery namespace: only cards of this namespace are seen",
-    )
+    NAMESPACE.add_to(command)
 
 
 def _add_frontend(commands: Any) -> None:
     frontend = commands.add_parser("frontend", help="watch the discovery plane and serve the live models")
-    plane = frontend.add_mutually_exclusive_group()
-    plane.add_argument(
-        "--discovery-bind", default=None, help=f"bind the embedded plane here (default {DEFAULT_BIND})"
-    )
-    plane.add_argument(
-        "--discovery", type=_addresses, default=None, help="connect to brokers' XPUB ADDR[,ADDR] instead"
-    )
-    _add_namespace(frontend)
-    frontend.add_argument(
-        "--model-path", default=None, help="local model directory used when its checksums match"
-    )
-    frontend.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=None,
-        help="content-addressed cache of model files fetched from workers (env DYN_PREP_CACHE_DIR)",
-    )
-    frontend.add_argument(
-        "--curve-secret-key",
-        type=Path,
-        default=None,
-        help="this frontend's CURVE secret key file (embedded plane)",
-    )
-    frontend.add_argument(
-        "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
-    )
-    _add_http(frontend)
-    _add_routing(frontend)
+    FRONTEND_OPTIONS.add_to(frontend)
     frontend.set_defaults(handler=_frontend)
-
-
-def _add_http(command: Any) -> None:
-    """The HTTP flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
-    d = frontend_defaults
-    for flag, env, kind, default, text in (
-        ("--http-host", "DYN_HTTP_HOST", str, d.DEFAULT_HTTP_HOST, "address to serve HTTP on"),
-        ("--http-port", "DYN_HTTP_PORT", int, d.DEFAULT_HTTP_PORT, "0: any free port"),
-        ("--max-body-bytes", "DYN_MAX_BODY_BYTES", int, d.DEFAULT_MAX_BODY_BYTES, "larger bodies get 413"),
-        ("--request-timeout", "DYN_REQUEST_TIMEOUT", float, d.DEFAULT_REQUEST_TIMEOUT_S,
-         "per-request deadline in seconds, queueing included"),
-        ("--first-token-timeout", "DYN_FIRST_TOKEN_TIMEOUT", float, d.DEFAULT_FIRST_TOKEN_TIMEOUT_S,
-         "seconds for a worker's first token; then the request moves to another instance"),
-        ("--http-workers", "DYN_HTTP_WORKERS", int, d.DEFAULT_HTTP_WORKERS,
-         "frontend processes serving the one HTTP port (SO_REUSEPORT), each a whole frontend"),
-        ("--http-header-timeout", "DYN_HTTP_HEADER_TIMEOUT", float, d.DEFAULT_HEADER_TIMEOUT_S,
-         "seconds for a request's headers to arrive, else 408"),
-        ("--http-body-timeout", "DYN_HTTP_BODY_TIMEOUT", float, d.DEFAULT_BODY_TIMEOUT_S,
-         "seconds for a request's body to arrive, else 408"),
-        ("--http-max-connections", "DYN_HTTP_MAX_CONNECTIONS", int, d.DEFAULT_MAX_CONNECTIONS,
-         "open connections per HTTP process; at it the longest idle one is closed, else 503"),
-        ("--http-max-client-connections", "DYN_HTTP_MAX_CLIENT_CONNECTIONS", int,
-         d.DEFAULT_MAX_CLIENT_CONNECTIONS, "open connections per client address (raise it behind a proxy)"),
-        ("--http-max-url-bytes", "DYN_HTTP_MAX_URL_BYTES", int, d.DEFAULT_MAX_URL_BYTES,
-         "longer request URLs get 414"),
-        ("--http-max-header-bytes", "DYN_HTTP_MAX_HEADER_BYTES", int, d.DEFAULT_MAX_HEADER_BYTES,
-         "larger request heads (request line and headers) get 431"),
-        ("--http-max-headers", "DYN_HTTP_MAX_HEADERS", int, d.DEFAULT_MAX_HEADERS,
-         "requests with more headers get 431"),
-        ("--stream-stall-timeout", "DYN_STREAM_STALL_TIMEOUT", float, d.DEFAULT_STREAM_STALL_TIMEOUT_S,
-         "seconds without a token once a stream started; then it moves like one without a first token"),
-        ("--worker-stall-timeout", "DYN_WORKER_STALL_TIMEOUT", float, d.DEFAULT_WORKER_STALL_TIMEOUT_S,
-         "seconds a worker with requests in flight may say nothing (not even a pong) before they move; "
-         "an expired instance's streams stay while it spoke within a quarter of it"),
-        ("--max-queued-requests", "DYN_MAX_QUEUED_REQUESTS", int, d.DEFAULT_MAX_QUEUED_REQUESTS,
-         "requests per model waiting for room while every instance is saturated; more get 503 with "
-         "Retry-After"),
-        ("--queue-timeout", "DYN_QUEUE_TIMEOUT", float, d.DEFAULT_QUEUE_TIMEOUT_S,
-         "seconds a request may wait for room; then 503 with Retry-After"),
-    ):  # fmt: skip
-        _env_option(command, flag, env=env, kind=kind, default=default, help=text)
-    command.add_argument(
-        "--schema-limit",
-        action="append",
-        default=_addresses(os.environ.get("DYN_SCHEMA_LIMITS", "")),
-        metavar="NAME=VALUE",
-        help="raise or lower one bound on clients' JSON schemas, e.g. max_nodes=16384 (repeatable; "
-        "env DYN_SCHEMA_LIMITS, comma-separated; names and defaults: docs/structured-outputs.md)",
-    )
-
-
-def _add_routing(command: Any) -> None:
-    """The routing flags, each mirrored by a ``DYN_*`` environment variable (the flag wins)."""
-    d = frontend_defaults
-    _env_option(
-        command,
-        "--router-mode",
-        env="DYN_ROUTER_MODE",
-        default=d.DEFAULT_ROUTER_MODE,
-        choices=d.ROUTER_MODES,
-        help="round-robin, or kv: each request goes to the instance whose KV cache holds most of its "
-        "prefix, balanced by load (from the engines' own KV events)",
-    )
-    for flag, env, default, text in (
-        ("--kv-overlap-score-weight", "DYN_KV_OVERLAP_SCORE_WEIGHT", d.DEFAULT_KV_OVERLAP_SCORE_WEIGHT,
-         "kv mode: weight of the blocks still to prefill against the blocks already busy"),
-        ("--router-temperature", "DYN_ROUTER_TEMPERATURE", d.DEFAULT_ROUTER_TEMPERATURE,
-         "kv mode: 0 picks the cheapest instance; higher samples among them"),
-        ("--kv-predict-ttl", "DYN_KV_PREDICT_TTL", d.DEFAULT_KV_PREDICT_TTL_S,
-         "kv mode: seconds a routed request's prompt blocks still count as cached on its instance "
-         "after its first token, unless the engine's own events say otherwise first (0: off)"),
-    ):  # fmt: skip
-        _env_option(command, flag, env=env, kind=float, default=default, help=text)
-    _env_option(
-        command,
-        "--kv-endpoint-hosts",
-        env="DYN_KV_ENDPOINT_HOSTS",
-        default="",
-        help="kv mode: comma-separated hosts a worker's KV-event endpoint may be on besides the host "
-        "of its own endpoint ('*': any)",
-    )
 
 
 def _add_up(commands: Any) -> None:
@@ -402,38 +288,7 @@ def _render_json(output: dict[str, Any]) -> str:
 def _frontend(args: argparse.Namespace) -> int:
     from dynamo_prep.frontend.process import run_frontend  # noqa: PLC0415
 
-    return run_frontend(
-        discovery_bind=args.discovery_bind,
-        discovery=args.discovery,
-        namespace=args.namespace,
-        model_path=args.model_path,
-        cache_dir=args.cache_dir,
-        curve_secret_key=args.curve_secret_key,
-        curve_allow_dir=args.curve_allow_dir,
-        http_host=args.http_host,
-        http_port=args.http_port,
-        max_body_bytes=args.max_body_bytes,
-        request_timeout_s=args.request_timeout,
-        first_token_timeout_s=args.first_token_timeout,
-        http_workers=args.http_workers,
-        header_timeout_s=args.http_header_timeout,
-        body_timeout_s=args.http_body_timeout,
-        max_connections=args.http_max_connections,
-        max_client_connections=args.http_max_client_connections,
-        max_url_bytes=args.http_max_url_bytes,
-        max_header_bytes=args.http_max_header_bytes,
-        max_headers=args.http_max_headers,
-        schema_limits=args.schema_limit,
-        router_mode=args.router_mode,
-        kv_overlap_score_weight=args.kv_overlap_score_weight,
-        router_temperature=args.router_temperature,
-        kv_predict_ttl_s=args.kv_predict_ttl,
-        kv_endpoint_hosts=_addresses(args.kv_endpoint_hosts),
-        stream_stall_timeout_s=args.stream_stall_timeout,
-        worker_stall_timeout_s=args.worker_stall_timeout,
-        max_queued_requests=args.max_queued_requests,
-        queue_timeout_s=args.queue_timeout,
-    )
+    return run_frontend(**FRONTEND_OPTIONS.values(args))
 
 
 def _up(args: argparse.Namespace) -> int:

@@ -11,8 +11,8 @@ from typing import Final
 
 from dynamo_prep.engines.base import REPLY_FORMATS
 from dynamo_prep.engines.registry import DEFAULT_ENGINE, ENGINES, FLAVORS
-from dynamo_prep.options import Option, Options, addresses, listed
-from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
+from dynamo_prep.options import NAMESPACE, Option, Options, addresses, listed
+from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_TTL_MS
 from dynamo_prep.worker import config as defaults
 
 __all__ = ["WORKER_DESCRIPTION", "WORKER_OPTIONS"]
@@ -210,13 +210,7 @@ _MEDIA: Final = (
 )
 
 _DISCOVERY_CLIENT: Final = (
-    Option(
-        "--namespace",
-        "discovery namespace: only cards of this namespace are seen",
-        key="namespace",
-        default=DEFAULT_NAMESPACE,
-        env="DYN_NAMESPACE",
-    ),
+    NAMESPACE,
     Option(
         "--curve-secret-key",
         "this process's CURVE secret key file",
