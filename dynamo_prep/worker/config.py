@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
+from dynamo_prep.discovery.announcing import Announcing
 from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, REPLY_FORMATS, ReplyFormat
 from dynamo_prep.engines.media_policy import MediaPolicy
 from dynamo_prep.engines.registry import DEFAULT_ENGINE, DEFAULT_FLAVOR, ENGINES, FLAVORS, bridge
@@ -93,6 +94,18 @@ class WorkerConfig:
     def legacy_runtime(self) -> dict[str, bool] | None:
         """The pre-declaration runtime_config key a legacy worker publishes, or None."""
         return {"expands_image_pad_token": True} if self.legacy_expands_image_pad_token else None
+
+    @property
+    def announcing(self) -> Announcing:
+        """How the worker announces its card, passed whole to its ``CardPublisher``."""
+        return Announcing(
+            discovery=self.discovery,
+            namespace=self.namespace,
+            heartbeat_s=self.heartbeat_s,
+            ttl_ms=self.ttl_ms,
+            legacy_runtime=self.legacy_runtime,
+            curve=self.curve,
+        )
 
     @classmethod
     def from_options(

@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
+from dynamo_prep.discovery.announcing import Announcing
 from dynamo_prep.engines.base import GenerateFn
 from dynamo_prep.engines.kv_config import kv_events_endpoint
 from dynamo_prep.engines.registry import bridge
@@ -98,8 +99,7 @@ async def register(
     worker = Worker(
         card,
         model_dir,
-        discovery=discovery,
-        namespace=namespace,
+        announcing=Announcing(discovery=tuple(discovery), namespace=namespace),
         endpoint_host=endpoint_host,
         generation=GenerationServer(generate) if generate is not None else None,
         kv_events=kv_events,

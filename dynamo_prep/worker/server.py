@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -33,15 +33,12 @@ import zmq
 import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.discovery.announcing import Announcing
 from dynamo_prep.discovery.files import FileServer
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
-from dynamo_prep.discovery.trust import ClientCurve
 from dynamo_prep.engines.base import KvPublisher
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import (
-    DEFAULT_HEARTBEAT_S,
-    DEFAULT_NAMESPACE,
-    DEFAULT_TTL_MS,
     KvEventsEndpoint,
 )
 from dynamo_prep.protocol.wire import Cancel, ErrorReply, FetchFile, Generate, Ping
@@ -114,13 +111,8 @@ class Worker:
         card: ModelDeploymentCard,
         model_dir: Path,
         *,
-        discovery: Sequence[str],
-        namespace: str = DEFAULT_NAMESPACE,
+        announcing: Announcing,
         endpoint_host: str = DEFAULT_ENDPOINT_HOST,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        ttl_ms: int = DEFAULT_TTL_MS,
-        legacy_runtime: Mapping[str, Any] | None = None,
-        curve: ClientCurve | None = None,
         instance_id: str | None = None,
         context: zmq.asyncio.Context | None = None,
         generation: GenerationServer | None = None,
@@ -151,13 +143,8 @@ class Worker:
             self.dispatcher.register(Generate, self.metrics.counting_generate(generation.on_generate))
             self.dispatcher.register(Cancel, generation.on_cancel)
             self.dispatcher.register(Ping, generation.on_ping)
-        self._discovery = list(discovery)
-        self._namespace = namespace
+        self.announcing = announcing
         self._endpoint_host = endpoint_host
-        self._heartbeat_s = heartbeat_s
-        self._ttl_ms = ttl_ms
-        self._legacy_runtime = legacy_runtime
-        self._curve = curve
         self._context = context or zmq.asyncio.Context.instance()
         self._router: _RequestPlane | None = None
         self._publisher: CardPublisher | None = None
@@ -185,13 +172,8 @@ class Worker:
         return cls(
             card,
             config.model_dir,
-            discovery=config.discovery,
-            namespace=config.namespace,
+            announcing=config.announcing,
             endpoint_host=config.endpoint_host,
-            heartbeat_s=config.heartbeat_s,
-            ttl_ms=config.ttl_ms,
-            legacy_runtime=config.legacy_runtime,
-            curve=config.curve,
             context=context,
             generation=generation,
             drain_timeout_s=config.drain_timeout_s,
@@ -227,13 +209,8 @@ class Worker:
         self._publisher = CardPublisher(
             self.card,
             endpoint=self.endpoint,
-            discovery=self._discovery,
-            namespace=self._namespace,
-            heartbeat_s=self._heartbeat_s,
-            ttl_ms=self._ttl_ms,
+            announcing=self.announcing,
             instance_id=self.instance_id,
-            legacy_runtime=self._legacy_runtime,
-            curve=self._curve,
             context=self._context,
             kv_events=self.kv_events,
             load=self.generation.load if self.generation is not None else None,
@@ -247,7 +224,7 @@ class Worker:
             kv_events=None if self.kv_events is None else self.kv_events.endpoint,
             kv_replay_endpoint=None if self.kv_events is None else self.kv_events.replay_endpoint,
             declared_token=self.card.runtime_config.image_placeholder_token,
-            legacy_runtime=dict(self._legacy_runtime or {}),
+            legacy_runtime=dict(self.announcing.legacy_runtime or {}),
             mdcsum=self.card.mdcsum(),
         )
 
