@@ -35,6 +35,7 @@ class Option:
     ``key``: the config keyword (None: the flag is accepted and fills nothing); ``convert``: from
     the parsed value to the keyword's. ``env``: a variable mirroring the flag (the flag wins); its
     help then names both and the default. ``exclusive``: flags of one name exclude each other.
+    ``aliases``: other spellings of the flag. A ``flag`` without dashes is a positional argument.
     ``spec``: every other ``add_argument`` keyword (``type``, ``action``, ``metavar``, ...).
     """
 
@@ -48,6 +49,7 @@ class Option:
     spec: Mapping[str, Any] = field(default_factory=dict)
     # A default read when the parser is built (e.g. from the environment), instead of ``default``.
     default_from: Callable[[], Any] | None = None
+    aliases: tuple[str, ...] = ()
 
     @property
     def dest(self) -> str:
@@ -56,11 +58,12 @@ class Option:
     def add_to(self, parser: Any) -> None:
         extra = dict(self.spec)
         if self.env is None:
-            if extra.get("action") not in ("store_true", "store_false"):
+            positional = not self.flag.startswith("-")
+            if not positional and extra.get("action") not in ("store_true", "store_false"):
                 extra.setdefault(
                     "default", self.default if self.default_from is None else self.default_from()
                 )
-            parser.add_argument(self.flag, help=self.help, **extra)
+            parser.add_argument(self.flag, *self.aliases, help=self.help, **extra)
             return
         shown = f"{self.default:g}" if isinstance(self.default, float) else self.default
         extra.setdefault("type", str)

@@ -7,6 +7,11 @@ import inspect
 import pytest
 
 from dynamo_prep.cli import _parser, parse_args
+from dynamo_prep.cli.render import render_request
+from dynamo_prep.cli.tables import BROKER_OPTIONS, RENDER_OPTIONS, UP_OPTIONS, WATCH_OPTIONS
+from dynamo_prep.cli.up import run_up
+from dynamo_prep.cli.watch import run_watch
+from dynamo_prep.discovery.broker import run_broker
 from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.options import FRONTEND_OPTIONS
 from dynamo_prep.options import Options
@@ -20,6 +25,10 @@ GLOBAL_FLAGS = {"-h", "--help", "--log-level", "--log-format"}
 TABLES = {
     "worker": (WORKER_OPTIONS, WorkerConfig.from_options, {"engine_args"}),
     "frontend": (FRONTEND_OPTIONS, FrontendConfig.from_options, set()),
+    "render": (RENDER_OPTIONS, render_request, {"request"}),
+    "up": (UP_OPTIONS, run_up, {"log_level"}),
+    "watch": (WATCH_OPTIONS, run_watch, {"stream"}),
+    "broker": (BROKER_OPTIONS, run_broker, set()),
 }
 
 
@@ -32,7 +41,10 @@ def _flags_of(command: str) -> set[str]:
 @pytest.mark.parametrize("command", TABLES)
 def test_every_flag_is_declared_in_the_table_and_nowhere_else(command: str) -> None:
     table: Options = TABLES[command][0]
-    assert _flags_of(command) - GLOBAL_FLAGS == {option.flag for option in table}
+    declared = {
+        flag for option in table if option.flag.startswith("-") for flag in (option.flag, *option.aliases)
+    }
+    assert _flags_of(command) - GLOBAL_FLAGS == declared
 
 
 @pytest.mark.parametrize("command", TABLES)

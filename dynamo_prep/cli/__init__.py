@@ -3,8 +3,9 @@
 Heavy modules are imported inside each handler, so ``render`` does not pay for ZeroMQ and a
 worker does not pay for the HTTP stack. Defaults are read from the light modules that own them;
 global options (``--log-level``, ``--log-format``) are accepted before or after the subcommand.
-``worker``'s flags are one table (``worker.options``, built by ``worker``); ``up``, ``watch`` and
-``render`` are the commands that are processes of their own here.
+Each subcommand's flags are declared once, in a table (``options.Options``) that builds its parser
+and gives its handler's keywords: ``worker.options``, ``frontend.options`` and ``tables`` (the
+others). ``up``, ``watch`` and ``render`` are the commands that live here whole.
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from dynamo_prep.cli import up as up_defaults
+from dynamo_prep.cli.tables import (
+    BROKER_OPTIONS,
+    KEYS_GENERATE_OPTIONS,
+    RENDER_OPTIONS,
+    UP_OPTIONS,
+    WATCH_OPTIONS,
+)
 from dynamo_prep.cli.worker import add_worker
-from dynamo_prep.frontend import config as frontend_defaults
 from dynamo_prep.frontend.options import FRONTEND_OPTIONS
 from dynamo_prep.lifecycle import EXIT_FAILED
 from dynamo_prep.logging import configure_logging
-from dynamo_prep.options import NAMESPACE
-from dynamo_prep.options import addresses as _addresses
-from dynamo_prep.protocol.discovery import (
-    DEFAULT_BROKER_XPUB,
-    DEFAULT_BROKER_XSUB,
-)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 LOG_FORMATS = ("json", "console")
@@ -58,23 +58,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
-
-
-def _env_option(
-    command: Any, flag: str, *, env: str, default: str | float, help: str, kind: type = str, **extra: Any
-) -> None:
-    """A flag mirrored by an environment variable (the flag wins); its help names both and the default.
-
-    A set variable is passed as a string default, so argparse converts and checks it like the flag.
-    """
-    shown = f"{default:g}" if isinstance(default, float) else default
-    command.add_argument(
-        flag,
-        type=kind,
-        default=os.environ.get(env) or default,
-        help=f"{help} (env {env}; default {shown})",
-        **extra,
-    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -122,31 +105,8 @@ class _Subcommands:
 
 def _add_render(commands: Any) -> None:
     render = commands.add_parser("render", help="render and tokenize one chat request, print JSON")
-    render.add_argument(
-        "--model-path", required=True, help="model directory, or kimi-k3-demo / qwen-vl-demo / llama3-demo"
-    )
-    render.add_argument("--served-name", default=None, help="model name (default: the directory name)")
-    render.add_argument(
-        "--declared-token",
-        "--image-token",
-        dest="declared_token",
-        default=None,
-        help="the per-image token a worker would declare (default: none, the checkpoint default)",
-    )
-    render.add_argument("--hosted", action="store_true", help="Kimi-K3: stop before the channel opener")
-    render.add_argument(
-        "--jinja-tokenization",
-        choices=["segmented", "hf"],
-        default="segmented",
-        help="Jinja templates: 'segmented' keeps user text from becoming special tokens (default); "
-        "'hf' encodes the whole prompt like Hugging Face (user text may spell special tokens)",
-    )
-    render.add_argument("request", type=Path, help="OpenAI chat completion request JSON ('-' for stdin)")
+    RENDER_OPTIONS.add_to(render)
     render.set_defaults(handler=_render)
-
-
-def _add_namespace(command: Any) -> None:
-    NAMESPACE.add_to(command)
 
 
 def _add_frontend(commands: Any) -> None:
@@ -159,48 +119,13 @@ def _add_up(commands: Any) -> None:
     up = commands.add_parser(
         "up", help="a local cluster: frontend, an sglang and a vllm mock worker, a llama3-demo tool worker"
     )
-    _env_option(
-        up,
-        "--http-port",
-        env="DYN_HTTP_PORT",
-        kind=int,
-        default=frontend_defaults.DEFAULT_HTTP_PORT,
-        help="the frontend's HTTP port",
-    )
-    up.add_argument(
-        "--discovery-bind",
-        default=up_defaults.DEFAULT_UP_DISCOVERY,
-        help=f"the frontend's embedded plane (default {up_defaults.DEFAULT_UP_DISCOVERY})",
-    )
-    up.add_argument(
-        "--model",
-        default=up_defaults.DEFAULT_UP_MODEL,
-        help=f"demo model directory or name (default {up_defaults.DEFAULT_UP_MODEL})",
-    )
-    up.add_argument("--log-dir", type=Path, default=None, help="child logs go here (default: a temp dir)")
-    up.add_argument(
-        "--watch-address",
-        default=up_defaults.DEFAULT_WATCH_ADDRESS,
-        help="workers also announce here, for `dynamo-prep watch --bind ADDR` "
-        f"(default {up_defaults.DEFAULT_WATCH_ADDRESS})",
-    )
+    UP_OPTIONS.add_to(up)
     up.set_defaults(handler=_up)
 
 
 def _add_broker(commands: Any) -> None:
     broker = commands.add_parser("broker", help="XSUB/XPUB forwarder for several frontends")
-    broker.add_argument(
-        "--xsub", default=DEFAULT_BROKER_XSUB, help=f"workers connect here (default {DEFAULT_BROKER_XSUB})"
-    )
-    broker.add_argument(
-        "--xpub", default=DEFAULT_BROKER_XPUB, help=f"frontends connect here (default {DEFAULT_BROKER_XPUB})"
-    )
-    broker.add_argument(
-        "--curve-secret-key", type=Path, default=None, help="this broker's CURVE secret key file (XSUB side)"
-    )
-    broker.add_argument(
-        "--curve-allow-dir", type=Path, default=None, help="directory of allowed worker public keys"
-    )
+    BROKER_OPTIONS.add_to(broker)
     broker.set_defaults(handler=_broker)
 
 
@@ -224,19 +149,7 @@ def _add_watch(commands: Any) -> None:
         description=_WATCH_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    watch.add_argument(
-        "--discovery", type=_addresses, default=[], help="connect to brokers' XPUB ADDR[,ADDR]"
-    )
-    watch.add_argument("--bind", type=_addresses, default=[], help="bind ADDR[,ADDR]; workers connect here")
-    _add_namespace(watch)
-    watch.add_argument("--json", action="store_true", help="one JSON line per change instead of the table")
-    watch.add_argument(
-        "--once-after",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="watch this long, then print the table (or a JSON snapshot line) and exit 0",
-    )
+    WATCH_OPTIONS.add_to(watch)
     watch.set_defaults(handler=_watch)
 
 
@@ -244,12 +157,7 @@ def _add_keys(commands: Any) -> None:
     keys = commands.add_parser("keys", help="CURVE key management")
     actions = keys.add_subparsers(dest="action", required=True)
     generate = actions.add_parser("generate", help="write NAME.key (public) and NAME.key_secret into DIR")
-    generate.add_argument("directory", type=Path, help="where to write the key pair (created if missing)")
-    generate.add_argument(
-        "--name",
-        default="dynamo-prep",
-        help="file name stem: NAME.key and NAME.key_secret (default dynamo-prep)",
-    )
+    KEYS_GENERATE_OPTIONS.add_to(generate)
     generate.set_defaults(handler=_keys_generate)
 
 
@@ -257,14 +165,7 @@ def _render(args: argparse.Namespace) -> int:
     from dynamo_prep.cli.render import render_request  # noqa: PLC0415 - keep start-up light
 
     try:
-        output = render_request(
-            _read_request(args.request),
-            model_path=args.model_path,
-            served_name=args.served_name,
-            declared_token=args.declared_token,
-            hosted=args.hosted,
-            strict_hf_tokenization=args.jinja_tokenization == "hf",
-        )
+        output = render_request(_read_request(args.request), **RENDER_OPTIONS.values(args))
     except (ValueError, OSError) as exc:  # PreprocessError, ModelCardError, TokenizerError, ...
         _print_error(exc)
         return EXIT_FAILED
@@ -294,43 +195,25 @@ def _frontend(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     from dynamo_prep.cli.up import run_up  # noqa: PLC0415
 
-    return run_up(
-        http_port=args.http_port,
-        discovery_bind=args.discovery_bind,
-        model=args.model,
-        log_dir=args.log_dir,
-        log_level=args.log_level,
-        watch_address=args.watch_address,
-    )
+    return run_up(**UP_OPTIONS.values(args), log_level=args.log_level)
 
 
 def _broker(args: argparse.Namespace) -> int:
     from dynamo_prep.discovery.broker import run_broker  # noqa: PLC0415
 
-    return run_broker(
-        xsub=args.xsub,
-        xpub=args.xpub,
-        curve_secret_key=args.curve_secret_key,
-        curve_allow_dir=args.curve_allow_dir,
-    )
+    return run_broker(**BROKER_OPTIONS.values(args))
 
 
 def _watch(args: argparse.Namespace) -> int:
     from dynamo_prep.cli.watch import run_watch  # noqa: PLC0415
 
-    return run_watch(
-        discovery=args.discovery,
-        bind=args.bind,
-        namespace=args.namespace,
-        json_lines=args.json,
-        once_after=args.once_after,
-    )
+    return run_watch(**WATCH_OPTIONS.values(args))
 
 
 def _keys_generate(args: argparse.Namespace) -> int:
     from dynamo_prep.discovery.trust import generate_keys  # noqa: PLC0415
 
-    public, secret = generate_keys(args.directory, args.name)
+    public, secret = generate_keys(**KEYS_GENERATE_OPTIONS.values(args))
     print(json.dumps({"public_key_file": str(public), "secret_key_file": str(secret)}))
     return 0
 
