@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from dynamo_prep.frontend.up import demo_png
+from dynamo_prep.cli.up import demo_png
 
 __all__ = ["LOOPBACK_MEDIA", "PNG_DATA_URL", "image_server"]
 

@@ -47,7 +47,7 @@ import httpx
 
 from benchmarks._images import PNG_DATA_URL
 from benchmarks._report import Suite
-from dynamo_prep.engines.base import FLAVORS
+from dynamo_prep.engines.registry import FLAVORS
 from dynamo_prep.frontend.client import DEFAULT_IDLE_CLOSE_S
 
 DEMO = "kimi-k3-demo"

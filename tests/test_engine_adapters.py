@@ -12,7 +12,6 @@ import pytest
 import structlog
 
 from dynamo_prep.card import ModelCardError
-from dynamo_prep.engines.declare import declared_image_token
 from dynamo_prep.engines.mock.standins import (
     EngineStandIn,
     ImageProcessorStandIn,
@@ -22,6 +21,7 @@ from dynamo_prep.engines.mock.standins import (
     TokenizerManagerStandIn,
     sglang_engine_standin,
 )
+from dynamo_prep.engines.registry import bridge
 from dynamo_prep.engines.sglang import declare as sglang
 from dynamo_prep.engines.vllm import contract as vllm
 from dynamo_prep.models import DEMO_MODELS_DIR
@@ -186,14 +186,14 @@ def test_k3_standin_without_media_placeholder_id_names_the_file(tmp_path: Path) 
 
 @pytest.mark.parametrize("engine", [None, object(), engine_with(KimiK3ImageProcessorStandIn(K3_CONFIG))])
 def test_vllm_declares_nothing(engine: object | None) -> None:
-    assert declared_image_token(engine, "vllm") is None
+    assert bridge("vllm").declared_image_token(engine) is None
 
 
 def test_the_flavor_picks_the_adapter() -> None:
     engine = engine_with(KimiK3ImageProcessorStandIn(K3_CONFIG))
-    assert declared_image_token(engine, "sglang") == "<|media_pad|>"
-    with pytest.raises(ValueError, match="unknown engine flavor 'trtllm'"):
-        declared_image_token(engine, "trtllm")  # type: ignore[arg-type]
+    assert bridge("sglang").declared_image_token(engine) == "<|media_pad|>"
+    with pytest.raises(ValueError, match="unknown --engine 'trtllm'"):
+        bridge("trtllm").declared_image_token(engine)
 
 
 def test_vllm_expands_the_checkpoint_placeholder(tmp_path: Path) -> None:

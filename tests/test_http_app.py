@@ -18,8 +18,8 @@ import pytest_asyncio
 from support.images import png_data_url
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint
 
+from dynamo_prep.cli.render import render_request
 from dynamo_prep.frontend.config import FrontendConfig
-from dynamo_prep.frontend.render import render_request
 from dynamo_prep.frontend.serve import serve_frontend
 from dynamo_prep.tokenizer import Tokenizer
 

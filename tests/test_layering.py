@@ -19,6 +19,7 @@ FLOORS: dict[str, int] = {
     "dynamo_prep.threads": 0,
     "dynamo_prep.loopwatch": 0,
     "dynamo_prep.protocol": 0,
+    "dynamo_prep.options": 0,
     "dynamo_prep.card": 1,
     "dynamo_prep.prompt": 1,
     "dynamo_prep.tokenizer": 2,
@@ -30,7 +31,6 @@ FLOORS: dict[str, int] = {
     "dynamo_prep.routing": 5,
     "dynamo_prep.worker": 6,
     "dynamo_prep.frontend": 7,
-    "dynamo_prep.watch": 7,
     "dynamo_prep.cli": 8,
     "dynamo_prep": 9,
 }
@@ -138,3 +138,29 @@ def test_every_api_surface_is_served() -> None:
     modules = [importlib.import_module(module_name(path)) for path in sorted(api.glob("*.py"))]
     surfaces = {module.__name__ for module in modules if hasattr(module, "routes")}
     assert surfaces == {surface.__name__ for surface in SURFACES}
+
+
+# An engine's name may be written (as a string literal) in at most this many modules outside its
+# own folder: the registry's table, and at most one more (docs/engines.md).
+MAX_MODULES_NAMING_AN_ENGINE = 2
+
+
+def _engine_names() -> tuple[str, ...]:
+    from dynamo_prep.engines.registry import ENGINES  # noqa: PLC0415
+
+    return ENGINES
+
+
+@pytest.mark.parametrize("engine", _engine_names())
+def test_an_engines_name_is_written_in_its_own_folder(engine: str) -> None:
+    own = PACKAGE / "engines" / engine
+    naming = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in MODULES
+        if not path.is_relative_to(own)
+        and any(
+            isinstance(node, ast.Constant) and node.value == engine
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        )
+    )
+    assert len(naming) <= MAX_MODULES_NAMING_AN_ENGINE, f"{engine!r} is written in {naming}"

@@ -13,7 +13,7 @@ import pytest
 import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.base import EngineContractError, Flavor
+from dynamo_prep.engines.base import EngineContractError
 from dynamo_prep.engines.mock.engine import MockEngine, MockOutput
 from dynamo_prep.engines.mock.prompt import count_occurrences
 from dynamo_prep.models import DEMO_MODELS_DIR
@@ -31,7 +31,7 @@ MESSAGES: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def engines() -> dict[tuple[str, Flavor], MockEngine]:
+def engines() -> dict[tuple[str, str], MockEngine]:
     return {
         (model, flavor): MockEngine(model, flavor=flavor, reply_format="echo")
         for model in ("kimi-k3-demo", "qwen-vl-demo")
@@ -65,7 +65,7 @@ def reply_of(engine: MockEngine, outputs: list[MockOutput]) -> str:
 # --- declarations --------------------------------------------------------------------------------
 
 
-def test_declared_tokens(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
+def test_declared_tokens(engines: dict[tuple[str, str], MockEngine]) -> None:
     assert engines["kimi-k3-demo", "sglang"].declared_image_token == "<|media_pad|>"
     assert engines["kimi-k3-demo", "vllm"].declared_image_token is None
     assert engines["qwen-vl-demo", "sglang"].declared_image_token == (
@@ -87,7 +87,7 @@ def test_unknown_flavor_reply_format_and_negative_delay_are_rejected() -> None:
 
 
 async def test_sglang_accepts_media_pad_and_rejects_the_checkpoint_default(
-    engines: dict[tuple[str, Flavor], MockEngine],
+    engines: dict[tuple[str, str], MockEngine],
 ) -> None:
     engine = engines["kimi-k3-demo", "sglang"]
     engine.check_contract(preprocess("kimi-k3-demo", "<|media_pad|>"))
@@ -110,7 +110,7 @@ async def test_sglang_accepts_media_pad_and_rejects_the_checkpoint_default(
 
 
 async def test_vllm_accepts_the_checkpoint_default_and_rejects_media_pad(
-    engines: dict[tuple[str, Flavor], MockEngine],
+    engines: dict[tuple[str, str], MockEngine],
 ) -> None:
     engine = engines["kimi-k3-demo", "vllm"]
     engine.check_contract(preprocess("kimi-k3-demo", None))
@@ -130,7 +130,7 @@ async def test_vllm_accepts_the_checkpoint_default_and_rejects_media_pad(
 
 
 def test_vllm_counts_the_shattered_placeholder_sequence(
-    engines: dict[tuple[str, Flavor], MockEngine],
+    engines: dict[tuple[str, str], MockEngine],
 ) -> None:
     engine = engines["kimi-k3-demo", "vllm"]
     request = preprocess("kimi-k3-demo", None)
@@ -144,7 +144,7 @@ def test_vllm_counts_the_shattered_placeholder_sequence(
 
 @pytest.mark.parametrize("flavor", ["sglang", "vllm"])
 async def test_qwen_vl_is_accepted_by_both_flavors(
-    engines: dict[tuple[str, Flavor], MockEngine], flavor: Flavor
+    engines: dict[tuple[str, str], MockEngine], flavor: str
 ) -> None:
     engine = engines["qwen-vl-demo", flavor]
     request = rendered_for(engine)
@@ -156,7 +156,7 @@ async def test_qwen_vl_is_accepted_by_both_flavors(
 
 
 @pytest.mark.parametrize("flavor", ["sglang", "vllm"])
-def test_a_text_only_model_rejects_any_image(tmp_path: Path, flavor: Flavor) -> None:
+def test_a_text_only_model_rejects_any_image(tmp_path: Path, flavor: str) -> None:
     model_dir = tmp_path / "qwen-text"
     shutil.copytree(DEMO_MODELS_DIR / "qwen-vl-demo", model_dir)
     config = json.loads((model_dir / "config.json").read_text())
@@ -174,7 +174,7 @@ def test_a_text_only_model_rejects_any_image(tmp_path: Path, flavor: Flavor) -> 
 
 @pytest.mark.parametrize("flavor", ["sglang", "vllm"])
 async def test_reply_is_deterministic_and_states_what_arrived(
-    engines: dict[tuple[str, Flavor], MockEngine], flavor: Flavor
+    engines: dict[tuple[str, str], MockEngine], flavor: str
 ) -> None:
     engine = engines["kimi-k3-demo", flavor]
     request = rendered_for(engine)
@@ -191,7 +191,7 @@ async def test_reply_is_deterministic_and_states_what_arrived(
 
 
 def test_echo_keeps_typed_control_text_and_drops_only_real_image_tokens(
-    engines: dict[tuple[str, Flavor], MockEngine],
+    engines: dict[tuple[str, str], MockEngine],
 ) -> None:
     typed = "look: <|media_pad|> and <|close|> are just text"
     messages = [{"role": "user", "content": [IMAGE, {"type": "text", "text": typed}]}]
@@ -201,7 +201,7 @@ def test_echo_keeps_typed_control_text_and_drops_only_real_image_tokens(
     assert engine.reply_text(request).endswith(f"You said: {typed}")
 
 
-def test_echo_is_truncated(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
+def test_echo_is_truncated(engines: dict[tuple[str, str], MockEngine]) -> None:
     engine = engines["kimi-k3-demo", "vllm"]
     request = preprocess("kimi-k3-demo", None, [{"role": "user", "content": "word " * 100}])
     said = engine.reply_text(request).split("You said: ", 1)[1]
@@ -209,7 +209,7 @@ def test_echo_is_truncated(engines: dict[tuple[str, Flavor], MockEngine]) -> Non
     assert said.endswith("...")
 
 
-async def test_max_tokens_finishes_with_length(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
+async def test_max_tokens_finishes_with_length(engines: dict[tuple[str, str], MockEngine]) -> None:
     engine = engines["kimi-k3-demo", "sglang"]
     outputs = await collect(engine, rendered_for(engine, max_tokens=5))
     assert len(outputs) == 5
@@ -225,7 +225,7 @@ def with_stop_strings(request: PreprocessedRequest, stop: list[str]) -> Preproce
     return msgspec.structs.replace(request, stop_conditions=conditions)
 
 
-async def test_a_stop_string_cuts_the_reply(engines: dict[tuple[str, Flavor], MockEngine]) -> None:
+async def test_a_stop_string_cuts_the_reply(engines: dict[tuple[str, str], MockEngine]) -> None:
     engine = engines["kimi-k3-demo", "vllm"]
     request = with_stop_strings(rendered_for(engine), ["You said"])
     outputs = await collect(engine, request)
@@ -238,7 +238,7 @@ async def test_a_stop_string_cuts_the_reply(engines: dict[tuple[str, Flavor], Mo
 
 
 async def test_a_stop_string_inside_a_token_drops_that_token(
-    engines: dict[tuple[str, Flavor], MockEngine],
+    engines: dict[tuple[str, str], MockEngine],
 ) -> None:
     engine = engines["qwen-vl-demo", "sglang"]
     outputs = await collect(engine, with_stop_strings(rendered_for(engine), ["mag"]))  # inside "image"
@@ -269,7 +269,7 @@ async def test_cancellation_stops_the_generator_promptly() -> None:
 
 
 async def test_cancellation_without_delay_is_still_honoured(
-    engines: dict[tuple[str, Flavor], MockEngine],
+    engines: dict[tuple[str, str], MockEngine],
 ) -> None:
     engine = engines["kimi-k3-demo", "vllm"]
     request = rendered_for(engine)

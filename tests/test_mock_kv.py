@@ -20,7 +20,7 @@ from support.logs import Logs, until
 from support.plane import SubCollector, tcp_endpoint
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
-from dynamo_prep.engines.base import EngineContractError, Flavor
+from dynamo_prep.engines.base import EngineContractError
 from dynamo_prep.engines.kv_config import kv_events_endpoint
 from dynamo_prep.engines.mock.engine import MockContinuation, MockEngine, MockOutput, Prefill
 from dynamo_prep.engines.mock.kv import MockKvEngine, image_spans
@@ -44,11 +44,11 @@ TAIL = " ".join(f"then say what detail {n} of the picture shows." for n in range
 
 
 @pytest.fixture(scope="module")
-def engines() -> dict[Flavor, MockContinuation]:
+def engines() -> dict[str, MockContinuation]:
     return {flavor: MockContinuation(MockEngine(DEMO, flavor=flavor)) for flavor in ("sglang", "vllm")}
 
 
-def preprocess(flavor: Flavor, content: str | list[dict[str, Any]], **fields: Any) -> PreprocessedRequest:
+def preprocess(flavor: str, content: str | list[dict[str, Any]], **fields: Any) -> PreprocessedRequest:
     """A real K3 request rendered for a worker of ``flavor`` (SGLang declares ``<|media_pad|>``)."""
     declared = "<|media_pad|>" if flavor == "sglang" else None
     card = ModelDeploymentCard.from_model_dir(
@@ -58,7 +58,7 @@ def preprocess(flavor: Flavor, content: str | list[dict[str, Any]], **fields: An
     return OpenAIPreprocessor.new(card, DEMO).preprocess({"model": DEMO, "messages": messages, **fields})
 
 
-def pictured(flavor: Flavor, url: str) -> PreprocessedRequest:
+def pictured(flavor: str, url: str) -> PreprocessedRequest:
     return preprocess(
         flavor,
         [
@@ -131,7 +131,7 @@ def index_of(events: Sequence[KVEvent], instance_id: str = "worker-a") -> KvInde
 
 
 async def test_a_repeated_prompt_is_a_cache_hit_and_prefills_only_the_rest(
-    engines: dict[Flavor, MockContinuation], logs: Logs
+    engines: dict[str, MockContinuation], logs: Logs
 ) -> None:
     setup = Setup(engines["sglang"], prefill_ms_per_1k=50.0)
     request = preprocess("sglang", "Summarise the rules above.")
@@ -160,7 +160,7 @@ async def test_a_repeated_prompt_is_a_cache_hit_and_prefills_only_the_rest(
     assert started[1]["prefill_ms"] < started[0]["prefill_ms"]
 
 
-async def test_prefills_queue_one_after_another(engines: dict[Flavor, MockContinuation]) -> None:
+async def test_prefills_queue_one_after_another(engines: dict[str, MockContinuation]) -> None:
     """Two requests admitted at one instant: the second waits for the first's prefill, then its own;
     once the queue has drained, a request waits only for itself."""
     now = [100.0]
@@ -190,7 +190,7 @@ async def test_prefills_queue_one_after_another(engines: dict[Flavor, MockContin
 
 
 async def test_the_reply_completes_blocks_that_a_follow_up_turn_reuses(
-    engines: dict[Flavor, MockContinuation],
+    engines: dict[str, MockContinuation],
 ) -> None:
     setup = Setup(engines["sglang"])
     request = preprocess("sglang", "Say the rules back, please, all of them, in your own words.")
@@ -206,7 +206,7 @@ async def test_the_reply_completes_blocks_that_a_follow_up_turn_reuses(
     assert index.match(request_block_hashes(whole, BLOCK)) == {"worker-a": len(whole) // BLOCK}
 
 
-async def test_a_migrated_request_is_just_a_longer_prompt(engines: dict[Flavor, MockContinuation]) -> None:
+async def test_a_migrated_request_is_just_a_longer_prompt(engines: dict[str, MockContinuation]) -> None:
     setup = Setup(engines["sglang"])
     request = preprocess("sglang", "Summarise the rules above.")
     reply = reply_ids(await setup.run(request))
@@ -217,7 +217,7 @@ async def test_a_migrated_request_is_just_a_longer_prompt(engines: dict[Flavor, 
 
 
 async def test_a_cancelled_request_releases_its_blocks_for_eviction(
-    engines: dict[Flavor, MockContinuation],
+    engines: dict[str, MockContinuation],
 ) -> None:
     """The cache holds exactly the first prompt: the longer second one is cached only if the first,
     cancelled while it streams, let its blocks go."""
@@ -245,7 +245,7 @@ async def test_a_cancelled_request_releases_its_blocks_for_eviction(
 
 
 async def test_a_prompt_that_breaks_the_contract_is_not_admitted(
-    engines: dict[Flavor, MockContinuation],
+    engines: dict[str, MockContinuation],
 ) -> None:
     setup = Setup(engines["vllm"])
     request = pictured("sglang", CAT)  # rendered for SGLang: vLLM finds no placeholder
@@ -259,7 +259,7 @@ async def test_a_prompt_that_breaks_the_contract_is_not_admitted(
 
 @pytest.mark.parametrize("flavor", ["sglang", "vllm"])
 async def test_prompts_that_differ_only_in_an_image_share_the_blocks_before_it(
-    engines: dict[Flavor, MockContinuation], flavor: Flavor
+    engines: dict[str, MockContinuation], flavor: str
 ) -> None:
     setup = Setup(engines[flavor])
     cat, dog = pictured(flavor, CAT), pictured(flavor, DOG)
@@ -289,7 +289,7 @@ async def test_prompts_that_differ_only_in_an_image_share_the_blocks_before_it(
 
 @pytest.mark.parametrize("flavor", ["sglang", "vllm"])
 async def test_the_frontend_index_finds_image_blocks_by_the_image_identity(
-    engines: dict[Flavor, MockContinuation], flavor: Flavor
+    engines: dict[str, MockContinuation], flavor: str
 ) -> None:
     """Spans built by hand as the frontend will (placeholder ids, the image's uuid), not by the mock."""
     setup = Setup(engines[flavor])
@@ -314,7 +314,7 @@ async def test_the_frontend_index_finds_image_blocks_by_the_image_identity(
     assert not engine_hashes & set(own(cat, CAT))
 
 
-def test_an_image_without_a_uuid_gets_the_frontends_identity(engines: dict[Flavor, MockContinuation]) -> None:
+def test_an_image_without_a_uuid_gets_the_frontends_identity(engines: dict[str, MockContinuation]) -> None:
     request = pictured("sglang", CAT)
     older = msgspec.structs.replace(
         request, images=[msgspec.structs.replace(image, uuid="") for image in request.images]
@@ -325,7 +325,7 @@ def test_an_image_without_a_uuid_gets_the_frontends_identity(engines: dict[Flavo
     assert image_spans(request, None) == []
 
 
-def test_a_negative_prefill_rate_is_refused(engines: dict[Flavor, MockContinuation]) -> None:
+def test_a_negative_prefill_rate_is_refused(engines: dict[str, MockContinuation]) -> None:
     with pytest.raises(ValueError, match="prefill_ms_per_1k"):
         MockKvEngine(engines["sglang"], PagedPrefixCache(BLOCK, 4), print, prefill_ms_per_1k=-1)
 
@@ -355,7 +355,7 @@ SGLANG_CONFIG = {
 }
 
 
-def advertised(config: Any, flavor: Flavor = "vllm", **options: Any) -> KvEventsEndpoint | None:
+def advertised(config: Any, flavor: str = "vllm", **options: Any) -> KvEventsEndpoint | None:
     options.setdefault("endpoint_host", HOST)
     return kv_events_endpoint(config, flavor=flavor, **options)
 
@@ -403,7 +403,7 @@ def test_the_data_parallel_rank_offsets_both_ports_as_vllm_does() -> None:
         ),
     ],
 )
-def test_what_each_config_advertises(config: Any, flavor: Flavor, expected: tuple[str | None, ...]) -> None:
+def test_what_each_config_advertises(config: Any, flavor: str, expected: tuple[str | None, ...]) -> None:
     found = advertised(config, flavor)
     assert found is not None
     assert (found.endpoint, found.replay_endpoint, found.topic) == expected
@@ -449,7 +449,7 @@ def test_the_engines_config_object_is_read_by_attribute() -> None:
     ],
 )
 def test_a_config_that_cannot_be_followed_advertises_nothing_and_says_why(
-    config: dict[str, Any], flavor: Flavor, reason: str, level: str, logs: Logs
+    config: dict[str, Any], flavor: str, reason: str, level: str, logs: Logs
 ) -> None:
     assert advertised(config, flavor) is None
     [line] = [entry for entry in logs if entry["event"] == "kv_events_not_advertised"]

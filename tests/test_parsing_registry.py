@@ -11,6 +11,7 @@ import pytest
 from support.hf_models import built_models
 from test_parsing_streams import K3, QWEN, all_ways, counting_ids
 
+from dynamo_prep.engines.registry import bridge
 from dynamo_prep.parsing import (
     REASONING_PARSERS,
     RECOVERY_KINDS,
@@ -21,7 +22,6 @@ from dynamo_prep.parsing import (
     ReasoningDelta,
     ToolCallDelta,
     check_parser_names,
-    engine_reasoning_flags,
     parser_for,
 )
 from dynamo_prep.parsing._tokens import vocab_of
@@ -133,14 +133,14 @@ def test_unknown_names_are_refused_with_the_known_ones() -> None:
 
 
 def test_the_reasoning_parser_is_also_the_engines_own_flag() -> None:
-    assert engine_reasoning_flags("vllm", "deepseek_r1") == ("--reasoning-parser", "deepseek_r1")
-    assert engine_reasoning_flags("sglang", "deepseek_r1") == ("--reasoning-parser", "deepseek-r1")
-    assert engine_reasoning_flags("sglang", "qwen3") == ("--reasoning-parser", "qwen3")
-    assert engine_reasoning_flags("sglang", "deepseek_v3") == ("--reasoning-parser", "deepseek-v3")
-    assert engine_reasoning_flags("sglang", "openai_gptoss") == ("--reasoning-parser", "gpt-oss")
-    assert engine_reasoning_flags("vllm", "glm45") == ("--reasoning-parser", "glm45")
-    assert engine_reasoning_flags("sglang", "mistral") == ("--reasoning-parser", "mistral")  # [THINK]
-    assert engine_reasoning_flags("mock", "qwen3") == ()
-    assert engine_reasoning_flags("vllm", None) == ()
+    assert bridge("vllm").reasoning_flags("deepseek_r1", ()) == ("--reasoning-parser", "deepseek_r1")
+    assert bridge("sglang").reasoning_flags("deepseek_r1", ()) == ("--reasoning-parser", "deepseek-r1")
+    assert bridge("sglang").reasoning_flags("qwen3", ()) == ("--reasoning-parser", "qwen3")
+    assert bridge("sglang").reasoning_flags("deepseek_v3", ()) == ("--reasoning-parser", "deepseek-v3")
+    assert bridge("sglang").reasoning_flags("openai_gptoss", ()) == ("--reasoning-parser", "gpt-oss")
+    assert bridge("vllm").reasoning_flags("glm45", ()) == ("--reasoning-parser", "glm45")
+    assert bridge("sglang").reasoning_flags("mistral", ()) == ("--reasoning-parser", "mistral")  # [THINK]
+    assert bridge("mock").reasoning_flags("qwen3", ()) == ()
+    assert bridge("vllm").reasoning_flags(None, ()) == ()
     # the engine's reasoning parser needs its tokenizer (vLLM refuses to start without one)
-    assert engine_reasoning_flags("vllm", "qwen3", ["--seed", "0", "--skip-tokenizer-init"]) == ()
+    assert bridge("vllm").reasoning_flags("qwen3", ["--seed", "0", "--skip-tokenizer-init"]) == ()

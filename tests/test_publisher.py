@@ -13,6 +13,7 @@ import zmq.asyncio
 from support.plane import SubCollector, tcp_endpoint, write_model_dir
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig, decode_card
+from dynamo_prep.discovery.announcing import Announcing
 from dynamo_prep.discovery.publisher import CardPublisher, card_payload
 from dynamo_prep.discovery.registry import DiscoveryRegistry, InstanceAdded
 from dynamo_prep.protocol.discovery import Announce, DiscoveryMessage, KvEventsEndpoint, Withdraw
@@ -54,8 +55,12 @@ class Running:
 
 
 def start(card: ModelDeploymentCard, context: zmq.asyncio.Context, *addresses: str, **kw: Any) -> Running:
-    kw.setdefault("heartbeat_s", LONG_HEARTBEAT_S)
-    publisher = CardPublisher(card, endpoint="tcp://127.0.0.1:1", discovery=addresses, context=context, **kw)
+    settings = {name: kw.pop(name) for name in ("heartbeat_s", "ttl_ms", "legacy_runtime") if name in kw}
+    settings.setdefault("heartbeat_s", LONG_HEARTBEAT_S)
+    announcing = Announcing(discovery=addresses, **settings)
+    publisher = CardPublisher(
+        card, endpoint="tcp://127.0.0.1:1", announcing=announcing, context=context, **kw
+    )
     return Running(publisher)
 
 
@@ -136,7 +141,8 @@ async def test_withdraw_on_stop_has_the_next_seq(
 async def test_stop_before_run_returns_at_once(
     card: ModelDeploymentCard, context: zmq.asyncio.Context
 ) -> None:
-    publisher = CardPublisher(card, endpoint="tcp://127.0.0.1:1", discovery=[tcp_endpoint()], context=context)
+    announcing = Announcing(discovery=(tcp_endpoint(),))
+    publisher = CardPublisher(card, endpoint="tcp://127.0.0.1:1", announcing=announcing, context=context)
     await asyncio.wait_for(publisher.stop(), 1)
     await asyncio.wait_for(publisher.run(), 1)
     assert publisher.seq == 0

@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from support.cluster import Cluster, mock_cluster, openai_client
 
 from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.cli.up import DEMO_SCHEMA, structured_curl_command
 from dynamo_prep.engines.mock.instance import instance_of
-from dynamo_prep.frontend.up import DEMO_SCHEMA, structured_curl_command
 from dynamo_prep.parsing import PlainAnswerParser, fold_deltas
 from dynamo_prep.parsing._tokens import vocab_of
 from dynamo_prep.parsing.forced import ForcedToolParser
@@ -509,7 +509,7 @@ def test_the_sdk_s_parse_with_a_pydantic_function_tool(cluster: Cluster) -> None
 
 
 def test_the_up_banner_s_structured_request_answers_json_valid_under_its_schema(cluster: Cluster) -> None:
-    """``make up`` prints this request (dynamo_prep/frontend/up.py): its body, sent as printed."""
+    """``make up`` prints this request (dynamo_prep/cli/up.py): its body, sent as printed."""
     base_url = str(cluster)
     command = shlex.split(structured_curl_command(base_url, MODELS[0]))
     body = json.loads(command[command.index("-d") + 1])

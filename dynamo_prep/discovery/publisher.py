@@ -23,7 +23,7 @@ import socket as stdsocket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -32,12 +32,10 @@ import zmq
 import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard, encode_card
-from dynamo_prep.discovery.trust import ClientCurve, apply_client_curve
+from dynamo_prep.discovery.announcing import Announcing
+from dynamo_prep.discovery.trust import apply_client_curve
 from dynamo_prep.protocol.clock import now_ms
 from dynamo_prep.protocol.discovery import (
-    DEFAULT_HEARTBEAT_S,
-    DEFAULT_NAMESPACE,
-    DEFAULT_TTL_MS,
     Announce,
     KvEventsEndpoint,
     Load,
@@ -83,33 +81,28 @@ class CardPublisher:
         card: ModelDeploymentCard,
         *,
         endpoint: str,
-        discovery: Sequence[str],
-        namespace: str = DEFAULT_NAMESPACE,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        ttl_ms: int = DEFAULT_TTL_MS,
+        announcing: Announcing,
         instance_id: str | None = None,
-        legacy_runtime: Mapping[str, Any] | None = None,
-        curve: ClientCurve | None = None,
         context: zmq.asyncio.Context | None = None,
         kv_events: KvEventsEndpoint | None = None,
         load: Callable[[], Load] | None = None,
     ) -> None:
-        if not discovery:
+        if not announcing.discovery:
             raise ValueError("at least one discovery address is required")
-        if heartbeat_s <= 0:
-            raise ValueError(f"heartbeat must be positive, got {heartbeat_s}")
+        if announcing.heartbeat_s <= 0:
+            raise ValueError(f"heartbeat must be positive, got {announcing.heartbeat_s}")
         self.card = card
         self.endpoint = endpoint
-        self.discovery = list(discovery)
-        self.namespace = namespace
-        self.heartbeat_s = heartbeat_s
-        self.ttl_ms = ttl_ms
+        self.discovery = list(announcing.discovery)
+        self.namespace = announcing.namespace
+        self.heartbeat_s = announcing.heartbeat_s
+        self.ttl_ms = announcing.ttl_ms
         self.instance_id = instance_id or uuid.uuid4().hex
         self.kv_events = kv_events
         self._load = load
-        self._topic = topic(namespace)
-        self._card = msgspec.Raw(card_payload(card, legacy_runtime))
-        self._curve = curve
+        self._topic = topic(announcing.namespace)
+        self._card = msgspec.Raw(card_payload(card, announcing.legacy_runtime))
+        self._curve = announcing.curve
         # The thread's sockets come from the same libzmq context (a plain-socket shadow of it).
         self._context: zmq.Context[Any] = zmq.Context.shadow(
             (context or zmq.asyncio.Context.instance()).underlying

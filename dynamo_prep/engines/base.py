@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Literal, Protocol, get_args
 
+from dynamo_prep.protocol.discovery import KvEventsEndpoint
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.protocol.wire import TokenLogprob
 
 __all__ = [
-    "FLAVORS",
     "REPLY_FORMATS",
     "CheckFn",
     "EngineAbortedError",
@@ -31,13 +31,11 @@ __all__ = [
     "EngineFailedError",
     "EngineOutput",
     "EngineRuntime",
-    "Flavor",
     "GenerateFn",
+    "KvPublisher",
     "ReplyFormat",
 ]
 
-Flavor = Literal["sglang", "vllm"]
-FLAVORS: tuple[Flavor, ...] = get_args(Flavor)
 # How the mock engine words a reply nothing scripted: plain echo text, or the model's own format.
 ReplyFormat = Literal["echo", "model"]
 # Without a scripted reply the mock answers in the model's own format (K3 channels, Hermes calls);
@@ -130,11 +128,26 @@ class EngineFacts:
         }
 
 
+class KvPublisher(Protocol):
+    """A KV-event publisher the worker starts and closes itself (the mock's ``--kv-events``)."""
+
+    def start(self) -> KvEventsEndpoint:
+        """Bind and return the addresses to announce (idempotent)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop publishing and close its sockets."""
+        ...
+
+
 class EngineRuntime(Protocol):
     """A real engine running in the worker's process, as its runtime adapter presents it."""
 
     @property
-    def flavor(self) -> Flavor: ...
+    def flavor(self) -> str:
+        """The engine's name (``engines.registry``)."""
+        ...
+
     @property
     def facts(self) -> EngineFacts: ...
     @property

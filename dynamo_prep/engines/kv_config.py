@@ -29,17 +29,15 @@ from typing import Any, Final
 import msgspec
 import structlog
 
-from dynamo_prep.engines.base import Flavor
+from dynamo_prep.engines.bridge import KvDialect
+from dynamo_prep.engines.registry import bridge
 from dynamo_prep.protocol.discovery import KvEventsEndpoint
 
-__all__ = ["SGLANG_FORMATS", "WILDCARD_HOSTS", "kv_events_endpoint"]
+__all__ = ["WILDCARD_HOSTS", "kv_events_endpoint"]
 
 log = structlog.get_logger("dynamo_prep.engines")
 
 WILDCARD_HOSTS: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
-SGLANG_FORMATS: Final = ("default", "dynamo")
-# What in a PUB address makes each engine bind it when nothing says otherwise.
-_BIND_MARKS: Final[dict[Flavor, tuple[str, ...]]] = {"vllm": ("*", "::"), "sglang": ("*", "::", "0.0.0.0")}
 _MAX_PORT: Final = 65535
 
 
@@ -66,22 +64,24 @@ class _NotAdvertisedError(Exception):
 def kv_events_endpoint(
     config: Mapping[str, Any] | str | object,
     *,
-    flavor: Flavor,
+    flavor: str,
     endpoint_host: str,
     data_parallel_rank: int = 0,
 ) -> KvEventsEndpoint | None:
     """The announce's ``kv_events`` for an engine started with ``config``, or None (logged why).
 
     ``config`` is the ``--kv-events-config`` value as a dict, as its JSON text, or as the engine's
-    own config object (read by attribute). Raises ValueError for a config the engine itself would
-    refuse (not an object, wrong field types, an SGLang ``format`` other than ``SGLANG_FORMATS``, a
-    port that is not a number where an offset applies).
+    own config object (read by attribute), read in the dialect of the engine called ``flavor``
+    (``EngineBridge.kv_dialect``). Raises ValueError for a config the engine itself would refuse
+    (not an object, wrong field types, a ``format`` it does not take, a port that is not a number
+    where an offset applies) or an engine without such a config.
     """
     if data_parallel_rank < 0:
         raise ValueError(f"data_parallel_rank must be >= 0, got {data_parallel_rank}")
-    parsed = _parse(config, flavor)
-    enabled = flavor == "sglang" or parsed.enable_kv_cache_events is True
-    publisher = parsed.publisher or ("zmq" if flavor == "vllm" and enabled else "null")
+    dialect = _dialect(flavor)
+    parsed = _parse(config, dialect)
+    enabled = not dialect.needs_enable or parsed.enable_kv_cache_events is True
+    publisher = parsed.publisher or ("zmq" if dialect.needs_enable and enabled else "null")
     fields = {"flavor": flavor, "endpoint": parsed.endpoint, "data_parallel_rank": data_parallel_rank}
     if not enabled or publisher == "null":
         log.info("kv_events_not_advertised", reason="disabled", publisher=publisher, **fields)
@@ -92,7 +92,7 @@ def kv_events_endpoint(
     endpoint = _offset(parsed.endpoint, data_parallel_rank)
     replay = _offset(parsed.replay_endpoint, data_parallel_rank)
     try:
-        advertised = _pub_address(endpoint, endpoint_host, binds=_binds(endpoint, parsed.bind, flavor))
+        advertised = _pub_address(endpoint, endpoint_host, binds=_binds(endpoint, parsed.bind, dialect))
     except _NotAdvertisedError as refused:
         log.warning("kv_events_not_advertised", reason=refused.reason, **fields)
         return None
@@ -110,7 +110,14 @@ def kv_events_endpoint(
     return result
 
 
-def _parse(config: Mapping[str, Any] | str | object, flavor: Flavor) -> _KvEventsConfig:
+def _dialect(flavor: str) -> KvDialect:
+    dialect = bridge(flavor).kv_dialect
+    if dialect is None:
+        raise ValueError(f"--engine {flavor} takes no --kv-events-config")
+    return dialect
+
+
+def _parse(config: Mapping[str, Any] | str | object, dialect: KvDialect) -> _KvEventsConfig:
     try:
         if isinstance(config, str | bytes):
             parsed = msgspec.json.decode(config, type=_KvEventsConfig)
@@ -120,8 +127,8 @@ def _parse(config: Mapping[str, Any] | str | object, flavor: Flavor) -> _KvEvent
             parsed = msgspec.convert(config, _KvEventsConfig, from_attributes=True)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ValueError(f"kv_events_config: {exc}") from None
-    if flavor == "sglang" and parsed.format not in SGLANG_FORMATS:
-        accepted = ", ".join(repr(name) for name in SGLANG_FORMATS)
+    if dialect.formats is not None and parsed.format not in dialect.formats:
+        accepted = ", ".join(repr(name) for name in dialect.formats)
         raise ValueError(f"kv_events_config: format must be one of {accepted}, got {parsed.format!r}")
     return parsed
 
@@ -142,14 +149,14 @@ def _offset(endpoint: str | None, rank: int) -> str | None:
     return f"{base}:{int(port) + rank}"
 
 
-def _binds(endpoint: str | None, bind: bool | None, flavor: Flavor) -> bool:
+def _binds(endpoint: str | None, bind: bool | None, dialect: KvDialect) -> bool:
     """Whether the engine binds its PUB to ``endpoint`` (else it connects)."""
-    if flavor == "sglang" and bind is not None:
+    if dialect.honours_bind and bind is not None:
         return bind
     if not endpoint:
         return False
     local = endpoint.startswith(("ipc://", "inproc://"))
-    return local or any(mark in endpoint for mark in _BIND_MARKS[flavor])
+    return local or any(mark in endpoint for mark in dialect.bind_marks)
 
 
 def _pub_address(endpoint: str | None, endpoint_host: str, *, binds: bool) -> str:

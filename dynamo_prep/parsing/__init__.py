@@ -43,7 +43,6 @@ from dynamo_prep.parsing.registry import (
     REASONING_PARSERS,
     TOOL_CALL_PARSERS,
     check_parser_names,
-    engine_reasoning_flags,
     parser_for,
 )
 from dynamo_prep.parsing.think import prompt_ends_in_think, thinking_requested
@@ -73,7 +72,6 @@ __all__ = [
     "assistant_message",
     "call_ids_for",
     "check_parser_names",
-    "engine_reasoning_flags",
     "fold_deltas",
     "new_call_id",
     "parse_answer",

@@ -8,7 +8,7 @@ How to add a family: docs/answers.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final, Literal
@@ -43,7 +43,6 @@ __all__ = [
     "WholeGrammar",
     "call_ids_of",
     "check_parser_names",
-    "engine_reasoning_flags",
     "parser_for",
     "whole_grammar",
 ]
@@ -125,21 +124,6 @@ WHOLE_GRAMMARS: Final = (KIMI_K3, HARMONY)
 TOOL_CALL_PARSERS: Final = tuple(sorted({*TOOL_HALVES, *(g.tool_calls for g in WHOLE_GRAMMARS)}))
 REASONING_PARSERS: Final = tuple(sorted({*REASONING_HALVES, *(g.reasoning for g in WHOLE_GRAMMARS)}))
 
-SKIP_TOKENIZER_INIT: Final = "--skip-tokenizer-init"
-# The engines' own --reasoning-parser (they hold a structured-output grammar back until the
-# reasoning ends): vLLM takes vLLM's names; SGLang spells some differently (None: SGLang has none).
-_SGLANG_REASONING: Final[Mapping[str, str | None]] = MappingProxyType(
-    {
-        "qwen3": "qwen3",
-        "deepseek_r1": "deepseek-r1",
-        "deepseek_v3": "deepseek-v3",
-        KIMI_K3_PARSER: "kimi_k3",
-        "openai_gptoss": "gpt-oss",
-        "glm45": "glm45",
-        "mistral": "mistral",
-    }
-)
-
 
 def check_parser_names(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
     """Raises ValueError naming the flag and the known names when either name is unknown."""
@@ -192,15 +176,3 @@ def call_ids_of(tool_calls: str | None) -> CallIds:
     9 alphanumeric characters; else OpenAI's ``call_`` + 24 hex)."""
     half = TOOL_HALVES.get(tool_calls) if tool_calls is not None else None
     return half.new_call_id if half is not None else new_call_id
-
-
-def engine_reasoning_flags(
-    engine: str, reasoning_parser: str | None, engine_args: Sequence[str] = ()
-) -> tuple[str, ...]:
-    """The engine's own ``--reasoning-parser`` for ours, as ``vllm serve`` / SGLang's server would
-    get it; empty when the engine has no such parser, or runs without its tokenizer
-    (``--skip-tokenizer-init``: its reasoning parser needs one, and the frontend parses anyway)."""
-    if reasoning_parser is None or engine not in ("vllm", "sglang") or SKIP_TOKENIZER_INIT in engine_args:
-        return ()
-    name = reasoning_parser if engine == "vllm" else _SGLANG_REASONING.get(reasoning_parser)
-    return ("--reasoning-parser", name) if name is not None else ()

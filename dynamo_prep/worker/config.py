@@ -12,10 +12,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, cast, get_args
+from typing import TYPE_CHECKING, cast
 
-from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, FLAVORS, REPLY_FORMATS, Flavor, ReplyFormat
+from dynamo_prep.discovery.announcing import Announcing
+from dynamo_prep.engines.base import DEFAULT_REPLY_FORMAT, REPLY_FORMATS, ReplyFormat
 from dynamo_prep.engines.media_policy import MediaPolicy
+from dynamo_prep.engines.registry import DEFAULT_ENGINE, DEFAULT_FLAVOR, ENGINES, FLAVORS, bridge
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.discovery import DEFAULT_HEARTBEAT_S, DEFAULT_NAMESPACE, DEFAULT_TTL_MS
 
@@ -30,7 +32,6 @@ __all__ = [
     "DEFAULT_PREFILL_MS_PER_1K",
     "DEFAULT_TOKEN_DELAY_S",
     "ENGINES",
-    "EngineKind",
     "WorkerConfig",
 ]
 
@@ -43,8 +44,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 5.0
 DEFAULT_ENGINE_STALL_TIMEOUT_S = 30.0
 DEFAULT_KV_BLOCKS = 2048
 DEFAULT_PREFILL_MS_PER_1K = 0.0
-EngineKind = Literal["mock", "vllm", "sglang"]
-ENGINES: tuple[EngineKind, ...] = get_args(EngineKind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +68,8 @@ class WorkerConfig:
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     ttl_ms: int = DEFAULT_TTL_MS
     curve: ClientCurve | None = None
-    engine: EngineKind = "mock"
-    flavor: Flavor = "sglang"
+    engine: str = DEFAULT_ENGINE
+    flavor: str = DEFAULT_FLAVOR
     token_delay_s: float = DEFAULT_TOKEN_DELAY_S
     replies: Path | None = None
     reply_format: ReplyFormat = DEFAULT_REPLY_FORMAT
@@ -89,12 +88,24 @@ class WorkerConfig:
 
     @property
     def real_engine(self) -> bool:
-        return self.engine != "mock"
+        return bridge(self.engine).real
 
     @property
     def legacy_runtime(self) -> dict[str, bool] | None:
         """The pre-declaration runtime_config key a legacy worker publishes, or None."""
         return {"expands_image_pad_token": True} if self.legacy_expands_image_pad_token else None
+
+    @property
+    def announcing(self) -> Announcing:
+        """How the worker announces its card, passed whole to its ``CardPublisher``."""
+        return Announcing(
+            discovery=self.discovery,
+            namespace=self.namespace,
+            heartbeat_s=self.heartbeat_s,
+            ttl_ms=self.ttl_ms,
+            legacy_runtime=self.legacy_runtime,
+            curve=self.curve,
+        )
 
     @classmethod
     def from_options(
@@ -111,7 +122,7 @@ class WorkerConfig:
         ttl_ms: int = DEFAULT_TTL_MS,
         curve_secret_key: Path | None = None,
         curve_server_key: Path | None = None,
-        engine: str = "mock",
+        engine: str = DEFAULT_ENGINE,
         flavor: str | None = None,
         token_delay_s: float | None = None,
         replies: str | Path | None = None,
@@ -145,10 +156,8 @@ class WorkerConfig:
             raise ValueError("--declare-image-token and --legacy-expands-image-pad-token exclude each other")
         if declared_image_token == "":
             raise ValueError("--declare-image-token must not be empty")
-        if engine not in ENGINES:
-            raise ValueError(f"unknown --engine {engine!r} (known: {', '.join(ENGINES)})")
-        _check_engine_options(
-            engine,
+        engine_bridge = bridge(engine)
+        engine_bridge.check_options(
             engine_args,
             {
                 "--flavor": flavor,
@@ -159,11 +168,13 @@ class WorkerConfig:
                 "--kv-events": kv_events or None,
             },
         )
-        flavor = flavor or (engine if engine != "mock" else "sglang")
+        flavor = flavor or (engine if engine_bridge.real else DEFAULT_FLAVOR)
         reply_format = reply_format or DEFAULT_REPLY_FORMAT
         token_delay_s = DEFAULT_TOKEN_DELAY_S if token_delay_s is None else token_delay_s
+        # A real engine is its own flavor; the mock's must be an engine it can emulate.
+        flavors = (engine,) if engine_bridge.real else FLAVORS
         for option, value, known in (
-            ("--flavor", flavor, FLAVORS),
+            ("--flavor", flavor, flavors),
             ("--reply-format", reply_format, REPLY_FORMATS),
         ):
             if value not in known:
@@ -198,7 +209,7 @@ class WorkerConfig:
             ttl_ms=ttl_ms,
             curve=_client_curve(curve_secret_key, curve_server_key),
             engine=engine,
-            flavor=cast(Flavor, flavor),
+            flavor=flavor,
             token_delay_s=token_delay_s,
             replies=Path(replies) if replies is not None else None,
             reply_format=cast(ReplyFormat, reply_format),
@@ -215,20 +226,6 @@ class WorkerConfig:
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
         )
-
-
-def _check_engine_options(engine: str, engine_args: Sequence[str], mock_options: dict[str, object]) -> None:
-    """The mock takes no engine flags; a real engine takes none of the mock's options."""
-    if engine == "mock":
-        if engine_args:
-            raise ValueError(
-                f"unrecognized arguments for --engine mock: {' '.join(engine_args)} "
-                "(engine flags are passed to --engine vllm or sglang)"
-            )
-        return
-    given = [option for option, value in mock_options.items() if value is not None]
-    if given:
-        raise ValueError(f"{', '.join(given)}: options of --engine mock, not of --engine {engine}")
 
 
 def _check_kv_options(kv_events: bool, kv_blocks: int | None, prefill_ms_per_1k: float | None) -> None:

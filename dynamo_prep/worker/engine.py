@@ -13,7 +13,6 @@ engine flags have none: it is ``vllm serve``'s).
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import structlog
@@ -23,7 +22,7 @@ from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.engines.base import EngineFacts, EngineRuntime
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.kv_config import kv_events_endpoint
-from dynamo_prep.parsing import engine_reasoning_flags
+from dynamo_prep.engines.registry import bridge
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.generate import GenerationServer
 from dynamo_prep.worker.metrics import WorkerMetrics
@@ -32,12 +31,6 @@ from dynamo_prep.worker.server import Worker
 __all__ = ["EngineArgsError", "engine_card", "engine_worker", "start_runtime"]
 
 log = structlog.get_logger("dynamo_prep.worker")
-
-# Each engine's bridge: its pure command-line translation and its runtime adapter.
-_BRIDGES = {
-    "vllm": ("dynamo_prep.engines.vllm.translate", "dynamo_prep.engines.vllm.runtime", "VllmRuntime"),
-    "sglang": ("dynamo_prep.engines.sglang.translate", "dynamo_prep.engines.sglang.runtime", "SglangRuntime"),
-}
 
 
 class EngineArgsError(ValueError):
@@ -50,18 +43,16 @@ def start_runtime(config: WorkerConfig) -> EngineRuntime:
     Raises ``EngineArgsError`` for flags the engine refuses; anything else the engine raises
     while starting propagates (the worker fails to start).
     """
-    translate_module, runtime_module, runtime_class = _BRIDGES[config.engine]
-    reasoning = engine_reasoning_flags(config.engine, config.reasoning_parser, config.engine_args)
+    engine = bridge(config.engine)
+    reasoning = engine.reasoning_flags(config.reasoning_parser, config.engine_args)
     if config.reasoning_parser is not None and not reasoning:
         log.info(
             "engine_reasoning_parser_not_passed",
             engine=config.engine,
             reasoning_parser=config.reasoning_parser,
         )
-    argv = importlib.import_module(translate_module).engine_argv(
-        config.model_dir, (*config.engine_args, *reasoning)
-    )
-    runtime_type: Any = getattr(importlib.import_module(runtime_module), runtime_class)
+    argv = engine.engine_argv(config.model_dir, (*config.engine_args, *reasoning))
+    runtime_type: Any = engine.load_start()
     images = ImageFetcher(policy=config.media)
     log.info("engine_starting", engine=config.engine, engine_args=argv)
     try:

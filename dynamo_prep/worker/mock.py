@@ -38,7 +38,15 @@ from dynamo_prep.worker.generate import GenerationServer
 from dynamo_prep.worker.metrics import WorkerMetrics
 from dynamo_prep.worker.server import Worker
 
-__all__ = ["MOCK_FAULT_SIGNALS", "STARVE_S", "mock_card", "mock_engine", "mock_worker", "with_images"]
+__all__ = [
+    "MOCK_FAULT_SIGNALS",
+    "STARVE_S",
+    "MockContinuation",
+    "mock_card",
+    "mock_engine",
+    "mock_worker",
+    "with_images",
+]
 
 log = structlog.get_logger("dynamo_prep.worker")
 

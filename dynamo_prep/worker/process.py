@@ -30,13 +30,12 @@ from dynamo_prep.card import ModelCardError, ModelDeploymentCard
 from dynamo_prep.discovery.trust import TrustError
 from dynamo_prep.engines.base import EngineRuntime
 from dynamo_prep.engines.images import ImageFetcher
-from dynamo_prep.engines.mock.engine import MockContinuation
 from dynamo_prep.lifecycle import EXIT_CONFIG, EXIT_FAILED, EXIT_OK, new_event_loop, on_stop_signals_in_loop
 from dynamo_prep.loopwatch import LoopWatch
 from dynamo_prep.preprocessor import OpenAIPreprocessor, PreprocessError
 from dynamo_prep.worker.config import WorkerConfig
 from dynamo_prep.worker.engine import EngineArgsError, engine_card, engine_worker, start_runtime
-from dynamo_prep.worker.mock import mock_card, mock_engine, mock_worker
+from dynamo_prep.worker.mock import MockContinuation, mock_card, mock_engine, mock_worker
 from dynamo_prep.worker.server import Worker
 
 __all__ = ["run_worker"]

@@ -20,9 +20,10 @@ from typing import Any
 import structlog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.engines.base import Flavor, GenerateFn
-from dynamo_prep.engines.declare import declared_image_token
+from dynamo_prep.discovery.announcing import Announcing
+from dynamo_prep.engines.base import GenerateFn
 from dynamo_prep.engines.kv_config import kv_events_endpoint
+from dynamo_prep.engines.registry import bridge
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.parsing import check_parser_names
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
@@ -38,7 +39,7 @@ log = structlog.get_logger("dynamo_prep.worker")
 async def register(
     engine: object,
     *,
-    flavor: Flavor,
+    flavor: str,
     model_path: str | Path,
     discovery: Sequence[str],
     served_name: str | None = None,
@@ -75,7 +76,7 @@ async def register(
             endpoint_host=endpoint_host,
             data_parallel_rank=data_parallel_rank,
         )
-    token = declared_image_token(engine, flavor)
+    token = bridge(flavor).declared_image_token(engine)
     log.info(
         "worker_declared_image_token",
         declared_token=token,
@@ -98,8 +99,7 @@ async def register(
     worker = Worker(
         card,
         model_dir,
-        discovery=discovery,
-        namespace=namespace,
+        announcing=Announcing(discovery=tuple(discovery), namespace=namespace),
         endpoint_host=endpoint_host,
         generation=GenerationServer(generate) if generate is not None else None,
         kv_events=kv_events,

@@ -8,7 +8,7 @@ kinds, ``worker.calls``) always, plus Generate / Cancel / Ping when the worker r
 
 With KV events, every announce also carries where the engine publishes them (``kv_events``):
 either a fixed address (a real engine's publisher, ``register``) or the bound addresses of a
-``KvEventPublisher`` the worker starts and closes itself (the mock engine's).
+``KvPublisher`` the worker starts and closes itself (the mock engine's).
 
 Stopping is graceful in Dynamo's order: withdraw the card first (frontends stop routing here),
 then drain (new Generate gets a retryable 503, in-flight requests may finish for
@@ -24,7 +24,7 @@ import asyncio
 import contextlib
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,16 +34,13 @@ import zmq
 import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard
+from dynamo_prep.discovery.announcing import Announcing
 from dynamo_prep.discovery.files import FileServer
 from dynamo_prep.discovery.publisher import STOP_LINGER_MS, CardPublisher
-from dynamo_prep.discovery.trust import ClientCurve
-from dynamo_prep.engines.mock.kv_publisher import KvEventPublisher
+from dynamo_prep.engines.base import KvPublisher
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.calls import Echo
 from dynamo_prep.protocol.discovery import (
-    DEFAULT_HEARTBEAT_S,
-    DEFAULT_NAMESPACE,
-    DEFAULT_TTL_MS,
     KvEventsEndpoint,
 )
 from dynamo_prep.protocol.wire import Call, Cancel, ErrorReply, FetchFile, Generate, Ping
@@ -117,13 +114,8 @@ class Worker:
         card: ModelDeploymentCard,
         model_dir: Path,
         *,
-        discovery: Sequence[str],
-        namespace: str = DEFAULT_NAMESPACE,
+        announcing: Announcing,
         endpoint_host: str = DEFAULT_ENDPOINT_HOST,
-        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-        ttl_ms: int = DEFAULT_TTL_MS,
-        legacy_runtime: Mapping[str, Any] | None = None,
-        curve: ClientCurve | None = None,
         instance_id: str | None = None,
         context: zmq.asyncio.Context | None = None,
         generation: GenerationServer | None = None,
@@ -131,7 +123,7 @@ class Worker:
         metrics: WorkerMetrics | None = None,
         metrics_port: int | None = None,
         kv_events: KvEventsEndpoint | None = None,
-        kv_publisher: KvEventPublisher | None = None,
+        kv_publisher: KvPublisher | None = None,
         engine_stall_timeout_s: float = DEFAULT_ENGINE_STALL_TIMEOUT_S,
     ) -> None:
         if kv_events is not None and kv_publisher is not None:
@@ -158,13 +150,8 @@ class Worker:
             self.dispatcher.register(Generate, self.metrics.counting_generate(generation.on_generate))
             self.dispatcher.register(Cancel, self.calls.cancelling(generation.on_cancel))
             self.dispatcher.register(Ping, generation.on_ping)
-        self._discovery = list(discovery)
-        self._namespace = namespace
+        self.announcing = announcing
         self._endpoint_host = endpoint_host
-        self._heartbeat_s = heartbeat_s
-        self._ttl_ms = ttl_ms
-        self._legacy_runtime = legacy_runtime
-        self._curve = curve
         self._context = context or zmq.asyncio.Context.instance()
         self._router: _RequestPlane | None = None
         self._publisher: CardPublisher | None = None
@@ -186,19 +173,14 @@ class Worker:
         metrics: WorkerMetrics,
         *,
         kv_events: KvEventsEndpoint | None = None,
-        kv_publisher: KvEventPublisher | None = None,
+        kv_publisher: KvPublisher | None = None,
     ) -> Worker:
         """The worker ``dynamo-prep worker`` runs: every option from ``config``, the engine's parts given."""
         return cls(
             card,
             config.model_dir,
-            discovery=config.discovery,
-            namespace=config.namespace,
+            announcing=config.announcing,
             endpoint_host=config.endpoint_host,
-            heartbeat_s=config.heartbeat_s,
-            ttl_ms=config.ttl_ms,
-            legacy_runtime=config.legacy_runtime,
-            curve=config.curve,
             context=context,
             generation=generation,
             drain_timeout_s=config.drain_timeout_s,
@@ -234,13 +216,8 @@ class Worker:
         self._publisher = CardPublisher(
             self.card,
             endpoint=self.endpoint,
-            discovery=self._discovery,
-            namespace=self._namespace,
-            heartbeat_s=self._heartbeat_s,
-            ttl_ms=self._ttl_ms,
+            announcing=self.announcing,
             instance_id=self.instance_id,
-            legacy_runtime=self._legacy_runtime,
-            curve=self._curve,
             context=self._context,
             kv_events=self.kv_events,
             load=self.generation.load if self.generation is not None else None,
@@ -254,7 +231,7 @@ class Worker:
             kv_events=None if self.kv_events is None else self.kv_events.endpoint,
             kv_replay_endpoint=None if self.kv_events is None else self.kv_events.replay_endpoint,
             declared_token=self.card.runtime_config.image_placeholder_token,
-            legacy_runtime=dict(self._legacy_runtime or {}),
+            legacy_runtime=dict(self.announcing.legacy_runtime or {}),
             mdcsum=self.card.mdcsum(),
         )
 

@@ -26,28 +26,20 @@ from typing import NamedTuple, NoReturn
 import msgspec
 import structlog
 
-from dynamo_prep.card import ModelCardError
 from dynamo_prep.engines.base import (
     DEFAULT_REPLY_FORMAT,
-    FLAVORS,
     REPLY_FORMATS,
     EngineContractError,
-    Flavor,
     ReplyFormat,
 )
-from dynamo_prep.engines.declare import declared_image_token
+from dynamo_prep.engines.bridge import EmulatedContract
 from dynamo_prep.engines.mock.answer import AnswerWriter, ToolCall, schema_arguments
 from dynamo_prep.engines.mock.instance import instance_of
 from dynamo_prep.engines.mock.logprobs import mock_logprob
 from dynamo_prep.engines.mock.prompt import PromptReader, PromptView, count_occurrences
 from dynamo_prep.engines.mock.replies import load_replies, matching_reply
-from dynamo_prep.engines.mock.standins import (
-    QWEN_VL_MODEL_TYPES,
-    QwenVLImageProcessorStandIn,
-    sglang_engine_standin,
-)
+from dynamo_prep.engines.registry import emulated
 from dynamo_prep.engines.steps import logprobs_asked
-from dynamo_prep.engines.vllm import contract as vllm
 from dynamo_prep.formatter import is_kimi_k3
 from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest, StopConditions, StructuredOutput
@@ -64,7 +56,6 @@ MAX_CONTINUATION_TOKENS = 4096
 # averages 3-4 characters a token here), then tokenized and cut at ``max_tokens`` like any answer:
 # a schema asking for 30,000,000 characters costs what ``max_tokens`` allows, no more.
 INSTANCE_CHARS_PER_TOKEN = 8
-QWEN_IMAGE_PAD = "<|image_pad|>"
 
 
 class MockOutput(msgspec.Struct, frozen=True):
@@ -90,19 +81,6 @@ class Prefill(NamedTuple):
 NO_PREFILL = Prefill()
 
 
-class _ImageContract(NamedTuple):
-    """How the engine finds images in token ids.
-
-    ``pattern``: the id sequence that must occur once per image (None: the model takes no images);
-    ``strip``: the ids one image occupies in the prompt (removed before echoing the user text);
-    ``spelling``: the placeholder as text, for messages.
-    """
-
-    pattern: tuple[int, ...] | None
-    strip: tuple[int, ...] | None
-    spelling: str | None
-
-
 class MockEngine:
     """Checks a ``PreprocessedRequest`` against SGLang's or vLLM's contract and streams a reply."""
 
@@ -110,7 +88,7 @@ class MockEngine:
         self,
         model_dir: str | Path,
         *,
-        flavor: Flavor,
+        flavor: str,
         token_delay_s: float = 0.0,
         replies: str | Path | None = None,
         reply_format: ReplyFormat = DEFAULT_REPLY_FORMAT,
@@ -122,21 +100,20 @@ class MockEngine:
         ``tool_call_parser`` / ``reasoning_parser``: the worker's declared parsers (vLLM's names); a
         model-format answer is written in the declared tool-call format when the mock has a writer for
         it (``answer.BODIES``, ``answer.WHOLE_ANSWERS``)."""
-        if flavor not in FLAVORS:
-            raise ValueError(f"unknown mock engine flavor {flavor!r} (known: {', '.join(FLAVORS)})")
+        contract = emulated(flavor).emulate
         if token_delay_s < 0:
             raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}")
         if reply_format not in REPLY_FORMATS:
             raise ValueError(f"unknown reply format {reply_format!r} (known: {', '.join(REPLY_FORMATS)})")
         self.model_dir = resolve_model_dir(model_dir)
-        self.flavor: Flavor = flavor
+        self.flavor = flavor
         self.token_delay_s = token_delay_s
         self.reply_format: ReplyFormat = reply_format
         self.tokenizer = Tokenizer.from_model_dir(self.model_dir)
         self.name = self.tokenizer.name
         self.replies = load_replies(replies, self.tokenizer) if replies is not None else ()
-        self._sglang_engine = sglang_engine_standin(self.model_dir) if flavor == "sglang" else None
-        self._contract = self._sglang_contract() if flavor == "sglang" else self._vllm_contract()
+        assert contract is not None  # emulated() returns only engines the mock can emulate
+        self._contract: EmulatedContract = contract(self.model_dir, self.tokenizer)
         kimi_k3 = is_kimi_k3(self.tokenizer.model_type, self.name)
         self._reader = PromptReader(self.tokenizer, kimi_k3=kimi_k3, strip=self._contract.strip)
         self._answers = AnswerWriter(
@@ -148,8 +125,8 @@ class MockEngine:
 
     @property
     def declared_image_token(self) -> str | None:
-        """What a worker running this engine declares in its card (vLLM: nothing)."""
-        return declared_image_token(self._sglang_engine, self.flavor)
+        """What a worker running the emulated engine declares in its card (vLLM: nothing)."""
+        return self._contract.declared_image_token
 
     @property
     def image_pattern(self) -> tuple[int, ...] | None:
@@ -172,12 +149,7 @@ class MockEngine:
         found = count_occurrences(request.token_ids, self._contract.pattern)
         if found == expected:
             return
-        if self.flavor == "sglang":
-            message = f"Expected {expected} image placeholder token(s), found {found}"
-        else:
-            spelling = str(self._contract.spelling)
-            message = vllm.placeholder_mismatch(spelling, self._contract.pattern, expected, found)
-        self._violation(expected=expected, found=found, message=message)
+        self._violation(expected=expected, found=found, message=self._contract.mismatch(expected, found))
 
     async def generate(
         self, request: PreprocessedRequest, *, prefill: Prefill = NO_PREFILL
@@ -346,35 +318,6 @@ class MockEngine:
             "mock_contract_violation", flavor=self.flavor, model=self.name, expected=expected, found=found
         )
         raise EngineContractError(message)
-
-    def _sglang_contract(self) -> _ImageContract:
-        """SGLang counts its processor's ``image_token_id``: one id per image."""
-        manager = self._sglang_engine.tokenizer_manager if self._sglang_engine else None
-        processor = manager.mm_processor if manager else None
-        if processor is None or processor.mm_tokens.image_token_id is None:
-            return _ImageContract(None, None, None)
-        token_id = processor.mm_tokens.image_token_id
-        spelling = processor.mm_tokens.image_token
-        strip = (
-            tuple(self.tokenizer.encode(spelling, allow_special=True))
-            if isinstance(spelling, str)
-            else (token_id,)
-        )
-        return _ImageContract((token_id,), strip, self.tokenizer.id_to_token(token_id))
-
-    def _vllm_contract(self) -> _ImageContract:
-        """vLLM finds the checkpoint placeholder's own id sequence (K3), or Qwen's ``<|image_pad|>``."""
-        placeholder = vllm.expanded_image_placeholder(self.model_dir)
-        if placeholder is not None:
-            ids = tuple(self.tokenizer.encode(placeholder, allow_special=False))
-            return _ImageContract(ids, ids, placeholder)
-        if self.tokenizer.model_type not in QWEN_VL_MODEL_TYPES:
-            return _ImageContract(None, None, None)
-        pad_id = self.tokenizer.token_to_id(QWEN_IMAGE_PAD)
-        if pad_id is None:
-            raise ModelCardError(f"{self.model_dir}: the tokenizer has no {QWEN_IMAGE_PAD} token")
-        strip = self.tokenizer.encode(QwenVLImageProcessorStandIn.IMAGE_TOKEN, allow_special=True)
-        return _ImageContract((pad_id,), tuple(strip), QWEN_IMAGE_PAD)
 
 
 def _cut_at_stop_ids(token_ids: list[int], stop_ids: set[int]) -> list[int]:

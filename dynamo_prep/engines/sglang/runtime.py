@@ -24,7 +24,7 @@ from typing import Any
 
 import structlog
 
-from dynamo_prep.engines.base import EngineContractError, EngineError, EngineFacts, EngineOutput, Flavor
+from dynamo_prep.engines.base import EngineContractError, EngineError, EngineFacts, EngineOutput
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.sglang.declare import declared_image_token
 from dynamo_prep.engines.sglang.translate import ChunkReader, engine_facts, generate_kwargs
@@ -64,7 +64,7 @@ def parse_server_args(api: SglangApi, argv: Sequence[str]) -> Any:
 class SglangRuntime:
     """The engine, its declaration, its figures and its requests."""
 
-    flavor: Flavor = "sglang"
+    flavor: str = "sglang"
 
     def __init__(self, engine: Any, images: ImageFetcher) -> None:
         self._engine = engine

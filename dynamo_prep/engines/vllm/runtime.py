@@ -23,7 +23,6 @@ from dynamo_prep.engines.base import (
     EngineError,
     EngineFacts,
     EngineOutput,
-    Flavor,
 )
 from dynamo_prep.engines.images import ImageFetcher
 from dynamo_prep.engines.steps import check_n
@@ -95,7 +94,7 @@ def build_engine(argv: Sequence[str]) -> Any:
 class VllmRuntime:
     """The engine, its figures and its requests; ``start`` builds it (blocking, tens of seconds)."""
 
-    flavor: Flavor = "vllm"
+    flavor: str = "vllm"
     declared_image_token: str | None = None  # vLLM expands the checkpoint's own placeholder
 
     def __init__(

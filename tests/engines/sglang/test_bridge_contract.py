@@ -168,8 +168,9 @@ def test_the_declared_token_path_exists_on_sglang_s_processor_types() -> None:
 def test_every_reasoning_parser_a_worker_passes_on_is_one_sglang_has() -> None:
     from sglang.srt.parser.reasoning_parser import ReasoningParser  # noqa: PLC0415
 
-    from dynamo_prep.parsing import REASONING_PARSERS, engine_reasoning_flags  # noqa: PLC0415
+    from dynamo_prep.engines.registry import bridge  # noqa: PLC0415
+    from dynamo_prep.parsing import REASONING_PARSERS  # noqa: PLC0415
 
-    passed = {flags[1] for name in REASONING_PARSERS if (flags := engine_reasoning_flags("sglang", name))}
+    passed = {flags[1] for name in REASONING_PARSERS if (flags := bridge("sglang").reasoning_flags(name, ()))}
     assert "mistral" in passed
     assert passed <= set(ReasoningParser.DetectorMap)

@@ -26,7 +26,8 @@ import pytest
 import zmq
 from support.plane import free_port
 
-from dynamo_prep.engines.kv_config import SGLANG_FORMATS, _KvEventsConfig, kv_events_endpoint
+from dynamo_prep.engines.kv_config import _KvEventsConfig, kv_events_endpoint
+from dynamo_prep.engines.sglang.bridge import FORMATS as SGLANG_FORMATS
 from dynamo_prep.protocol.discovery import KvEventsEndpoint
 from dynamo_prep.protocol.kv_events import (
     AllBlocksCleared,

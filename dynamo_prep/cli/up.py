@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from dynamo_prep.engines.base import FLAVORS
+from dynamo_prep.engines.registry import FLAVORS
 from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
 from dynamo_prep.lifecycle import EXIT_FAILED, EXIT_OK, on_stop_signals
 
