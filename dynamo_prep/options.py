@@ -11,11 +11,12 @@ import argparse
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 from dynamo_prep.protocol.discovery import DEFAULT_NAMESPACE
 
-__all__ = ["NAMESPACE", "Option", "Options", "addresses", "listed"]
+__all__ = ["CURVE_ALLOW_DIR", "NAMESPACE", "Option", "Options", "addresses", "listed"]
 
 
 def addresses(value: str) -> list[str]:
@@ -113,4 +114,10 @@ NAMESPACE: Final = Option(
     key="namespace",
     default=DEFAULT_NAMESPACE,
     env="DYN_NAMESPACE",
+)
+CURVE_ALLOW_DIR: Final = Option(
+    "--curve-allow-dir",
+    "directory of allowed worker public keys",
+    key="curve_allow_dir",
+    spec={"type": Path},
 )

@@ -9,7 +9,7 @@ from typing import Final
 
 from dynamo_prep.cli import up as up_defaults
 from dynamo_prep.frontend.config import DEFAULT_HTTP_PORT
-from dynamo_prep.options import NAMESPACE, Option, Options, addresses
+from dynamo_prep.options import CURVE_ALLOW_DIR, NAMESPACE, Option, Options, addresses
 from dynamo_prep.protocol.discovery import DEFAULT_BROKER_XPUB, DEFAULT_BROKER_XSUB
 from dynamo_prep.worker.options import MODEL_PATH_HELP
 
@@ -96,12 +96,7 @@ BROKER_OPTIONS: Final = Options(
             key="curve_secret_key",
             spec={"type": Path},
         ),
-        Option(
-            "--curve-allow-dir",
-            "directory of allowed worker public keys",
-            key="curve_allow_dir",
-            spec={"type": Path},
-        ),
+        CURVE_ALLOW_DIR,
     )
 )
 

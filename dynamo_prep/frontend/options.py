@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Final
 
 from dynamo_prep.frontend import config as d
-from dynamo_prep.options import NAMESPACE, Option, Options, addresses
+from dynamo_prep.options import CURVE_ALLOW_DIR, NAMESPACE, Option, Options, addresses
 from dynamo_prep.protocol.discovery import DEFAULT_BIND
 
 __all__ = ["FRONTEND_OPTIONS"]
@@ -44,12 +44,7 @@ _PLANE: Final = (
         key="curve_secret_key",
         spec={"type": Path},
     ),
-    Option(
-        "--curve-allow-dir",
-        "directory of allowed worker public keys",
-        key="curve_allow_dir",
-        spec={"type": Path},
-    ),
+    CURVE_ALLOW_DIR,
 )
 
 # The HTTP flags, each mirrored by a ``DYN_*`` environment variable (the flag wins).
