@@ -41,6 +41,13 @@ VLLM_FLAGS = (
     "0",  # the same dummy weights in every engine: greedy answers do not depend on routing
 )
 ENGINE_START_S = 300.0  # two engines loading at once on 2 slow cores
+# Modules whose tests take the shared cluster's workers down: they run after every other test.
+ENDS_THE_CLUSTER = ("test_vllm_shutdown.py",)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The cluster's destroyers last, whatever the other modules are named."""
+    items.sort(key=lambda item: item.path.name in ENDS_THE_CLUSTER)
 
 
 def _engine_model_module():  # type: ignore[no-untyped-def]

@@ -1,5 +1,5 @@
-"""How a real-engine worker ends (runs after test_vllm_serving.py: it takes the shared cluster's
-workers down). An engine that dies: the worker withdraws and exits 1. SIGTERM to the worker's main
+"""How a real-engine worker ends (runs last, conftest.ENDS_THE_CLUSTER: it takes the shared
+cluster's workers down). An engine that dies: the worker withdraws and exits 1. SIGTERM to the worker's main
 process during a stream: withdraw, the stream finishes, the engine shuts down, exit 0."""
 
 from __future__ import annotations
