@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Coroutine, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq.asyncio
 
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.kv_events import KVEvent, image_spans
 from dynamo_prep.routing.endpoints import KvEndpointRules
@@ -27,6 +26,9 @@ from dynamo_prep.routing.policy import Decision, KvRouter, count_blocks
 from dynamo_prep.routing.router import Prompts, Render, Route, RouterParts, RoutingPrompt
 from dynamo_prep.routing.settings import RouterSettings
 from dynamo_prep.routing.subscriber import KvEventSubscriber
+
+if TYPE_CHECKING:  # annotations only: routing loads no formatter stack
+    from dynamo_prep.discovery.catalog import LiveModel
 
 __all__ = ["KvRouting"]
 

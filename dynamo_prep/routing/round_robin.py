@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Coroutine, Sequence, Set
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.routing.router import Prompts, Render, Route, RouterParts
 from dynamo_prep.routing.settings import RouterSettings
+
+if TYPE_CHECKING:  # annotations only: routing loads no formatter stack
+    from dynamo_prep.discovery.catalog import LiveModel
 
 __all__ = ["RoundRobin"]
 

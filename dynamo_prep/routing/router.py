@@ -11,14 +11,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.preprocessed import PreprocessedRequest
 from dynamo_prep.routing.policy import Decision
 
-if TYPE_CHECKING:  # a router that keeps no sockets needs no ZeroMQ
+if TYPE_CHECKING:  # a router that keeps no sockets needs no ZeroMQ; routing loads no formatter stack
     import zmq.asyncio
     from prometheus_client import CollectorRegistry
+
+    from dynamo_prep.discovery.catalog import LiveModel
 
 __all__ = ["Prompts", "Render", "Route", "Router", "RouterParts", "RoutingPrompt"]
 
