@@ -81,7 +81,7 @@ async def register(
         "worker_declared_image_token",
         declared_token=token,
         source="engine" if token is not None else "none",
-        flavor=flavor,
+        engine=flavor,
     )
     model_dir = resolve_model_dir(model_path)
     sizes = {} if kv_cache_block_size is None else {"kv_cache_block_size": kv_cache_block_size}
