@@ -450,6 +450,8 @@ async def test_a_served_model_keeps_one_to_three_objects_the_gc_walks(
                 await peer.publish(announce(f"i-{name}", seq, raw, ttl_ms=600_000))
             with contextlib.suppress(AssertionError):
                 await until(lambda: all(watcher.catalog.get(name) for name in names), "served", 0.5)
+        # Every announce published is read (none still queued as frames the GC would count).
+        await until(lambda: all(watcher.registry.serving(f"i-{name}", seq) for name in names), "read")
         logs.clear()  # the captured log lines are the test's, not the frontend's
         gc.collect()
 

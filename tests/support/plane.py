@@ -41,7 +41,7 @@ from dynamo_prep.protocol.discovery import (
 
 T = TypeVar("T")
 
-DEFAULT_TIMEOUT_S = 10.0
+DEFAULT_TIMEOUT_S = 30.0  # a deadline, not a wait: generous, for 2 slow cores shared with other work
 POLL_INTERVAL_S = 0.01
 
 
