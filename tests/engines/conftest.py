@@ -180,3 +180,17 @@ def vllm_cluster(engine_model: Path, tmp_path_factory: pytest.TempPathFactory) -
         for process in processes:
             process.stop(timeout=60)
         frontend.stop(timeout=30)
+
+
+def children(pid: int) -> list[int]:
+    """Every process whose parent is ``pid`` (the engine's own processes)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found

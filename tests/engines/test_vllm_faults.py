@@ -21,7 +21,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from conftest import ENGINE_START_S, VLLM_FLAGS, _engine_model_module
+from conftest import ENGINE_START_S, VLLM_FLAGS, _engine_model_module, children
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
 MODEL = "engmodel-faults"
@@ -112,23 +112,10 @@ def plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
         yield Plane(xpub, engines, tmp_path_factory)
     finally:
         for worker in workers:
-            for engine_pid in _children(worker.pid):
+            for engine_pid in children(worker.pid):
                 os.kill(engine_pid, signal.SIGCONT)
             worker.stop(timeout=60)
         broker.stop()
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def test_a_structured_stream_is_not_continued_on_another_engine(plane: Plane) -> None:

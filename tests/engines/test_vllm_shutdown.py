@@ -8,22 +8,8 @@ import os
 import signal
 from pathlib import Path
 
-from conftest import MODEL, Cluster
+from conftest import MODEL, Cluster, children
 from support.plane import wait_for
-
-
-def children(pid: int) -> list[int]:
-    """Every process whose parent is ``pid`` (the engine's own processes)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat[stat.rindex(")") + 2 :].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
 
 
 def test_an_engine_that_dies_makes_its_worker_withdraw_and_exit_1(vllm_cluster: Cluster) -> None:
