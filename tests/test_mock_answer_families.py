@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import all_ways, counting_ids
+from support.parsers import all_ways, counting_ids
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.engines.mock.answer import BODIES

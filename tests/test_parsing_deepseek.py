@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.hf_models import built_models
-from test_parsing_streams import QWEN, all_ways, counting_ids
+from support.parsers import all_ways, counting_ids
+from test_parsing_streams import QWEN
 from test_parsing_streams import tokenizer as demo_tokenizer
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig

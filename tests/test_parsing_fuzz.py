@@ -18,18 +18,9 @@ from typing import Literal
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.parsers import all_ways, counting_ids
 from test_parsing_k3 import argument, call, json_block, turn
-from test_parsing_streams import (
-    HERMES_TAG_OFFSETS,
-    K3,
-    QWEN,
-    QWEN_TAGS,
-    all_ways,
-    card,
-    counting_ids,
-    encode_with_tags,
-    tokenizer,
-)
+from test_parsing_streams import HERMES_TAG_OFFSETS, K3, QWEN, QWEN_TAGS, card, encode_with_tags, tokenizer
 
 from dynamo_prep.parsing import AnswerParser, ParsedAnswer, answer_parser_for
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import all_ways, counting_ids
+from support.parsers import all_ways, counting_ids, every_cut_is_a_prefix, marked_ids
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.parsing import AnswerParser, ContentDelta, ParsedAnswer, answer_parser_for, parse_answer
+from dynamo_prep.parsing import AnswerParser, ParsedAnswer, answer_parser_for
 from dynamo_prep.parsing._schema_types import tool_properties, typed_value
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -66,16 +66,7 @@ def glm(
 
 
 def ids_of(text: str) -> list[int]:
-    segments: list[tuple[str, bool]] = []
-    rest = text
-    while rest:
-        at, marker = min(((rest.find(m), m) for m in MARKERS if m in rest), default=(len(rest), ""))
-        if at:
-            segments.append((rest[:at], False))
-        if marker:
-            segments.append((marker, True))
-        rest = rest[at + len(marker) :]
-    return tokenizer().encode_segments(segments)
+    return marked_ids(tokenizer(), MARKERS, text)
 
 
 def parsed(text: str, finish: str = "stop", **options: Any) -> tuple[ParsedAnswer, dict[str, int]]:
@@ -188,16 +179,5 @@ COMPLETION = f"{THINK}Think 你好.{END_THINK}\nChecking.\n{WEATHER}\n{call('get
 
 
 def test_a_max_tokens_cut_at_every_position() -> None:
-    ids = ids_of(COMPLETION)
-    full = parse_answer(glm()(), ids, "stop")
+    full = every_cut_is_a_prefix(glm(), ids_of(COMPLETION))
     assert len(full.tool_calls) == 2 and full.content == "\nChecking.\n\nDone 😀."
-    for cut in range(len(ids) + 1):
-        answer, recoveries = all_ways(glm(), ids[:cut], "length", seeds=(cut,))
-        assert recoveries == {}
-        assert full.content.startswith(answer.content) and full.reasoning.startswith(answer.reasoning)
-        assert answer.tool_calls == full.tool_calls[: len(answer.tool_calls)]
-    parser = glm()()
-    content = ""
-    for token_id in ids:
-        content += "".join(d.text for d in parser.feed([token_id]) if isinstance(d, ContentDelta))
-        assert full.content.startswith(content)

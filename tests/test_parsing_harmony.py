@@ -11,14 +11,12 @@ from functools import cache
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import all_ways, counting_ids
+from support.parsers import all_ways, counting_ids, every_cut_is_a_prefix, marked_ids
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.parsing import (
     AnswerParser,
-    ContentDelta,
     ParsedAnswer,
-    ReasoningDelta,
     ToolCallDelta,
     answer_parser_for,
     parse_answer,
@@ -48,17 +46,7 @@ def harmony(*, tools_enabled: bool = True) -> Callable[[], AnswerParser]:
 
 
 def ids_of(text: str) -> list[int]:
-    """``text`` as the model writes it: each marker its special id, the rest text."""
-    segments: list[tuple[str, bool]] = []
-    rest = text
-    while rest:
-        at, marker = min(((rest.find(m), m) for m in MARKERS if m in rest), default=(len(rest), ""))
-        if at:
-            segments.append((rest[:at], False))
-        if marker:
-            segments.append((marker, True))
-        rest = rest[at + len(marker) :]
-    return tokenizer().encode_segments(segments)
+    return marked_ids(tokenizer(), MARKERS, text)
 
 
 def parsed(text: str, finish: str = "stop", **options: bool) -> tuple[ParsedAnswer, dict[str, int]]:
@@ -231,25 +219,10 @@ COMPLETION = ANALYSIS + f"{START}assistant{CHANNEL}commentary{MESSAGE}Checking ä
 
 
 def test_a_max_tokens_cut_at_every_position() -> None:
-    """No error, no half call, nothing counted; the answer is a prefix of the whole, and streamed id by
-    id no released text is taken back."""
     ids = ids_of(COMPLETION)
-    full = parse_answer(harmony()(), ids, "stop")
+    full = every_cut_is_a_prefix(harmony(), ids)
     assert calls(full) == [("get_weather", {"city": "Paris", "days": 2.5})]
-    for cut in range(len(ids) + 1):
-        answer, recoveries = all_ways(harmony(), ids[:cut], "length", seeds=(cut,))
-        assert recoveries == {}
-        assert full.content.startswith(answer.content) and full.reasoning.startswith(answer.reasoning)
-        assert answer.tool_calls == full.tool_calls[: len(answer.tool_calls)]
     assert parse_answer(harmony()(), ids[:-1], "length").tool_calls == []  # cut before <|call|>
-    parser = harmony()()
-    texts = {ContentDelta: "", ReasoningDelta: ""}
-    for token_id in ids:
-        for delta in parser.feed([token_id]):
-            if isinstance(delta, ContentDelta | ReasoningDelta):
-                texts[type(delta)] += delta.text
-        assert full.content.startswith(texts[ContentDelta])
-        assert full.reasoning.startswith(texts[ReasoningDelta])
 
 
 def test_any_ids_never_raise() -> None:

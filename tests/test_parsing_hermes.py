@@ -11,17 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from test_parsing_streams import (
-    HERMES_TAG_OFFSETS,
-    QWEN,
-    QWEN_TAGS,
-    all_ways,
-    card,
-    counting_ids,
-    encode_with_tags,
-    streamed,
-    tokenizer,
-)
+from support.parsers import all_ways, counting_ids, every_cut_is_a_prefix, streamed
+from test_parsing_streams import HERMES_TAG_OFFSETS, QWEN, QWEN_TAGS, card, encode_with_tags, tokenizer
 
 from dynamo_prep.parsing import (
     AnswerParser,
@@ -29,7 +20,6 @@ from dynamo_prep.parsing import (
     ParsedAnswer,
     ToolCallDelta,
     answer_parser_for,
-    parse_answer,
 )
 from dynamo_prep.parsing.hermes import CALL_CLOSE, CALL_OPEN, THINK_CLOSE, THINK_OPEN, parse_call
 
@@ -185,20 +175,9 @@ def test_a_max_tokens_cut_at_every_position(model: str) -> None:
     """Whatever the cut: no error, no partial tag, no half call, and the answer is a prefix of the whole;
     streamed id by id, released content is never something the rest of the answer takes back."""
     ids = encode_with_tags(COMPLETION, tokenizer(model))
-    full = parse_answer(qwen(model=model)(), ids, "stop")
+    full = every_cut_is_a_prefix(qwen(model=model), ids)
     assert len(full.tool_calls) == 2
     assert full.content == "\n\nText with < and <tool and 你好.\n tail"
-    for cut in range(len(ids) + 1):
-        answer, recoveries = all_ways(qwen(model=model), ids[:cut], "length", seeds=(cut,))
-        assert recoveries == {}
-        assert full.reasoning.startswith(answer.reasoning)
-        assert full.content.startswith(answer.content)
-        assert answer.tool_calls == full.tool_calls[: len(answer.tool_calls)]
-    parser = qwen(model=model)()
-    content = ""
-    for token_id in ids:
-        content += "".join(d.text for d in parser.feed([token_id]) if isinstance(d, ContentDelta))
-        assert full.content.startswith(content)
 
 
 # ----------------------------------------------------------------------------- tags as ids

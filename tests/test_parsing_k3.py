@@ -10,7 +10,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import pytest
-from test_parsing_streams import K3, Segments, all_ways, answer_texts, card, counting_ids, tokenizer
+from support.parsers import all_ways, counting_ids
+from test_parsing_streams import K3, Segments, answer_texts, card, tokenizer
 
 from dynamo_prep.parsing import (
     AnswerParser,

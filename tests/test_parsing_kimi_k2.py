@@ -10,10 +10,10 @@ from functools import cache
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import all_ways, counting_ids
+from support.parsers import all_ways, counting_ids, every_cut_is_a_prefix, marked_ids
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.parsing import AnswerParser, ContentDelta, ParsedAnswer, answer_parser_for, parse_answer
+from dynamo_prep.parsing import AnswerParser, ParsedAnswer, answer_parser_for
 from dynamo_prep.parsing.kimi_k2 import call_id_and_name
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -40,16 +40,7 @@ def kimi(*, tools_enabled: bool = True) -> Callable[[], AnswerParser]:
 
 
 def ids_of(text: str) -> list[int]:
-    segments: list[tuple[str, bool]] = []
-    rest = text
-    while rest:
-        at, marker = min(((rest.find(m), m) for m in MARKERS if m in rest), default=(len(rest), ""))
-        if at:
-            segments.append((rest[:at], False))
-        if marker:
-            segments.append((marker, True))
-        rest = rest[at + len(marker) :]
-    return tokenizer().encode_segments(segments)
+    return marked_ids(tokenizer(), MARKERS, text)
 
 
 def parsed(text: str, finish: str = "stop", **options: bool) -> tuple[ParsedAnswer, dict[str, int]]:
@@ -151,16 +142,5 @@ COMPLETION = f"Checking 你好.{SECTION}{WEATHER}{SEARCH}{END_SECTION} Done 😀
 
 
 def test_a_max_tokens_cut_at_every_position() -> None:
-    ids = ids_of(COMPLETION)
-    full = parse_answer(kimi()(), ids, "stop")
+    full = every_cut_is_a_prefix(kimi(), ids_of(COMPLETION))
     assert len(full.tool_calls) == 2 and full.content == "Checking 你好. Done 😀."
-    for cut in range(len(ids) + 1):
-        answer, recoveries = all_ways(kimi(), ids[:cut], "length", seeds=(cut,))
-        assert recoveries == {}
-        assert full.content.startswith(answer.content)
-        assert answer.tool_calls == full.tool_calls[: len(answer.tool_calls)]
-    parser = kimi()()
-    content = ""
-    for token_id in ids:
-        content += "".join(d.text for d in parser.feed([token_id]) if isinstance(d, ContentDelta))
-        assert full.content.startswith(content)

@@ -20,7 +20,8 @@ from typing import SupportsIndex
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import K3, QWEN, all_ways, counting_ids, tokenizer
+from support.parsers import all_ways, counting_ids
+from test_parsing_streams import K3, QWEN, tokenizer
 
 from dynamo_prep.parsing import (
     AnswerParser,

@@ -12,16 +12,14 @@ from pathlib import Path
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import all_ways, counting_ids
+from support.parsers import all_ways, counting_ids, every_cut_is_a_prefix
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.parsing import (
     AnswerParser,
-    ContentDelta,
     ParsedAnswer,
     ToolCallDelta,
     answer_parser_for,
-    parse_answer,
 )
 from dynamo_prep.tokenizer import Tokenizer
 
@@ -202,18 +200,8 @@ def test_a_max_tokens_cut_at_every_position() -> None:
     """No error, no half call, nothing counted; the answer is a prefix of the whole, and streamed id by
     id no released content is taken back."""
     ids = ids_of(COMPLETION)
-    full = parse_answer(llama()(), ids, "stop")
+    full = every_cut_is_a_prefix(llama(), ids)
     assert (full.content, calls(full)) == ("\n\nDone 😀.", [WEATHER_CALL, SEARCH_CALL])
-    for cut in range(len(ids) + 1):
-        answer, recoveries = all_ways(llama(), ids[:cut], "length", seeds=(cut,))
-        assert recoveries == {}
-        assert full.content.startswith(answer.content)
-        assert answer.tool_calls == full.tool_calls[: len(answer.tool_calls)]
-    parser = llama()()
-    content = ""
-    for token_id in ids:
-        content += "".join(d.text for d in parser.feed([token_id]) if isinstance(d, ContentDelta))
-        assert full.content.startswith(content)
 
 
 def test_a_long_object_is_released_whole_when_it_closes() -> None:

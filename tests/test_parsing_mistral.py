@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import all_ways, counting_ids
+from support.parsers import all_ways, counting_ids, every_cut_is_a_prefix
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.formatter.jinja import JinjaFormatter
 from dynamo_prep.parsing import (
     AnswerParser,
-    ContentDelta,
     ParsedAnswer,
     answer_parser_for,
     assistant_message,
@@ -294,19 +293,8 @@ def test_a_max_tokens_cut_at_every_position(model: str, text: str) -> None:
     """No error, no half call, nothing counted; the answer is a prefix of the whole, and content
     streamed id by id is never taken back."""
     ids = ids_of(text, model)
-    full = parse_answer(mistral(model)(), ids, "stop")
+    full = every_cut_is_a_prefix(mistral(model), ids)
     assert len(full.tool_calls) == 2 and full.content.strip().endswith("tail")
-    for cut in range(len(ids) + 1):
-        answer, recoveries = all_ways(mistral(model), ids[:cut], "length", seeds=(cut,))
-        assert recoveries == {}
-        assert full.reasoning.startswith(answer.reasoning)
-        assert full.content.startswith(answer.content)
-        assert answer.tool_calls == full.tool_calls[: len(answer.tool_calls)]
-    parser = mistral(model)()
-    content = ""
-    for token_id in ids:
-        content += "".join(d.text for d in parser.feed([token_id]) if isinstance(d, ContentDelta))
-        assert full.content.startswith(content)
 
 
 # ----------------------------------------------------------------------------- call ids

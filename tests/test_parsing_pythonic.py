@@ -19,16 +19,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.hf_models import built_models
-from test_parsing_streams import all_ways, counting_ids
+from support.parsers import all_ways, counting_ids, every_cut_is_a_prefix, marked_ids
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.parsing import (
     AnswerParser,
-    ContentDelta,
     ParsedAnswer,
     ToolCallDelta,
     answer_parser_for,
-    parse_answer,
 )
 from dynamo_prep.parsing._python import MAX_NESTING, OPEN, REFUSED, ArgumentsEnd, NotACallError, parse_call
 from dynamo_prep.tokenizer import Tokenizer
@@ -75,16 +73,7 @@ def make(
 
 def ids_of(text: str, family: str = "llama4") -> list[int]:
     """``text`` as Llama 4 writes it: its python tags and eom as their ids, the rest as text."""
-    segments: list[tuple[str, bool]] = []
-    rest = text
-    while rest:
-        at, marker = min(((rest.find(m), m) for m in MARKERS if m in rest), default=(len(rest), ""))
-        if at:
-            segments.append((rest[:at], False))
-        if marker:
-            segments.append((marker, True))
-        rest = rest[at + len(marker) :]
-    return tokenizer(family).encode_segments(segments)
+    return marked_ids(tokenizer(family), MARKERS, text)
 
 
 def parsed(
@@ -326,18 +315,8 @@ def test_a_max_tokens_cut_at_every_position(parser: str) -> None:
     ids = ids_of(
         COMPLETION if parser == "llama4_pythonic" else COMPLETION.replace(START, "").replace(END, ""), family
     )
-    full = parse_answer(make(parser)(), ids, "stop")
+    full = every_cut_is_a_prefix(make(parser), ids)
     assert (full.content, calls(full)) == ("\n\nDone 😀.", [WEATHER_CALL, SEARCH_CALL])
-    for cut in range(len(ids) + 1):
-        answer, recoveries = all_ways(make(parser), ids[:cut], "length", seeds=(cut,))
-        assert recoveries == {}
-        assert full.content.startswith(answer.content)
-        assert answer.tool_calls == full.tool_calls[: len(answer.tool_calls)]
-    parser_ = make(parser)()
-    content = ""
-    for token_id in ids:
-        content += "".join(d.text for d in parser_.feed([token_id]) if isinstance(d, ContentDelta))
-        assert full.content.startswith(content)
 
 
 def test_each_call_is_released_when_its_parentheses_close() -> None:

@@ -9,7 +9,8 @@ from functools import cache
 
 import pytest
 from support.hf_models import built_models
-from test_parsing_streams import K3, QWEN, all_ways, counting_ids
+from support.parsers import all_ways, counting_ids
+from test_parsing_streams import K3, QWEN
 
 from dynamo_prep.engines.registry import bridge
 from dynamo_prep.parsing import (

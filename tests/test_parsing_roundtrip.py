@@ -10,7 +10,8 @@ from typing import Any, Literal
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_parsing_streams import K3, all_ways, card, counting_ids, tokenizer
+from support.parsers import all_ways, counting_ids
+from test_parsing_streams import K3, card, tokenizer
 
 from dynamo_prep.formatter import KimiK3Formatter, Segment
 from dynamo_prep.formatter.kimi_k3 import END_OF_MSG, OPEN, SEP

@@ -1,30 +1,27 @@
 """What every answer parser shares: streaming equals the whole, deltas fold, ids never leak as text.
 
-The helpers at the top are imported by the other ``test_parsing_*`` modules (and by the fuzz
-target): ``all_ways`` runs one completion through a parser whole, one id at a time and in random
-chunks, and checks that every way gives the same answer and the same recoveries.
+The demo models at the top are imported by the other ``test_parsing_*`` modules (and by the fuzz
+target); the scaffold they share (``all_ways``: whole, id by id and in random chunks) is in
+``tests/support/parsers.py``.
 """
 
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
-import random
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
 import pytest
+from support.parsers import all_ways, marked_ids
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.models import DEMO_MODELS_DIR
 from dynamo_prep.parsing import (
-    RECOVERY_KINDS,
     AnswerDelta,
-    AnswerParser,
     ContentDelta,
     ParsedAnswer,
     PlainAnswerParser,
@@ -34,7 +31,6 @@ from dynamo_prep.parsing import (
     assistant_message,
     fold_deltas,
     new_call_id,
-    parse_answer,
 )
 from dynamo_prep.parsing import _json as answer_json
 from dynamo_prep.parsing._tokens import vocab_of
@@ -78,58 +74,7 @@ def card(name: str) -> ModelDeploymentCard:
 
 def encode_with_tags(text: str, tok: Tokenizer) -> list[int]:
     """A Hermes completion as a model writes it: each tag one id where it is a token, text otherwise."""
-    segments: list[tuple[str, bool]] = []
-    rest = text
-    while rest:
-        at, tag = min(((rest.find(t), t) for t in HERMES_TAG_OFFSETS if t in rest), default=(len(rest), ""))
-        if at:
-            segments.append((rest[:at], False))
-        if tag:
-            segments.append((tag, tok.is_special_token(tag)))
-        rest = rest[at + len(tag) :]
-    return tok.encode_segments(segments)
-
-
-def counting_ids() -> Callable[[], str]:
-    """Deterministic call ids (``call_0``, ``call_1``, ...), so two runs can be compared."""
-    counter = itertools.count()
-    return lambda: f"call_{next(counter)}"
-
-
-def chunks(ids: Sequence[int], rng: random.Random) -> Iterator[list[int]]:
-    """``ids`` cut at random places, with an empty feed now and then."""
-    at = 0
-    while at < len(ids):
-        size = rng.choice((0, 1, 1, 2, 3, 5, 8, 13))
-        yield list(ids[at : at + size])
-        at += size
-
-
-def streamed(parser: AnswerParser, feeds: Sequence[Sequence[int]], finish: str) -> list[AnswerDelta]:
-    deltas: list[AnswerDelta] = []
-    for feed in feeds:
-        deltas.extend(parser.feed(feed))
-    deltas.extend(parser.finish(finish))
-    return deltas
-
-
-def all_ways(
-    make: Callable[[], AnswerParser], ids: Sequence[int], finish: str = "stop", seeds: Sequence[int] = (0, 1)
-) -> tuple[ParsedAnswer, dict[str, int]]:
-    """The answer and recoveries of ``ids``, checked equal whole, id by id, and in random chunks."""
-    parser = make()
-    whole = parse_answer(parser, ids, finish)
-    recoveries = dict(parser.recoveries)
-    assert set(recoveries) <= set(RECOVERY_KINDS)
-    ways = [[[token_id] for token_id in ids]] + [list(chunks(ids, random.Random(seed))) for seed in seeds]
-    for feeds in ways:
-        parser = make()
-        deltas = streamed(parser, feeds, finish)
-        assert fold_deltas(deltas) == whole
-        assert dict(parser.recoveries) == recoveries
-        assert all(d.text for d in deltas if isinstance(d, ReasoningDelta | ContentDelta))
-    assert [call.index for call in whole.tool_calls] == list(range(len(whole.tool_calls)))
-    return whole, recoveries
+    return marked_ids(tok, HERMES_TAG_OFFSETS, text, special=tok.is_special_token)
 
 
 def answer_texts(answer: ParsedAnswer) -> list[str]:
