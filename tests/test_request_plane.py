@@ -13,17 +13,17 @@ import zmq
 import zmq.asyncio
 from support.images import png_data_url
 from support.logs import until
-from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
+from support.plane import tcp_endpoint
+from support.request_plane import StartWorker, echo_workers, serving_catalog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
+from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.engines.mock.engine import MockEngine
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError, WorkerLost
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance
@@ -69,16 +69,7 @@ def migration(
         migration_limit=migration_limit,
         runtime_config=ModelRuntimeConfig(image_placeholder_token=MEDIA_PAD),
     )
-    model = LiveModel(
-        DEMO,
-        card,
-        card.mdcsum(),
-        OpenAIPreprocessor.new(card, DEMO),
-        {instance.instance_id: instance for instance in instances},
-        model_dir=resolve_model_dir(DEMO),
-    )
-    catalog = ModelCatalog()
-    catalog.publish(model)
+    catalog, model = serving_catalog(card, DEMO, instances)
     return Migration(
         catalog, RoundRobin(), client, DeclarationPreprocessors(), on_answered=on_answered
     ), model
@@ -102,35 +93,9 @@ async def through(
 
 
 @pytest.fixture
-def plane() -> Iterator[str]:
-    address = tcp_endpoint()
-    with SubCollector(address, bind=True):
-        yield address
-
-
-@pytest.fixture
-def workers(plane: str) -> Iterator[Any]:
-    started: list[DynamoProcess] = []
-
-    def start(*extra: str) -> tuple[DynamoProcess, str]:
-        proc = start_dynamo(
-            "worker",
-            "--model-path",
-            DEMO,
-            "--flavor",
-            "sglang",
-            "--reply-format",
-            "echo",
-            "--discovery",
-            plane,
-            *extra,
-        )
-        started.append(proc)
-        return proc, proc.wait_event("worker_started")["endpoint"]
-
-    yield start
-    for proc in started:
-        proc.stop()
+def workers() -> Iterator[StartWorker]:
+    with echo_workers(DEMO) as start:
+        yield start
 
 
 @pytest.fixture

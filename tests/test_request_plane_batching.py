@@ -14,15 +14,15 @@ import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from support.plane import SubCollector, start_dynamo, tcp_endpoint
+from support.request_plane import serving_catalog
 
 from dynamo_prep.card import ModelDeploymentCard
-from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
+from dynamo_prep.discovery.catalog import LiveModel
 from dynamo_prep.frontend.client import RequestPlaneClient, WorkerError
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics, observe_many
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.models import resolve_model_dir
 from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol import wire
 from dynamo_prep.protocol.discovery import Instance
@@ -176,17 +176,8 @@ def preprocessed() -> wire.PreprocessedRequest:
 
 def migration(client: RequestPlaneClient, workers: list[HandWorker]) -> tuple[Migration, LiveModel]:
     card = ModelDeploymentCard.from_model_dir(DEMO, migration_limit=1)
-    instances = {f"w{i}": Instance(instance_id=f"w{i}", endpoint=w.endpoint) for i, w in enumerate(workers)}
-    model = LiveModel(
-        DEMO,
-        card,
-        card.mdcsum(),
-        OpenAIPreprocessor.new(card, DEMO),
-        instances,
-        model_dir=resolve_model_dir(DEMO),
-    )
-    catalog = ModelCatalog()
-    catalog.publish(model)
+    instances = [Instance(instance_id=f"w{i}", endpoint=w.endpoint) for i, w in enumerate(workers)]
+    catalog, model = serving_catalog(card, DEMO, instances)
     return Migration(catalog, RoundRobin(), client, DeclarationPreprocessors()), model
 
 

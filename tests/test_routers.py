@@ -10,18 +10,16 @@ from typing import Any
 
 import pytest
 from support.images import png_data_url
-from support.plane import DynamoProcess, SubCollector, start_dynamo, tcp_endpoint
+from support.plane import DynamoProcess
+from support.request_plane import StartWorker, echo_workers, serving_catalog
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
-from dynamo_prep.discovery.catalog import LiveModel, ModelCatalog
 from dynamo_prep.frontend.client import RequestPlaneClient
 from dynamo_prep.frontend.config import FrontendConfig
 from dynamo_prep.frontend.declarations import DeclarationPreprocessors
 from dynamo_prep.frontend.metrics import FrontendMetrics
 from dynamo_prep.frontend.migration import Migration
 from dynamo_prep.frontend.request_record import RequestRecord
-from dynamo_prep.models import resolve_model_dir
-from dynamo_prep.preprocessor import OpenAIPreprocessor
 from dynamo_prep.protocol.discovery import Instance
 from dynamo_prep.protocol.openai import parse_chat_request
 from dynamo_prep.protocol.wire import Output
@@ -92,27 +90,9 @@ def test_the_routing_settings_are_validated_in_their_record(fields: dict[str, An
 
 
 @pytest.fixture
-def plane() -> Iterator[str]:
-    address = tcp_endpoint()
-    with SubCollector(address, bind=True):
-        yield address
-
-
-@pytest.fixture
-def workers(plane: str) -> Iterator[Any]:
-    started: list[DynamoProcess] = []
-
-    def start(*extra: str) -> tuple[DynamoProcess, str]:
-        proc = start_dynamo(
-            "worker", "--model-path", DEMO, "--flavor", "sglang", "--reply-format", "echo",
-            "--discovery", plane, *extra,
-        )  # fmt: skip
-        started.append(proc)
-        return proc, proc.wait_event("worker_started")["endpoint"]
-
-    yield start
-    for proc in started:
-        proc.stop()
+def workers() -> Iterator[StartWorker]:
+    with echo_workers(DEMO) as start:
+        yield start
 
 
 @pytest.fixture
@@ -136,16 +116,7 @@ async def test_migration_moves_a_request_off_a_killed_worker_with_either_router(
     card = ModelDeploymentCard.from_model_dir(
         DEMO, migration_limit=1, runtime_config=ModelRuntimeConfig(image_placeholder_token=MEDIA_PAD)
     )
-    model = LiveModel(
-        DEMO,
-        card,
-        card.mdcsum(),
-        OpenAIPreprocessor.new(card, DEMO),
-        instances,
-        model_dir=resolve_model_dir(DEMO),
-    )
-    catalog = ModelCatalog()
-    catalog.publish(model)
+    catalog, model = serving_catalog(card, DEMO, instances.values())
     router = build_router(RouterSettings(mode=mode))
     for instance in instances.values():
         router.instance_added(card, instance)
