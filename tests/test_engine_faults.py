@@ -14,14 +14,14 @@ import json
 import signal
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import jsonschema
 import pytest
-from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
+from support.cluster import Processes, Streamed, stream_chat
+from support.plane import DynamoProcess, wait_for
 
 DEMO = "kimi-k3-demo"
 LONG_TEXT = "please keep talking for a while, so that this stream lasts long enough to be interrupted"
@@ -38,67 +38,22 @@ SCHEMA = {
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "long", "schema": SCHEMA}}
 
 
-@dataclass
-class Pool:
-    """One test's frontend and workers (all real processes)."""
-
-    tmp_path: Path
-    port: int = field(default_factory=free_port)
-    discovery: str = field(default_factory=tcp_endpoint)
-    procs: list[DynamoProcess] = field(default_factory=list)
-    frontend: DynamoProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start_frontend(self, *flags: str) -> DynamoProcess:
-        self.frontend = start_dynamo(
-            "frontend", "--discovery-bind", self.discovery, "--http-host", "127.0.0.1",
-            "--http-port", str(self.port), "--cache-dir", str(self.tmp_path / "cache"), *flags,
-            log_level="debug",
-        )  # fmt: skip
-        self.procs.append(self.frontend)
-        self.frontend.wait_event("frontend_started", timeout=30)
-        return self.frontend
+class Pool(Processes):
+    """One test's frontend and workers of the demo model (all real processes, logging at debug)."""
 
     def worker(self, *flags: str) -> DynamoProcess:
-        proc = start_dynamo(
-            "worker", "--model-path", DEMO, "--flavor", "sglang", "--discovery", self.discovery,
-            "--heartbeat", "0.2", *flags, log_level="debug",
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc
-
-    def live(self, *workers: DynamoProcess) -> dict[str, DynamoProcess]:
-        """Wait until the model is served by every worker; instance_id -> worker."""
-        assert self.frontend is not None
-        self.frontend.wait_event("model_added", timeout=30)
-        by_id = {}
-        for proc in workers:
-            instance_id = proc.wait_event("worker_started", timeout=30)["instance_id"]
-            self.frontend.wait_event("instance_added", timeout=30, instance_id=instance_id)
-            by_id[instance_id] = proc
-        return by_id
+        return self.start_worker("--model-path", DEMO, "--flavor", "sglang", "--heartbeat", "0.2", *flags)
 
     def serving(self, by_id: dict[str, DynamoProcess]) -> DynamoProcess:
         """The worker the frontend routed its latest request to."""
         assert self.frontend is not None
         return by_id[self.frontend.find("request_routed")[-1]["instance_id"]]
 
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.signal(signal.SIGCONT)  # a frozen process cannot handle SIGTERM
-            proc.stop()
-
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[Pool]:
-    started = Pool(tmp_path)
-    try:
+    with Pool(tmp_path, log_level="debug") as started:
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture
@@ -118,37 +73,10 @@ def answer(http: httpx.Client, url: str, text: str, **extra: Any) -> str:
     return content
 
 
-@dataclass
-class Streamed:
-    text: str = ""
-    chunks: int = 0
-    error: dict[str, Any] | None = None
-    done: bool = False
-
-
 def stream(
     http: httpx.Client, url: str, text: str, on_chunk: Callable[[int], None] = lambda _: None, **extra: Any
 ) -> Streamed:
-    """One SSE stream read to ``[DONE]``; ``on_chunk(n)`` after the n-th content chunk."""
-    result = Streamed()
-    with http.stream("POST", f"{url}/v1/chat/completions", json=body(text, stream=True, **extra)) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                result.done = True
-                break
-            event = json.loads(line[6:])
-            if "error" in event:
-                result.error = event["error"]
-                continue
-            piece = event["choices"][0]["delta"].get("content") if event["choices"] else None
-            if piece:
-                result.text += piece
-                result.chunks += 1
-                on_chunk(result.chunks)
-    return result
+    return stream_chat(http, url, body(text, stream=True, **extra), on_chunk)
 
 
 # -- row 9: a hung engine ------------------------------------------------------------------------

@@ -8,21 +8,20 @@ happen during them), and those are filled with real traffic rather than slept th
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from support.cluster import Processes, instance_id, stream_chat, wait_live
 from support.logs import until
 from support.lossy_proxy import LossyProxy
-from support.plane import DynamoProcess, SubCollector, free_port, start_dynamo, tcp_endpoint, wait_for
+from support.plane import DynamoProcess, SubCollector, tcp_endpoint, wait_for
 
 from dynamo_prep.card import ModelDeploymentCard
 from dynamo_prep.frontend.client import RequestPlaneClient
@@ -34,77 +33,33 @@ LONG_TEXT = "please keep talking for a while, so that this stream lasts long eno
 REQUEST_TIMEOUT_S = 30.0
 
 
-@dataclass
-class Cluster:
-    """Processes of one test: a frontend (HTTP on a fixed free port), workers, brokers."""
+class Cluster(Processes):
+    """Processes of one test: a frontend (HTTP on a fixed free port), workers of the demo model,
+    brokers."""
 
-    tmp_path: Path
-    port: int = field(default_factory=free_port)
-    discovery: str = field(default_factory=tcp_endpoint)
-    procs: list[DynamoProcess] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def frontend(self, *plane: str, log_level: str = "info") -> DynamoProcess:
-        """A frontend on ``self.port``; ``plane`` defaults to binding ``self.discovery``."""
-        proc = start_dynamo(
-            "frontend",
-            *(plane or ("--discovery-bind", self.discovery)),
-            "--http-host", "127.0.0.1", "--http-port", str(self.port),
-            "--cache-dir", str(self.tmp_path / "cache"),
-            log_level=log_level,
-        )  # fmt: skip
-        self.procs.append(proc)
-        proc.wait_event("frontend_started", timeout=20)
-        return proc
-
-    def worker(self, flavor: str, *extra: str, discovery: str = "", log_level: str = "info") -> DynamoProcess:
-        proc = start_dynamo(
-            "worker", "--model-path", DEMO, "--flavor", flavor, "--discovery", discovery or self.discovery,
-            *extra, log_level=log_level,
-        )  # fmt: skip
-        self.procs.append(proc)
-        return proc
+    def worker(
+        self, flavor: str, *extra: str, discovery: str = "", log_level: str | None = None
+    ) -> DynamoProcess:
+        return self.start_worker(
+            "--model-path", DEMO, "--flavor", flavor, *extra, discovery=discovery, log_level=log_level
+        )
 
     def broker(self, xsub: str, xpub: str) -> DynamoProcess:
-        proc = start_dynamo("broker", "--xsub", xsub, "--xpub", xpub, log_level="info")
-        self.procs.append(proc)
+        proc = self.start("broker", "--xsub", xsub, "--xpub", xpub)
         proc.wait_event("broker_started", timeout=20)
         return proc
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.signal(signal.SIGCONT)  # a frozen process cannot handle SIGTERM
-            proc.stop()
 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
-    started = Cluster(tmp_path)
-    try:
+    with Cluster(tmp_path) as started:
         yield started
-    finally:
-        started.stop()
 
 
 @pytest.fixture
 def http() -> Iterator[httpx.Client]:
     with httpx.Client(trust_env=False, timeout=REQUEST_TIMEOUT_S) as client:
         yield client
-
-
-def instance_id(proc: DynamoProcess) -> str:
-    value: str = proc.wait_event("worker_started", timeout=20)["instance_id"]
-    return value
-
-
-def wait_live(frontend: DynamoProcess, workers: list[DynamoProcess], timeout: float = 30) -> None:
-    """The model is built and every worker's instance was added."""
-    frontend.wait_event("model_added", timeout=timeout)
-    for proc in workers:
-        frontend.wait_event("instance_added", timeout=timeout, instance_id=instance_id(proc))
 
 
 def body(text: str, *, stream: bool = False) -> dict[str, Any]:
@@ -118,39 +73,6 @@ def chat(http: httpx.Client, url: str, text: str) -> tuple[int, str]:
     if response.status_code != 200:
         return response.status_code, answer["error"]["message"]
     return 200, answer["choices"][0]["message"]["content"]
-
-
-@dataclass
-class Streamed:
-    text: str = ""
-    chunks: int = 0
-    error: dict[str, Any] | None = None
-    done: bool = False
-
-
-def stream_chat(
-    http: httpx.Client, url: str, text: str, on_chunk: Callable[[int], None] = lambda _: None
-) -> Streamed:
-    """Read one SSE stream to ``[DONE]``; ``on_chunk(n)`` runs after the n-th non-empty content chunk."""
-    result = Streamed()
-    with http.stream("POST", f"{url}/v1/chat/completions", json=body(text, stream=True)) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            if line == "data: [DONE]":
-                result.done = True
-                break
-            event = json.loads(line[6:])
-            if "error" in event:
-                result.error = event["error"]
-                continue
-            piece = event["choices"][0]["delta"].get("content") if event["choices"] else None
-            if piece:
-                result.text += piece
-                result.chunks += 1
-                on_chunk(result.chunks)
-    return result
 
 
 class Load:
@@ -195,7 +117,7 @@ def test_worker_killed_mid_stream_migrates_or_fails_cleanly(
     """Two same-flavor workers; the one streaming is SIGKILLed after 3 chunks. With a migration
     budget the client reads exactly the uninterrupted reply; without one it reads a clean error
     event then ``[DONE]``. Either way the next request is served."""
-    frontend = cluster.frontend(log_level="debug")  # request_routed names the serving instance
+    frontend = cluster.start_frontend(log_level="debug")  # request_routed names the serving instance
     options = ("--token-delay", "0.04", "--heartbeat", "0.2", "--ttl-ms", "800")
     workers = [cluster.worker("sglang", *options, "--migration-limit", str(migration_limit)) for _ in "ab"]
     wait_live(frontend, workers)
@@ -208,7 +130,7 @@ def test_worker_killed_mid_stream_migrates_or_fails_cleanly(
             routed = frontend.find("request_routed")[-1]  # the reference request's came before
             by_instance[routed["instance_id"]].kill()
 
-    streamed = stream_chat(http, cluster.url, LONG_TEXT, kill_the_server)
+    streamed = stream_chat(http, cluster.url, body(LONG_TEXT, stream=True), kill_the_server)
     assert streamed.done
     if migration_limit:
         assert streamed.error is None, streamed.error
@@ -256,7 +178,7 @@ def test_broker_restart_under_load_loses_no_instance(cluster: Cluster) -> None:
     the fresh announcements: without them both instances would have expired by then)."""
     xsub, xpub = tcp_endpoint(), tcp_endpoint()
     broker = cluster.broker(xsub, xpub)
-    frontend = cluster.frontend("--discovery", xpub)
+    frontend = cluster.start_frontend(plane=("--discovery", xpub))
     options = ("--token-delay", "0", "--heartbeat", "0.25", "--ttl-ms", str(BROKER_TTL_MS))
     workers = [cluster.worker(flavor, *options, discovery=xsub) for flavor in ("sglang", "vllm")]
     wait_live(frontend, workers)
@@ -299,14 +221,14 @@ def test_frontend_restart_reconverges_on_the_new_subscription(cluster: Cluster, 
     """SIGKILL the frontend and start a new one on the same ports. With a 10 s heartbeat, it has
     the model and every instance well before any heartbeat could have told it: the workers
     re-announced on its subscription (their logs say so)."""
-    first = cluster.frontend()
+    first = cluster.start_frontend()
     options = ("--token-delay", "0", "--heartbeat", str(LONG_HEARTBEAT_S), "--ttl-ms", "60000")
     workers = [cluster.worker(flavor, *options, log_level="debug") for flavor in ("sglang", "vllm")]
     wait_live(first, workers)
     assert chat(http, cluster.url, "before")[0] == 200
     on_subscription = [len(proc.find("card_announced", reason="subscription")) for proc in workers]
     first.kill()
-    second = cluster.frontend()
+    second = cluster.start_frontend()
     started_at = time.monotonic()
     wait_live(second, workers, timeout=LONG_HEARTBEAT_S)
     converged_s = time.monotonic() - started_at
@@ -325,7 +247,7 @@ LOSSY_WINDOW_S = 10.0
 def test_lossy_discovery_plane_does_not_flap(cluster: Cluster, http: httpx.Client) -> None:
     """30% of discovery messages lost between workers and frontend (heartbeat 0.2 s, TTL 3 s): over
     10 s nothing flaps, a late worker still converges, and requests are served throughout."""
-    frontend = cluster.frontend()
+    frontend = cluster.start_frontend()
     options = ("--token-delay", "0", "--heartbeat", "0.2", "--ttl-ms", "3000")
     with LossyProxy(xsub=tcp_endpoint(), connect_xpub=cluster.discovery, loss=LOSS, seed=6) as proxy:
         workers = [cluster.worker(flavor, *options, discovery=proxy.xsub) for flavor in ("sglang", "vllm")]
@@ -355,7 +277,7 @@ FREEZE_TTL_MS = 1000
 def test_frozen_worker_expires_then_returns_on_sigcont(cluster: Cluster, http: httpx.Client) -> None:
     """SIGSTOP one worker: it expires after its TTL and the other serves everything; SIGCONT: it
     announces again, is added again, and serves again."""
-    frontend = cluster.frontend()
+    frontend = cluster.start_frontend()
     options = ("--token-delay", "0", "--heartbeat", "0.2", "--ttl-ms", str(FREEZE_TTL_MS))
     frozen, steady = cluster.worker("sglang", *options), cluster.worker("vllm", *options)
     wait_live(frontend, [frozen, steady])
@@ -390,7 +312,7 @@ def test_frontend_stalled_past_the_ttl_keeps_its_instances(cluster: Cluster, htt
     waiting in its socket. SIGSTOP the frontend until every worker has announced past its TTL
     (under the workers' 3 s ZMTP heartbeat timeout, so the connections stay up): on SIGCONT the
     fresh announcements count first and nothing expires."""
-    frontend = cluster.frontend()
+    frontend = cluster.start_frontend()
     options = ("--token-delay", "0", "--heartbeat", "0.2", "--ttl-ms", str(STALL_TTL_MS))
     workers = [cluster.worker(flavor, *options, log_level="debug") for flavor in ("sglang", "vllm")]
     wait_live(frontend, workers)

@@ -12,13 +12,13 @@ import shlex
 import signal
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
+from support.cluster import Processes
 from support.images import CAT_PNG, png_data_url, served_images
 from support.plane import DynamoProcess, free_port, start_dynamo, tcp_endpoint, wait_for
 
@@ -29,34 +29,11 @@ LOOPBACK_MEDIA = ("--allowed-media-networks", "127.0.0.1/32")
 REPLY = re.compile(r"^\[mock (\w+)\] (\d+) image\(s\)")
 
 
-@dataclass
-class Cluster:
+class Cluster(Processes):
     """A frontend process and its workers; ``client`` speaks to it through the openai package."""
 
-    tmp_path: Path
-    port: int = field(default_factory=free_port)
-    discovery: str = field(default_factory=tcp_endpoint)
-    procs: list[DynamoProcess] = field(default_factory=list)
-    frontend: DynamoProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start_frontend(self) -> DynamoProcess:
-        args = ("--discovery-bind", self.discovery, "--http-host", "127.0.0.1", "--http-port", str(self.port))
-        self.frontend = start_dynamo(
-            "frontend", *args, "--cache-dir", str(self.tmp_path / "cache"), log_level="debug"
-        )
-        self.procs.append(self.frontend)
-        self.frontend.wait_event("frontend_started", timeout=15)
-        return self.frontend
-
     def worker(self, flavor: str, *extra: str) -> DynamoProcess:
-        args = ("--model-path", DEMO, "--discovery", self.discovery, "--flavor", flavor, *extra)
-        proc = start_dynamo("worker", *args, log_level="info")
-        self.procs.append(proc)
-        return proc
+        return self.start_worker("--model-path", DEMO, "--flavor", flavor, *extra)
 
     def wait_instances(self, count: int) -> None:
         assert self.frontend is not None
@@ -71,10 +48,6 @@ class Cluster:
     def async_client(self) -> openai.AsyncOpenAI:
         http = httpx.AsyncClient(trust_env=False, timeout=30)
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, http_client=http)
-
-    def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop()
 
 
 def _http() -> httpx.Client:
@@ -92,7 +65,7 @@ def http_image() -> Iterator[dict[str, Any]]:
 def mixed(tmp_path_factory: pytest.TempPathFactory, http_image: dict[str, Any]) -> Iterator[Cluster]:
     cluster = Cluster(tmp_path_factory.mktemp("mixed"))
     try:
-        cluster.start_frontend()
+        cluster.start_frontend(log_level="debug")
         cluster.worker("sglang", "--token-delay", "0", *LOOPBACK_MEDIA)
         cluster.worker("vllm", "--token-delay", "0", *LOOPBACK_MEDIA)
         cluster.wait_instances(2)
@@ -187,7 +160,7 @@ def test_worker_killed_mid_stream(tmp_path: Path) -> None:
     the frontend keeps serving."""
     cluster = Cluster(tmp_path)
     try:
-        frontend = cluster.start_frontend()
+        frontend = cluster.start_frontend(log_level="debug")
         options = ("--token-delay", "0.05", "--migration-limit", "1", "--heartbeat", "0.2", "--ttl-ms", "800")
         workers = [cluster.worker("sglang", *options) for _ in range(2)]
         cluster.wait_instances(2)

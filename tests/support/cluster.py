@@ -1,11 +1,17 @@
 """A real frontend with real mock workers on loopback, and the official openai client pointed at it:
-the cluster every OpenAI-surface suite talks to (``make up``'s kind of cluster)."""
+the cluster every OpenAI-surface suite talks to (``make up``'s kind of cluster); and ``Processes``,
+the cluster a fault test starts one process at a time, to kill, freeze or restart them."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import json
+import signal
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
 
 import httpx
 import openai
@@ -61,6 +67,122 @@ def mock_cluster(
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+@dataclass
+class Processes:
+    """One test's processes, started one at a time: a frontend (HTTP on ``port``, binding
+    ``discovery``), workers, brokers; on exit every one is stopped, latest first. ``log_level``:
+    each process's, unless its start names another."""
+
+    tmp_path: Path
+    log_level: str = "info"
+    port: int = field(default_factory=free_port)
+    discovery: str = field(default_factory=tcp_endpoint)
+    procs: list[DynamoProcess] = field(default_factory=list)
+    frontend: DynamoProcess | None = None
+    """The latest frontend started."""
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, *args: str, log_level: str | None = None) -> DynamoProcess:
+        """``dynamo-prep ARGS``, stopped on exit."""
+        proc = start_dynamo(*args, log_level=log_level or self.log_level)
+        self.procs.append(proc)
+        return proc
+
+    def start_frontend(
+        self, *flags: str, plane: Sequence[str] = (), log_level: str | None = None
+    ) -> DynamoProcess:
+        """A frontend on ``port`` binding ``discovery`` (``plane``: other discovery flags instead),
+        once started; ``flags``: more of its options."""
+        self.frontend = self.start(
+            "frontend", *(plane or ("--discovery-bind", self.discovery)), "--http-host", "127.0.0.1",
+            "--http-port", str(self.port), "--cache-dir", str(self.tmp_path / "cache"), *flags,
+            log_level=log_level,
+        )  # fmt: skip
+        self.frontend.wait_event("frontend_started")
+        return self.frontend
+
+    def start_worker(self, *flags: str, discovery: str = "", log_level: str | None = None) -> DynamoProcess:
+        """A worker with ``flags`` on ``discovery`` (by default the frontend's plane)."""
+        return self.start("worker", "--discovery", discovery or self.discovery, *flags, log_level=log_level)
+
+    def live(self, *workers: DynamoProcess) -> dict[str, DynamoProcess]:
+        """``wait_live`` on the latest frontend."""
+        assert self.frontend is not None
+        return wait_live(self.frontend, workers)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.signal(signal.SIGCONT)  # a frozen process cannot handle SIGTERM
+            proc.stop()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def instance_id(worker: DynamoProcess) -> str:
+    """The worker's instance id, once it has started."""
+    value: str = worker.wait_event("worker_started")["instance_id"]
+    return value
+
+
+def wait_live(
+    frontend: DynamoProcess, workers: Iterable[DynamoProcess], timeout: float = 30
+) -> dict[str, DynamoProcess]:
+    """Wait until ``frontend`` has built the model and added every worker's instance; instance id ->
+    worker."""
+    frontend.wait_event("model_added", timeout=timeout)
+    by_id = {}
+    for proc in workers:
+        key = instance_id(proc)
+        frontend.wait_event("instance_added", timeout=timeout, instance_id=key)
+        by_id[key] = proc
+    return by_id
+
+
+@dataclass
+class Streamed:
+    """What a chat completions stream delivered: its content, in how many chunks, its error event, [DONE]."""
+
+    text: str = ""
+    chunks: int = 0
+    error: dict[str, Any] | None = None
+    done: bool = False
+
+
+def stream_chat(
+    http: httpx.Client, url: str, body: dict[str, Any], on_chunk: Callable[[int], None] = lambda _: None
+) -> Streamed:
+    """One chat completions stream of ``body`` read to ``[DONE]``; ``on_chunk(n)`` runs after the n-th
+    non-empty content chunk."""
+    result = Streamed()
+    with http.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result.done = True
+                break
+            event = json.loads(line[6:])
+            if "error" in event:
+                result.error = event["error"]
+                continue
+            piece = event["choices"][0]["delta"].get("content") if event["choices"] else None
+            if piece:
+                result.text += piece
+                result.chunks += 1
+                on_chunk(result.chunks)
+    return result
 
 
 def _served(flags: Sequence[str]) -> str:
