@@ -7,10 +7,11 @@ own stall deadline, a raw-pyzmq worker that streams five tokens and then only an
 (``tests/support/fake_worker.py``). ``/live`` is polled every 10 ms by a process of its own
 (``benchmarks.hostile``'s poller). Per scenario: what each client got, how long it took, and the
 longest ``/live``. New frontend knobs are given as environment variables, so the same scenarios
-run against the old code (a checkout of the commit before this work, with this file and
-``tests/support/fake_worker.py`` copied in, run from that tree: the processes are started as
-``python -m dynamo_prep.cli`` from the current directory); scenarios that need a new worker flag
-(``--slots``, ``--engine-stall-timeout``, the mock's fault signals) cannot run there.
+run against the old code (a checkout of the commit before this work, with this file,
+``benchmarks/_hostile_worker.py`` and ``tests/support/fake_worker.py`` copied in, run from that
+tree: the processes are started as ``python -m dynamo_prep.cli`` from the current directory);
+scenarios that need a new worker flag (``--slots``, ``--engine-stall-timeout``, the mock's fault
+signals) cannot run there.
 
 ``--vllm`` (in the engines' venv, ``.venv-engines``) runs rows 9 and 14 as the issue measured them
 instead: two ``--engine vllm`` workers on the tiny dummy-weight model of ``tests/engines/`` (a new
@@ -37,11 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
-import zmq
 
+from benchmarks._hostile_worker import announce, live_max_ms, polled, start_frontend
 from benchmarks._plane import DEMO_MODEL, TESTS_DIR, FileProcess, free_port, reap, tcp_endpoint
-from benchmarks.hostile import PLANE_TOPIC, LogTail, Poller
+from benchmarks.hostile import LogTail
 from dynamo_prep.protocol import wire
 
 LONG_TEXT = "please keep talking for a while, so that this stream lasts long enough to be interrupted"
@@ -79,14 +79,7 @@ class Bench:
 
     def start(self, workers: list[list[str]]) -> None:
         os.environ.update(self.env)
-        frontend = FileProcess(
-            ["--log-level", "debug", "frontend", "--discovery-bind", self.plane, "--http-host", "127.0.0.1",
-             "--http-port", str(self.port), "--cache-dir", str(self.tmp / "cache")],
-            self.tmp / "frontend.log",
-        )  # fmt: skip
-        self.procs.append(frontend)
-        self.log = LogTail(frontend.log_path)
-        self.log.wait("frontend_started")
+        self.log = start_frontend(self.procs, self.tmp, self.plane, self.port, log_level="debug")
         for index, flags in enumerate(workers):
             mock = () if "--engine" in flags else ("--flavor", "sglang")
             args = ["--log-level", "info", "worker", "--model-path", DEMO_MODEL, "--discovery", self.plane,
@@ -101,22 +94,8 @@ class Bench:
 
     def announce(self, worker: FakeWorker) -> None:
         """Announce a raw-pyzmq worker (its card allows one move) until the frontend has it."""
-        context: zmq.Context[Any] = zmq.Context()
-        pub = context.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.connect(self.plane)
-        payload = {
-            "v": 1, "kind": "announce", "sent_ms": 0, "ttl_ms": 600_000, "instance_id": "hostile",
-            "seq": 1, "endpoint": worker.endpoint, "card": worker.card_fields(migration_limit=1),
-        }  # fmt: skip
         assert self.log is not None
-        deadline = time.monotonic() + 30
-        while not self.log.find("instance_added", instance_id="hostile"):
-            assert time.monotonic() < deadline, "the raw worker was never added"
-            pub.send_multipart([PLANE_TOPIC, msgspec.msgpack.encode(payload)])
-            time.sleep(0.1)  # the resend period (slow joiner); the log decides
-        pub.close(linger=0)
-        context.term()
+        announce(self.plane, self.log, worker.endpoint, worker.card_fields(migration_limit=1))
 
     def first(self) -> FileProcess:
         """The worker a fresh frontend's round robin picks first (the smallest instance id)."""
@@ -377,21 +356,12 @@ VLLM_SCENARIOS = (
 
 def measure(scenario: Scenario, tmp: Path) -> dict[str, Any]:
     bench = Bench(tmp, scenario.env, model=DEMO_MODEL if scenario.workers else VLLM_MODEL)
-    poller: Poller | None = None
     try:
         bench.start(scenario.workers or vllm_workers(tmp))
-        poller = Poller(bench.port, 10.0, tmp / "live.txt")
-        result = scenario.client(bench)
-        samples = poller.stop()
-        poller = None
-        result.update(
-            live_max_ms=round(max(latency for _, latency, _ in samples), 1),
-            frontend_lines=bench.events(*EVENTS),
-        )
+        result, samples = polled(bench.port, tmp, lambda: scenario.client(bench))
+        result.update(live_max_ms=live_max_ms(samples), frontend_lines=bench.events(*EVENTS))
         return result
     finally:
-        if poller is not None:
-            poller.stop()
         bench.stop()
         for name in scenario.env:
             os.environ.pop(name, None)

@@ -9,9 +9,9 @@ announced on its plane, and for the attacks that fail over, a real mock worker o
 frontend's peak RSS, the longest ``/live``, the bytes the frontend logged, and its log lines about
 the worker. The slow reader's model announces a 1M-token context (so its stream outlasts every
 buffer between the frontend and a client that never reads). For the old code, run it from a
-checkout of the old tree (``git archive <commit> | tar -x -C DIR``, with this file and
-``tests/support/fake_worker.py`` copied in): the frontend runs as ``python -m dynamo_prep.cli`` from
-the current directory.
+checkout of the old tree (``git archive <commit> | tar -x -C DIR``, with this file,
+``benchmarks/_hostile_worker.py`` and ``tests/support/fake_worker.py`` copied in): the frontend runs
+as ``python -m dynamo_prep.cli`` from the current directory.
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import msgspec
-import zmq
 
+from benchmarks._hostile_worker import announce, live_max_ms, polled, start_frontend
 from benchmarks._plane import DEMO_MODEL, FileProcess, free_port, reap, tcp_endpoint
-from benchmarks.hostile import PLANE_TOPIC, LogTail, Poller
+from benchmarks.hostile import LogTail
 from dynamo_prep.protocol import wire
 
 FIRST_TOKEN_TIMEOUT_S = 5.0  # DYN_FIRST_TOKEN_TIMEOUT here (the old code ignores it)
@@ -99,15 +98,8 @@ class Bench:
 
     def start(self, *, healthy: bool) -> None:
         os.environ["DYN_FIRST_TOKEN_TIMEOUT"] = str(FIRST_TOKEN_TIMEOUT_S)
-        frontend = FileProcess(
-            ["--log-level", "info", "frontend", "--discovery-bind", self.plane, "--http-host", "127.0.0.1",
-             "--http-port", str(self.port), "--cache-dir", str(self.tmp / "cache"),
-             "--request-timeout", str(self.request_timeout_s)],
-            self.tmp / "frontend.log",
-        )  # fmt: skip
-        self.procs.append(frontend)
-        self.log = LogTail(frontend.log_path)
-        self.log.wait("frontend_started")
+        timeout = ("--request-timeout", str(self.request_timeout_s))
+        self.log = start_frontend(self.procs, self.tmp, self.plane, self.port, *timeout, log_level="info")
         if healthy:
             args = ["--log-level", "info", "worker", "--model-path", DEMO_MODEL, "--discovery", self.plane,
                     "--token-delay", "0", "--migration-limit", "1"]  # fmt: skip
@@ -115,22 +107,8 @@ class Bench:
             self.log.wait("model_added", timeout=60)
 
     def announce(self, worker: FakeWorker, **card: Any) -> None:
-        context: zmq.Context[Any] = zmq.Context()
-        pub = context.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.connect(self.plane)
-        payload = {
-            "v": 1, "kind": "announce", "sent_ms": 0, "ttl_ms": 600_000, "instance_id": "hostile",
-            "seq": 1, "endpoint": worker.endpoint, "card": worker.card_fields(migration_limit=1, **card),
-        }  # fmt: skip
         assert self.log is not None
-        deadline = time.monotonic() + 30
-        while not self.log.find("instance_added", instance_id="hostile"):
-            assert time.monotonic() < deadline, "the hostile instance was never added"
-            pub.send_multipart([PLANE_TOPIC, msgspec.msgpack.encode(payload)])
-            time.sleep(0.1)  # the resend period (slow joiner); the log decides
-        pub.close(linger=0)
-        context.term()
+        announce(self.plane, self.log, worker.endpoint, worker.card_fields(migration_limit=1, **card))
         self.log.wait("model_added", timeout=60)
 
     def chat(self, *, stream: bool = False, **fields: Any) -> tuple[int, float, Any]:
@@ -217,18 +195,14 @@ ATTACKS = (
 def measure(attack: Attack, tmp: Path) -> dict[str, Any]:
     bench = Bench(tmp, attack.request_timeout_s)
     worker = FakeWorker(DEMO_MODEL, attack.behaviour)
-    poller: Poller | None = None
     try:
         bench.start(healthy=attack.healthy)
         bench.announce(worker, **attack.card)
-        poller = Poller(bench.port, 10.0, tmp / "live.txt")
-        result = attack.client(bench)
-        samples = poller.stop()
-        poller = None
+        result, samples = polled(bench.port, tmp, lambda: attack.client(bench))
         assert bench.log is not None
         events = bench.log.refresh()
         result.update(
-            live_max_ms=round(max(latency for _, latency, _ in samples), 1),
+            live_max_ms=live_max_ms(samples),
             live_failed=sum(1 for _, _, status in samples if status != 200),
             rss_peak_mb=round(bench.rss_mb()[1]),
             log_mb=round((tmp / "frontend.log").stat().st_size / 2**20, 2),
@@ -239,8 +213,6 @@ def measure(attack: Attack, tmp: Path) -> dict[str, Any]:
         )
         return result
     finally:
-        if poller is not None:
-            poller.stop()
         bench.stop()
         worker.close()
 
