@@ -173,6 +173,31 @@ class ToolHalf(Half):
         self._calls += 1
 
 
+class BetweenCalls:
+    """Content after a tool call: whitespace alone there (the newlines between calls) is held, and
+    released with the text that follows it; a tag or the answer's end drops it."""
+
+    __slots__ = ("_held", "after_call")
+
+    def __init__(self) -> None:
+        self.after_call = False  # a call just ended: whitespace alone is not content
+        self._held = bytearray()  # that whitespace (UTF-8), released if text follows
+
+    def content(self, text: str, out: DeltaList) -> None:
+        if self.after_call:
+            if not text.strip():
+                self._held += text.encode()
+                return
+            self.after_call = False
+            if self._held:
+                text = self._held.decode() + text
+                self._held.clear()
+        out.content(text)
+
+    def drop_held(self) -> None:
+        self._held.clear()
+
+
 class NoTools(ToolHalf):
     """No tool-call format: everything is content."""
 

@@ -16,7 +16,7 @@ from typing import Final
 
 from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import DeltaList
-from dynamo_prep.parsing._halves import ParseOptions, ToolHalf
+from dynamo_prep.parsing._halves import BetweenCalls, ParseOptions, ToolHalf
 from dynamo_prep.parsing._recoveries import Recoveries
 from dynamo_prep.parsing._schema_types import typed_arguments
 
@@ -62,8 +62,7 @@ class Glm45Tools(ToolHalf):
     def __init__(self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries) -> None:
         super().__init__(options, text_markers, recoveries)
         self._block: _Call | None = None
-        self._after_call = False  # a call just ended: whitespace alone is not content
-        self._held = bytearray()  # that whitespace (UTF-8), released if text follows
+        self._between = BetweenCalls()
         self._garbage = False  # this stretch of stray text inside the call is counted
 
     def _looking_for(self) -> tuple[str, ...]:
@@ -72,32 +71,21 @@ class Glm45Tools(ToolHalf):
     def _on_text(self, text: str, out: DeltaList) -> None:
         block = self._block
         if block is None:
-            self._content(text, out)
+            self._between.content(text, out)
             return
         block.raw += text.encode()
         if block.state in (_PAIRS, _BEFORE_VALUE) and text.strip() and not self._garbage:
             self._garbage = True  # text between pairs: not part of the call
             self._recoveries.add(kinds.GARBAGE)
 
-    def _content(self, text: str, out: DeltaList) -> None:
-        if self._after_call:
-            if not text.strip():
-                self._held += text.encode()
-                return
-            self._after_call = False
-            if self._held:
-                text = self._held.decode() + text
-                self._held.clear()
-        out.content(text)
-
     def _on_marker(self, marker: str, out: DeltaList) -> None:
-        self._held.clear()  # whitespace after a call, then a tag: dropped
+        self._between.drop_held()  # whitespace after a call, then a tag: dropped
         self._garbage = False
         block = self._block
         if marker == CALL_OPEN:
             if block is not None:
                 self._end_call(out, closed=False)
-            self._block, self._after_call = _Call(), False
+            self._block, self._between.after_call = _Call(), False
         elif block is None:
             self._recoveries.add(kinds.UNKNOWN_TAG)
         elif marker == CALL_CLOSE:
@@ -135,7 +123,7 @@ class Glm45Tools(ToolHalf):
         block.state = _PAIRS
 
     def _on_end(self, cut: bool, out: DeltaList) -> None:
-        self._held.clear()
+        self._between.drop_held()
         if self._block is not None:
             if cut:  # a call cut by max_tokens is never half sent
                 self._block = None
@@ -145,7 +133,7 @@ class Glm45Tools(ToolHalf):
     def _end_call(self, out: DeltaList, *, closed: bool) -> None:
         """The call, its values typed by the schema; a block without a name is content, as written."""
         block, self._block = self._block, None
-        self._after_call = True
+        self._between.after_call = True
         if block is None:
             return
         if block.state == _VALUE:

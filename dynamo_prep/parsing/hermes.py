@@ -14,7 +14,7 @@ from dynamo_prep.parsing import _recoveries as kinds
 from dynamo_prep.parsing._answer import CallIds, DeltaList, new_call_id
 from dynamo_prep.parsing._calls import json_call
 from dynamo_prep.parsing._compose import ComposedAnswerParser
-from dynamo_prep.parsing._halves import ParseOptions, ToolHalf
+from dynamo_prep.parsing._halves import BetweenCalls, ParseOptions, ToolHalf
 from dynamo_prep.parsing._recoveries import Recoveries
 from dynamo_prep.parsing._tokens import Vocab
 from dynamo_prep.parsing.think import THINK_CLOSE, THINK_OPEN, ThinkTagReasoning, prompt_ends_in_think
@@ -44,8 +44,7 @@ class HermesTools(ToolHalf):
     def __init__(self, options: ParseOptions, text_markers: frozenset[str], recoveries: Recoveries) -> None:
         super().__init__(options, text_markers, recoveries)
         self._body: list[str] | None = None  # inside a call: its body so far
-        self._after_call = False  # a call just ended: whitespace alone is not content
-        self._held = bytearray()  # that whitespace (UTF-8), released if text follows
+        self._between = BetweenCalls()
 
     def _looking_for(self) -> tuple[str, ...]:
         return self.MARKERS[1:] if self._body is not None else self.OPENERS
@@ -53,30 +52,22 @@ class HermesTools(ToolHalf):
     def _on_text(self, text: str, out: DeltaList) -> None:
         if self._body is not None:
             self._body.append(text)
-            return
-        if self._after_call:
-            if not text.strip():
-                self._held += text.encode()
-                return
-            self._after_call = False
-            if self._held:
-                text = self._held.decode() + text
-                self._held.clear()
-        out.content(text)
+        else:
+            self._between.content(text, out)
 
     def _on_marker(self, marker: str, out: DeltaList) -> None:
-        self._held.clear()  # whitespace after a call, then a tag: dropped
+        self._between.drop_held()  # whitespace after a call, then a tag: dropped
         if marker == CALL_OPEN:
             if self._body is not None:
                 self._end_call(out, closed=False)
-            self._body, self._after_call = [], False
+            self._body, self._between.after_call = [], False
         elif marker == CALL_CLOSE and self._body is not None:
             self._end_call(out, closed=True)
         else:
             self._recoveries.add(kinds.UNKNOWN_TAG)
 
     def _on_end(self, cut: bool, out: DeltaList) -> None:
-        self._held.clear()
+        self._between.drop_held()
         if self._body is not None:
             if cut:  # a call cut by max_tokens is never half sent
                 self._body = None
@@ -85,7 +76,7 @@ class HermesTools(ToolHalf):
 
     def _end_call(self, out: DeltaList, *, closed: bool) -> None:
         body, self._body = "".join(self._body or ()), None
-        self._after_call = True
+        self._between.after_call = True
         parsed = parse_call(body)
         if parsed is None:
             self._recoveries.add(kinds.INVALID_TOOL_CALL)
