@@ -156,6 +156,26 @@ def test_logprobs_of_every_generated_token(cluster: str) -> None:
     assert streamed == logprobs.tokens
 
 
+def test_a_batch_with_logprobs_is_one_exact_json_answer(cluster: str) -> None:
+    """The answer is written in pieces (each choice's logprobs apart from the rest): its length
+    header is exact, its NULs in text stay text, and each choice equals its stream."""
+    said = "<|im_start|>user\nsay \x00 and \x00\x00<|im_end|>\n<|im_start|>assistant\n"
+    body = {"model": QWEN, "prompt": [said, CHATML], "n": 2, "max_tokens": 60, "logprobs": 2}
+    answer = httpx.post(f"{cluster}/v1/completions", json=body, trust_env=False, timeout=30)
+    assert answer.status_code == 200 and int(answer.headers["content-length"]) == len(answer.content)
+    choices = answer.json()["choices"]
+    assert [choice["index"] for choice in choices] == [0, 1, 2, 3] and "\x00" in choices[0]["text"]
+    streamed = client(cluster).completions.create(**body, stream=True)  # type: ignore[call-overload]
+    texts: dict[int, str] = {}
+    tokens: dict[int, list[str]] = {}
+    for chunk in streamed:
+        for part in chunk.choices:
+            texts[part.index] = texts.get(part.index, "") + part.text
+            tokens.setdefault(part.index, []).extend(part.logprobs.tokens if part.logprobs else [])
+    assert texts == {choice["index"]: choice["text"] for choice in choices}
+    assert tokens == {choice["index"]: choice["logprobs"]["tokens"] for choice in choices}
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -14,7 +14,7 @@ import msgspec
 
 from dynamo_prep.frontend.answers import AnswerStream
 from dynamo_prep.frontend.choices import Choice, all_or_none, merged_sse, summed_usage
-from dynamo_prep.frontend.logprobs import LegacyLogprobs
+from dynamo_prep.frontend.logprobs import SLOT, LegacyLogprobs, slotted
 from dynamo_prep.frontend.openai_stream import answer_deltas
 from dynamo_prep.frontend.request_record import RequestRecord
 from dynamo_prep.parsing import ContentDelta, plain_parser_for
@@ -167,9 +167,9 @@ class TextChoices:
         usage = self.usage_event if include_usage else None
         return merged_sse([self.events(choice) for choice in self.choices], usage)
 
-    async def answer(self) -> bytes:
-        """The non-streamed answer (every choice collected together)."""
-        collected: list[CompletionChoice] = []
+    async def answer(self) -> list[bytes]:
+        """The non-streamed answer (every choice collected together), in the pieces it is written in."""
+        collected: list[tuple[CompletionChoice, bytes | None]] = []
 
         async def one(choice: Choice) -> None:
             collected.append(await self.collect(choice))
@@ -181,28 +181,32 @@ class TextChoices:
         top = self.asked.logprobs
         return None if top is None else LegacyLogprobs(self.tokenizer, top)
 
-    async def collect(self, choice: Choice) -> CompletionChoice:
-        """One choice's whole answer (its logprobs kept as JSON, step by step)."""
+    async def collect(self, choice: Choice) -> tuple[CompletionChoice, bytes | None]:
+        """One choice's whole answer, its ``logprobs`` a ``SLOT`` for their JSON (kept step by step,
+        beside it)."""
         logprobs = self._logprobs()
         texts = [self.echoes[choice.prompt_index]]
         async for text, output in self._steps(choice, self.record):
             texts.append(text)
             if logprobs is not None:
                 logprobs.keep(logprobs.render(output.token_ids, output.logprobs))
-        return CompletionChoice(
+        kept = logprobs.kept() if logprobs is not None else None
+        shaped = CompletionChoice(
             index=choice.completion.index,
             text="".join(texts),
-            logprobs=logprobs.kept() if logprobs is not None else None,
+            logprobs=None if kept is None else SLOT,
             finish_reason=choice.completion.finish_reason,
         )
+        return shaped, kept
 
-    def response(self, collected: list[CompletionChoice]) -> bytes:
-        collected.sort(key=lambda choice: choice.index)
+    def response(self, collected: list[tuple[CompletionChoice, bytes | None]]) -> list[bytes]:
+        collected.sort(key=lambda pair: pair[0].index)
         usage = summed_usage(self.choices, self.record)
+        shaped = [choice for choice, _ in collected]
         answer = CompletionResponse(
-            id=self.id, created=self.created, model=self.model, choices=collected, usage=usage
+            id=self.id, created=self.created, model=self.model, choices=shaped, usage=usage
         )
-        return _encoder.encode(answer)
+        return slotted(_encoder.encode(answer), [kept for _, kept in collected if kept is not None])
 
     async def events(self, choice: Choice) -> AsyncGenerator[bytes, None]:
         """One choice's SSE events: the echo first, a chunk per step with text (or logprobs), the finish."""

@@ -95,6 +95,10 @@ _timeouts = RateLimiter(interval_s=10.0)
 _refusals = RateLimiter(interval_s=1.0)
 
 
+# Writes of one loop step up to this size are joined into one send; larger ones go as they are.
+CORK_JOIN_BYTES = 64 << 10
+
+
 class _CorkedTransport:
     """A connection's transport whose writes of one event-loop step leave in one ``send``: a
     response's headers and body (or the last SSE events and the chunked terminator) become one
@@ -115,10 +119,15 @@ class _CorkedTransport:
         self._transport.close()
 
     def _flush(self) -> None:
-        if self._pending:
-            data = b"".join(self._pending)
-            self._pending.clear()
-            if not self._transport.is_closing():
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        if self._transport.is_closing():
+            return
+        if sum(map(len, pending)) <= CORK_JOIN_BYTES:
+            self._transport.write(b"".join(pending))
+        else:  # a large body's pieces, as they are: joining them is a copy of the whole
+            for data in pending:
                 self._transport.write(data)
 
     def __getattr__(self, name: str) -> Any:

@@ -35,6 +35,7 @@ from dynamo_prep.tokenizer import Tokenizer
 
 __all__ = [
     "PACE_ENTRIES",
+    "SLOT",
     "ContentLogprobs",
     "JsonPieces",
     "LegacyLogprobs",
@@ -43,6 +44,7 @@ __all__ = [
     "content_logprobs_for",
     "paced",
     "pacer_for",
+    "slotted",
 ]
 
 # The logprob of an impossible token (-inf, or a value JSON cannot carry), as vLLM writes it.
@@ -51,6 +53,9 @@ FLOOR_LOGPROB = -9999.0
 # one, and with logprobs three more plus one per alternative: ``entries_per_token``). About 5 ms.
 PACE_ENTRIES = 4096
 _encoder = msgspec.json.Encoder()
+# Where a kept JSON goes in an encoded answer: msgspec writes no NUL byte of its own (a string's is
+# escaped), so each NUL of the answer is one of these.
+SLOT = msgspec.Raw(b"\x00")
 
 
 class Pacer:
@@ -134,6 +139,18 @@ class JsonPieces:
 
     def raw(self) -> bytes:
         return b"[" + b",".join(self._pieces) + b"]"
+
+
+def slotted(body: bytes, fillings: Sequence[bytes]) -> list[bytes]:
+    """An answer encoded with ``SLOT`` for each of ``fillings`` (in order), as the pieces it is
+    written in: never joined into one copy (a 30 MB answer was two copies, 70 ms of the loop)."""
+    parts = body.split(b"\x00")
+    if len(parts) != len(fillings) + 1:
+        raise ValueError(f"{len(parts) - 1} slots for {len(fillings)} fillings")
+    pieces = [parts[0]]
+    for filling, part in zip(fillings, parts[1:], strict=True):
+        pieces += (filling, part)
+    return pieces
 
 
 class LoggedContent(ContentDelta, frozen=True):
@@ -268,10 +285,10 @@ class LegacyLogprobs:
         for name, pieces in self._kept.items():
             pieces.add(getattr(rendered, name))
 
-    def kept(self) -> msgspec.Raw:
+    def kept(self) -> bytes:
         """Every kept step's logprobs joined: the choice's ``logprobs`` object, encoded."""
         fields = [b'"' + name.encode() + b'":' + pieces.raw() for name, pieces in self._kept.items()]
-        return msgspec.Raw(b"{" + b",".join(fields) + b"}")
+        return b"{" + b",".join(fields) + b"}"
 
     def render(self, token_ids: Sequence[int], records: Sequence[TokenLogprob] | None) -> CompletionLogprobs:
         """One entry per id; without a record (the worker sent none) its logprobs are null."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -32,6 +32,7 @@ __all__ = [
     "THREAD_ABOVE_BYTES",
     "Api",
     "EventStream",
+    "PiecedResponse",
     "Surface",
     "SurfaceRoute",
     "drain",
@@ -169,6 +170,27 @@ async def unless_disconnected(receive: Receive, work: Awaitable[_T]) -> _T:
         log.info("client_disconnected")
         raise OpenAIError(CLIENT_GONE, "client disconnected")
     return task.result()
+
+
+class PiecedResponse(Response):
+    """A response whose body is written piece by piece (its length announced first): a large
+    answer is never joined into one copy."""
+
+    def __init__(self, pieces: Sequence[bytes], media_type: str) -> None:
+        self.pieces = pieces
+        super().__init__(media_type=media_type)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        for piece in self.pieces:
+            await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def init_headers(self, headers: Mapping[str, str] | None = None) -> None:
+        super().init_headers(headers)
+        length = str(sum(len(piece) for piece in self.pieces)).encode()
+        kept = [(name, value) for name, value in self.raw_headers if name != b"content-length"]
+        self.raw_headers = [(b"content-length", length), *kept]
 
 
 class EventStream(Response):

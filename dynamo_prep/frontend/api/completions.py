@@ -11,6 +11,7 @@ from dynamo_prep.frontend.api.common import (
     JSON,
     Api,
     EventStream,
+    PiecedResponse,
     SurfaceRoute,
     off_loop,
     read_body,
@@ -62,4 +63,4 @@ async def _completions(api: Api, request: Request) -> Response:
     if asked.stream:
         return EventStream(shaped.sse())
     answer = await unless_disconnected(request.receive, shaped.answer())
-    return Response(answer, media_type=JSON)
+    return PiecedResponse(answer, JSON)
