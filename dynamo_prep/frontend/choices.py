@@ -156,6 +156,11 @@ async def merged_sse(
 
 async def _merged(streams: list[AsyncGenerator[bytes, None]]) -> AsyncGenerator[bytes, None]:
     """Items of every stream as they come (each stream's order kept; at most one waiting per stream)."""
+    if len(streams) == 1:  # one choice, the common case: no task and queue between it and the client
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
+        return
     queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(maxsize=len(streams))
 
     async def pump(stream: AsyncGenerator[bytes, None]) -> None:
