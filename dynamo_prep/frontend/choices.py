@@ -158,8 +158,8 @@ async def _merged(streams: list[AsyncGenerator[bytes, None]]) -> AsyncGenerator[
     """Items of every stream as they come (each stream's order kept; at most one waiting per stream)."""
     if len(streams) == 1:  # one choice, the common case: no task and queue between it and the client
         async with contextlib.aclosing(streams[0]) as only:
-            async for item in only:
-                yield item
+            async for event in only:
+                yield event
         return
     queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(maxsize=len(streams))
 

@@ -88,7 +88,19 @@ def build_engine(argv: Sequence[str]) -> Any:
     args = AsyncEngineArgs.from_cli_args(parser.parse_args(list(argv)))
     context = UsageContext.OPENAI_API_SERVER
     config = args.create_engine_config(usage_context=context)
-    return AsyncLLM.from_vllm_config(vllm_config=config, usage_context=context)
+    engine = AsyncLLM.from_vllm_config(vllm_config=config, usage_context=context)
+    _cache_envs()
+    return engine
+
+
+def _cache_envs() -> None:
+    """vLLM's environment variables read once from now on, as its engine core does after its start:
+    its output path reads one per request output (``IterationStats``), a ``getenv`` each time."""
+    from vllm import envs  # noqa: PLC0415
+
+    enable = getattr(envs, "enable_envs_cache", None)
+    if callable(enable):
+        enable()
 
 
 class VllmRuntime:
