@@ -5,15 +5,24 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
 from dynamo_prep.engines.mock.kv_cache import PagedPrefixCache
 from dynamo_prep.protocol.kv_events import ImageSpan
+from dynamo_prep.routing import policy
 from dynamo_prep.routing.index import KvIndex
-from dynamo_prep.routing.policy import Decision, KvRouter, LoadTracker, choose, count_blocks
+from dynamo_prep.routing.policy import Decision, KvRouter, LoadTracker, count_blocks
+from dynamo_prep.routing.settings import DEFAULT_KV_OVERLAP_SCORE_WEIGHT
 
 WORKERS = ["w0", "w1", "w2"]
+
+
+def choose(*args: Any, **kwargs: Any) -> Decision:
+    """``policy.choose`` at Dynamo's weight (1: a block to prefill weighs a held one) unless told:
+    the figures below are worked out at it; the default's own test is the last of this file."""
+    return policy.choose(*args, **{"overlap_score_weight": 1.0, **kwargs})
 
 
 def test_the_instance_holding_the_prefix_wins() -> None:
@@ -252,3 +261,15 @@ def test_what_a_request_shares_with_an_instances_running_requests_is_not_load_it
     assert tracker.shared("w0", prompt) == (24, 0) and tracker.shared("w0", prompt[:5]) == (5, 0)
     tracker.dispatch("short", "w0", 3, [0, 1, 77], prefill_blocks=1)  # only 77 is its own to prefill
     assert tracker.shared("w0", prompt) == (24, 0) and tracker.shared("w0", [0, 1, 77]) == (3, 1)
+
+
+def test_by_default_a_prefix_stays_where_it_is_cached_when_that_instance_runs_three_prompts_more() -> None:
+    """The default weight (2): two engines, 50-block prompts of which 47 blocks are a cached prefix
+    on w0, which runs three more prompts' worth of blocks than w1 (150): at Dynamo's weight 1 the
+    request leaves for w1 and computes the prefix again there (150 > 3 + 141), at 2 it stays."""
+    assert DEFAULT_KV_OVERLAP_SCORE_WEIGHT == 2.0
+    arguments = (["w0", "w1"], {"w0": 47}, 50, {"w0": 150}, {"w0": 47})
+    assert choose(*arguments).instance_id == "w1"  # weight 1
+    assert policy.choose(*arguments).instance_id == "w0"
+    # a heavier imbalance still spreads: w0 runs six prompts more
+    assert policy.choose(["w0", "w1"], {"w0": 47}, 50, {"w0": 300}, {"w0": 47}).instance_id == "w1"

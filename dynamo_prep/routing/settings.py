@@ -23,8 +23,10 @@ __all__ = [
 RouterMode = Literal["round-robin", "kv"]  # each one a line of ``routing.modes.ROUTERS``
 ROUTER_MODES: tuple[RouterMode, ...] = get_args(RouterMode)
 DEFAULT_ROUTER_MODE: RouterMode = "round-robin"
-# Dynamo's defaults: the cost counts blocks to prefill once; temperature 0 picks the cheapest.
-DEFAULT_KV_OVERLAP_SCORE_WEIGHT: Final = 1.0
+# Blocks to prefill weigh twice the blocks running requests hold (Dynamo's default: once); with
+# once, a prefix left its instance for a less busy one's (docs/operations.md, "KV routing").
+# Temperature 0 (Dynamo's) picks the cheapest.
+DEFAULT_KV_OVERLAP_SCORE_WEIGHT: Final = 2.0
 DEFAULT_ROUTER_TEMPERATURE: Final = 0.0
 DEFAULT_KV_PREDICT_TTL_S: Final = DEFAULT_PREDICT_TTL_S
 
