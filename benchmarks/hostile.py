@@ -1064,16 +1064,16 @@ def measure(suite: Suite, attack: Attack, stack: Stack, args: argparse.Namespace
     return outcome.ok
 
 
+PY_SPY = Path(sys.executable).with_name("py-spy")
+
+
 class Profile:
     """``py-spy record`` of the frontend for one attack (``--profile DIR``), stopped with SIGINT."""
 
     def __init__(self, pid: int, raw: Path) -> None:
-        spy = Path(sys.executable).with_name("py-spy")
-        if not spy.exists():
-            raise SystemExit("--profile needs py-spy in the venv (pip install py-spy)")
         raw.parent.mkdir(parents=True, exist_ok=True)
         self.raw = raw
-        command = [str(spy), "record", "-p", str(pid), "-r", "250", "-f", "raw", "-o", str(raw)]
+        command = [str(PY_SPY), "record", "-p", str(pid), "-r", "250", "-f", "raw", "-o", str(raw)]
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self, title: str) -> None:
@@ -1132,6 +1132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "poll":
         return poll_live(args.port, args.interval_ms, args.out)
+    if args.profile is not None and not PY_SPY.exists():  # before any process starts
+        parser.error("--profile needs py-spy in the venv (pip install py-spy)")
     return run(args)
 
 
