@@ -45,12 +45,19 @@ DEFAULT_TIMEOUT_S = 30.0  # a deadline, not a wait: generous, for 2 slow cores s
 POLL_INTERVAL_S = 0.01
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+    """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it), never one handed out
+    before in this process: the OS may give the same port to two probes in a row."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port: int = probe.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def tcp_endpoint(port: int | None = None) -> str:
