@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -258,13 +259,15 @@ async def test_cancellation_stops_the_generator_promptly() -> None:
             received.append(output)
 
     task = asyncio.create_task(consume())
-    await asyncio.sleep(0.12)
+    deadline = time.monotonic() + 30
+    while not received:  # the first token is out: the generator is running
+        assert time.monotonic() < deadline, "no token from the mock engine"
+        await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
-        await asyncio.wait_for(task, timeout=1)
+        await asyncio.wait_for(task, timeout=30)
     count = len(received)
-    assert 1 <= count < 10
-    await asyncio.sleep(0.12)
+    await asyncio.sleep(0.12)  # an observation window of two token delays
     assert len(received) == count
 
 
