@@ -84,9 +84,9 @@ def ask(url: str, frontend: DynamoProcess, messages: list[dict[str, Any]], reque
     return frontend.wait_event("request_finished", request_id=request_id)
 
 
-def settled(url: str, what: str) -> None:
+def settled(url: str, what: str, at_least: float = 1) -> float:
     """Wait until the frontend's index applied what the workers stored so far: its applied-blocks
-    counter is above zero and stopped moving."""
+    counter is at least ``at_least`` and stopped moving. Returns the counter."""
     with httpx.Client(trust_env=False, timeout=30) as http:
 
         def applied() -> float:
@@ -97,10 +97,11 @@ def settled(url: str, what: str) -> None:
 
         last = -1.0
         deadline = time.monotonic() + 20
-        while (now := applied()) != last or now == 0:
-            assert time.monotonic() < deadline, f"no KV events reached the frontend ({what})"
+        while (now := applied()) != last or now < at_least:
+            assert time.monotonic() < deadline, f"KV events missing at the frontend ({what}: {now})"
             last = now
             time.sleep(0.2)  # a quiet period: the publisher sends a batch per step
+        return now
 
 
 def conversation(question: str, *image: dict[str, Any]) -> list[dict[str, Any]]:
@@ -153,10 +154,11 @@ def test_two_frontends_build_the_same_index_and_agree(fleet: Fleet) -> None:
     fleet.worker("sglang")
     fleet.worker("vllm")
     prompts = [conversation(f"Shelf {index}, please.", *([CAT] if index % 2 else [])) for index in range(4)]
+    applied = 0.0
     for index, messages in enumerate(prompts):  # warm both caches through frontend A only
         ask(url_a, front_a, messages, f"warm-{index}")
-        settled(url_a, f"warm-{index}")
-    settled(url_b, "b")
+        applied = settled(url_a, f"warm-{index}")
+    settled(url_b, "b", at_least=applied)  # B applied every block A did
     for index, messages in enumerate(prompts):
         on_a = ask(url_a, front_a, messages, f"agree-a-{index}")
         on_b = ask(url_b, front_b, messages, f"agree-b-{index}")
