@@ -102,7 +102,7 @@ def test_a_hung_engine_mid_stream_moves_and_completes(pool: Pool, http: httpx.Cl
     assert streamed.done and streamed.error is None, streamed.error
     assert streamed.text == expected
     [hung] = held
-    hung.wait_event("mock_engine_held", timeout=5)
+    hung.wait_event("mock_engine_held", timeout=30)
     assert hung.wait_event("engine_stalled", timeout=30)["in_flight"] == 1
     assert hung.wait(timeout=30) == 1
     order = [event["event"] for event in hung.snapshot()]
@@ -133,7 +133,7 @@ def test_a_stream_whose_tokens_stop_moves_at_the_frontend_s_stall_deadline(
     assert streamed.done and streamed.error is None, streamed.error
     assert streamed.text == expected
     assert frontend.wait_event("worker_stream_stalled", timeout=10)["reason"] == "stalled_stream"
-    held[0].wait_event("mock_engine_held", timeout=5)
+    held[0].wait_event("mock_engine_held", timeout=30)
     assert held[0].process.poll() is None  # a worker without a watchdog lives on, held
     assert not frontend.find("instance_removed")
 

@@ -67,7 +67,7 @@ def start(card: ModelDeploymentCard, context: zmq.asyncio.Context, *addresses: s
 async def wait(
     collector: SubCollector, predicate: Callable[[DiscoveryMessage], bool] = lambda m: True, count: int = 1
 ) -> list[DiscoveryMessage]:
-    return await asyncio.to_thread(collector.wait_messages, predicate, count, 5.0)
+    return await asyncio.to_thread(collector.wait_messages, predicate, count)
 
 
 def is_announce(message: DiscoveryMessage) -> bool:
