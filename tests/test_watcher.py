@@ -460,7 +460,8 @@ async def test_a_served_model_keeps_one_to_three_objects_the_gc_walks(
     names = [f"model-{index}" for index in range(200)]
     await serve(names)
     per_model = (len(gc.get_objects()) - before) / len(names)
-    assert per_model <= kept + 0.25, per_model
+    # One object more a model would be kept + 1; the rest is the loop's own (more of it on a busy machine).
+    assert per_model <= kept + 0.5, per_model
     served = [watcher.catalog.get(name) for name in names]
     assert len({id(model.preprocessor.tokenizer) for model in served if model is not None}) == 1
 
