@@ -28,11 +28,10 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import httpx
 
 from benchmarks._hostile_worker import announce, live_max_ms, polled, start_frontend
 from benchmarks._plane import DEMO_MODEL, TESTS_DIR, FileProcess, free_port, reap, tcp_endpoint
+from benchmarks._rows import named, run_rows
 from benchmarks.hostile import LogTail
 from dynamo_prep.protocol import wire
 
@@ -367,12 +367,6 @@ def measure(scenario: Scenario, tmp: Path) -> dict[str, Any]:
             os.environ.pop(name, None)
 
 
-def iterate(only: list[str], scenarios: tuple[Scenario, ...]) -> Iterator[Scenario]:
-    for scenario in scenarios:
-        if not only or any(name in scenario.name for name in only):
-            yield scenario
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hostile_engines", description=__doc__)
     parser.add_argument("--only", nargs="*", default=[], help="scenarios whose name contains one of these")
@@ -381,13 +375,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.vllm:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    for scenario in iterate(args.only, VLLM_SCENARIOS if args.vllm else SCENARIOS):
-        if args.old and scenario.new_only:
-            continue
-        with tempfile.TemporaryDirectory(prefix=f"hostile-{scenario.name}-") as tmp:
-            result = measure(scenario, Path(tmp))
-        print(json.dumps({"scenario": scenario.name, "row": scenario.row, **result}), flush=True)
-    return 0
+    chosen = named(args.only, VLLM_SCENARIOS if args.vllm else SCENARIOS)
+    return run_rows((s for s in chosen if not (args.old and s.new_only)), measure, "scenario")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,8 @@ import argparse
 import json
 import os
 import socket
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ import httpx
 
 from benchmarks._hostile_worker import announce, live_max_ms, polled, start_frontend
 from benchmarks._plane import DEMO_MODEL, FileProcess, free_port, reap, tcp_endpoint
+from benchmarks._rows import named, run_rows
 from benchmarks.hostile import LogTail
 from dynamo_prep.protocol import wire
 
@@ -217,21 +217,11 @@ def measure(attack: Attack, tmp: Path) -> dict[str, Any]:
         worker.close()
 
 
-def iterate(only: list[str]) -> Iterator[Attack]:
-    for attack in ATTACKS:
-        if not only or any(name in attack.name for name in only):
-            yield attack
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hostile_replies", description=__doc__)
     parser.add_argument("--only", nargs="*", default=[], help="attacks whose name contains one of these")
     args = parser.parse_args()
-    for attack in iterate(args.only):
-        with tempfile.TemporaryDirectory(prefix=f"hostile-{attack.name}-") as tmp:
-            result = measure(attack, Path(tmp))
-        print(json.dumps({"attack": attack.name, "row": attack.row, **result}), flush=True)
-    return 0
+    return run_rows(named(args.only, ATTACKS), measure, "attack")
 
 
 if __name__ == "__main__":

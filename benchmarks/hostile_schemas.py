@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from typing import Any
 import httpx
 
 from benchmarks._plane import DEMO_MODEL, FileProcess, free_port, reap, tcp_endpoint
+from benchmarks._rows import named, run_rows
 from benchmarks.hostile import LogTail, Poller
 
 AFTER_S = 10.0  # CPU is measured this long after an attack's clients are gone
@@ -219,13 +219,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.hostile_schemas", description=__doc__)
     parser.add_argument("--only", nargs="*", default=[], help="attacks whose name contains one of these")
     args = parser.parse_args()
-    for attack in ATTACKS:
-        if args.only and not any(name in attack.name for name in args.only):
-            continue
-        with tempfile.TemporaryDirectory(prefix=f"hostile-{attack.name}-") as tmp:
-            result = measure(attack, Path(tmp))
-        print(json.dumps({"attack": attack.name, "row": attack.row, **result}), flush=True)
-    return 0
+    return run_rows(named(args.only, ATTACKS), measure, "attack")
 
 
 if __name__ == "__main__":
