@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -81,9 +80,8 @@ def test_workers_before_and_after_a_late_frontend_converge_at_once(
 ) -> None:
     early = worker("--heartbeat", "30")  # only a re-announce on subscription can reach the frontend
     fe = frontend()
-    joined = time.monotonic()
+    # Within 20 s, below the 30 s heartbeat: the re-announce on subscription brought it.
     added = fe.wait_event("model_added", timeout=20)
-    assert time.monotonic() - joined < 20  # below the 30 s heartbeat: the re-announce brought it
     assert added["model"] == DEMO
     assert added["instance_id"] == instance_id(early)
     declared = early.wait_event("worker_started")["declared_token"]  # depends on --flavor
@@ -107,17 +105,14 @@ def test_kill_expires_within_ttl_and_sigterm_withdraws_at_once(
     for proc in (doomed, polite):
         fe.wait_event("instance_added", instance_id=instance_id(proc))
 
-    killed_at = time.monotonic()
     doomed.kill()
     removed = fe.wait_event("instance_removed", timeout=20, instance_id=instance_id(doomed))
     assert removed["reason"] == "expired"  # its 1 s TTL (the polite one's is 60 s)
-    assert time.monotonic() - killed_at < 20
 
-    stopped_at = time.monotonic()
     polite.signal(signal.SIGTERM)
+    # Within 20 s, not its 60 s TTL.
     removed = fe.wait_event("instance_removed", timeout=20, instance_id=instance_id(polite))
     assert removed["reason"] == "withdraw"
-    assert time.monotonic() - stopped_at < 30  # not its 60 s TTL
     assert polite.wait(5) == 0
     fe.wait_event("model_removed", model=DEMO)
 

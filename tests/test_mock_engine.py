@@ -5,13 +5,13 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import structlog
+from support.logs import until
 
 from dynamo_prep.card import ModelDeploymentCard, ModelRuntimeConfig
 from dynamo_prep.engines.base import EngineContractError
@@ -259,10 +259,7 @@ async def test_cancellation_stops_the_generator_promptly() -> None:
             received.append(output)
 
     task = asyncio.create_task(consume())
-    deadline = time.monotonic() + 30
-    while not received:  # the first token is out: the generator is running
-        assert time.monotonic() < deadline, "no token from the mock engine"
-        await asyncio.sleep(0.01)
+    await until(lambda: received, "a token from the mock engine")  # the generator is running
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=30)
